@@ -1,0 +1,215 @@
+"""The `nq` command: pack, info, generate (and bench/verify once the GPU engine is present).
+
+Flags follow llama.cpp where a user would look for them (`-m -p -f -n -c --temp --top-k
+--top-p --min-p --repeat-penalty --seed`).  Generated text goes to stdout; tokens, TTFT and
+tok/s go to stderr, so `nq generate ... > out.txt` captures only the text.  `--json` writes
+one JSON object instead, for scripts and tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_REPO = "Qwen/Qwen2.5-Coder-7B-Instruct"
+
+
+def _err(msg: str) -> int:
+    print(f"nq: error: {msg}", file=sys.stderr)
+    return 2
+
+
+# ---- model resolution -----------------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where packed models live: $NQ_CACHE, else $XDG_CACHE_HOME/nq, else ~/.cache/nq."""
+    if os.environ.get("NQ_CACHE"):
+        return Path(os.environ["NQ_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nq"
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """A `.nanoqwen` path for -m: a packed file as is; an HF snapshot folder or a repo id
+    (default: Qwen2.5-Coder-7B-Instruct) downloaded and packed once into the cache."""
+    from nq.loader.hf import pack, resolve_snapshot
+
+    model = model or DEFAULT_REPO
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path
+    if model.endswith(".nanoqwen"):
+        raise FileNotFoundError(f"{model}: no such file; pack one with `nq pack SRC {model}`")
+    snapshot = resolve_snapshot(str(path) if path.is_dir() else model, revision=revision)
+    # A snapshot folder in the HF cache is named after its commit, so a new revision packs anew.
+    key = (str(path.resolve()) if path.is_dir() else model).strip("/").replace("/", "--")
+    out = cache_dir() / f"{key}--{snapshot.name}.nanoqwen"
+    if not out.exists():
+        print(f"nq: packing {snapshot} into {out} (once)", file=sys.stderr)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pack(snapshot, out)
+    return out
+
+
+# ---- subcommands ----------------------------------------------------------------------------
+def cmd_pack(args) -> int:
+    from nq.loader.hf import pack, resolve_snapshot
+
+    snapshot = resolve_snapshot(args.src, revision=args.revision)
+    out = pack(snapshot, Path(args.out))
+    print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from nq.loader.format import NanoqwenFile
+
+    nf = NanoqwenFile(args.file)
+    print(nf.describe())
+    if args.verify:
+        nf.verify()
+        print(f"verify: every payload checksum of {args.file} matches")
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.file:
+        return Path(args.file).read_text()
+    if args.prompt is not None:
+        return args.prompt
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise ValueError("no prompt: give -p TEXT, -f FILE, or text on stdin")
+
+
+def build_prompt_ids(tok, args) -> list[int]:
+    """Prompt ids for plain text, a chat turn (--chat/--system) or a FIM request."""
+    if args.fim_prefix is not None or args.fim_suffix is not None:
+        text = tok.fim_prompt(args.fim_prefix or "", args.fim_suffix or "")
+    elif args.chat or args.system is not None:
+        messages = []
+        if args.system is not None:
+            messages.append({"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": _read_prompt(args)})
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = _read_prompt(args)
+    return tok.encode(text)
+
+
+def make_backend(name: str, nf, ctx: int):
+    if name == "numpy":
+        from nq.ref import NumpyBackend
+        return NumpyBackend.from_file(nf, max_len=ctx)
+    if name == "gpu":
+        try:
+            from nq.engine import Engine
+        except ImportError as e:
+            raise RuntimeError(f"the GPU backend is unavailable ({e}); use --backend numpy") from e
+        return Engine.from_file(nf, max_len=ctx)
+    raise ValueError(f"unknown backend {name!r}; choose gpu or numpy")
+
+
+def cmd_generate(args) -> int:
+    from nq.generate import generate
+    from nq.loader.format import NanoqwenFile
+    from nq.sample import SamplingParams
+    from nq.text import Tokenizer
+
+    path = resolve_model(args.model, args.revision)
+    nf = NanoqwenFile(path)
+    tok = Tokenizer.from_nanoqwen(nf)
+    ids = build_prompt_ids(tok, args)
+    d = tok.generation_defaults
+    params = SamplingParams(
+        temperature=args.temp if args.temp is not None else
+        (d.get("temperature", 1.0) if d.get("do_sample", False) else 0.0),
+        top_k=args.top_k if args.top_k is not None else d.get("top_k", 0) or 0,
+        top_p=args.top_p if args.top_p is not None else d.get("top_p", 1.0),
+        min_p=args.min_p if args.min_p is not None else 0.0,
+        repeat_penalty=args.repeat_penalty if args.repeat_penalty is not None
+        else d.get("repetition_penalty", 1.0),
+        seed=args.seed,
+    )
+    ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
+    if len(ids) + args.n > ctx:
+        return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
+                    "raise -c or shorten the prompt")
+    backend = make_backend(args.backend, nf, ctx)
+    stop = () if args.ignore_eos else tok.eos_ids
+
+    stream = tok.stream()
+    def show(t: int):
+        piece = stream.step(t)
+        if piece and not args.json and not (t in tok.eos_ids and not args.ignore_eos):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    out, stats = generate(backend, ids, args.n, params, stop, on_token=show)
+    if args.json:
+        text = tok.decode([t for t in out if args.ignore_eos or t not in tok.eos_ids])
+        json.dump({"prompt_ids": ids, "ids": out, "text": text, "stats": stats.as_dict()},
+                  sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write("\n")
+        print(f"nq: {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
+              f"({stats.stop_reason}); TTFT {stats.ttft_s * 1e3:.1f} ms, "
+              f"decode {stats.decode_tok_s:.2f} tok/s [{args.backend}]", file=sys.stderr)
+    return 0
+
+
+# ---- argument parsing -----------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nq", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("pack", help="quantise an HF checkpoint (folder or repo id) into a .nanoqwen")
+    s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct")
+    s.add_argument("out", help="output .nanoqwen path")
+    s.add_argument("--revision", help="branch, tag or commit of a repo id")
+    s.set_defaults(func=cmd_pack)
+
+    s = sub.add_parser("info", help="print a .nanoqwen header, config and tensor table")
+    s.add_argument("file")
+    s.add_argument("--verify", action="store_true", help="also check every payload checksum")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("generate", help="generate text")
+    s.add_argument("-m", "--model", help=f".nanoqwen file, HF folder or repo id (default {DEFAULT_REPO})")
+    s.add_argument("--revision", help="revision of a repo id given to -m")
+    s.add_argument("-p", "--prompt")
+    s.add_argument("-f", "--file", help="read the prompt from a file")
+    s.add_argument("-n", "--n-predict", dest="n", type=int, default=128, help="tokens to generate")
+    s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
+                   help="context length in tokens (default: min(model max, 4096))")
+    s.add_argument("--temp", type=float, help="temperature; 0 = greedy (default: generation_config)")
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--repeat-penalty", type=float)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--system", help="system message (implies --chat)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    s.add_argument("--fim-prefix", help="fill-in-the-middle: code before the cursor")
+    s.add_argument("--fim-suffix", help="fill-in-the-middle: code after the cursor")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu")
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        return _err(str(e))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The generation loop shared by every backend: prompt ids in, streamed text and stats out.
+
+A backend is anything with `prefill(ids) -> logits of the last position` and
+`decode(token) -> logits`, plus `reset()`; the loop owns sampling, stop ids, streaming
+detokenisation and timing, so the NumPy reference and the GPU engine are driven identically.
+A backend that samples on the device may instead offer `generate_ids(prompt_ids, n, params,
+stop_ids)` yielding ids; the loop then only streams and times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from nq.sample import Sampler, SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0          # prompt submitted → first generated token known on the host
+    decode_s: float = 0.0        # first token → last token
+    stop_reason: str = "length"  # "length" | "eos"
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["decode_tok_s"] = self.decode_tok_s
+        d["prefill_tok_s"] = self.prefill_tok_s
+        d["itl_ms"] = 1e3 / self.decode_tok_s if self.decode_tok_s else None
+        return d
+
+
+def _sampled_ids(backend, prompt_ids: list[int], n: int, sampler: Sampler,
+                 stop_ids: frozenset[int]) -> Iterator[int]:
+    """Host-side sampling over a backend's logits."""
+    history = list(prompt_ids)
+    logits = backend.prefill(np.asarray(prompt_ids, dtype=np.int64))
+    for i in range(n):
+        tok = sampler.sample(logits, history)
+        history.append(tok)
+        yield tok
+        if tok in stop_ids or i == n - 1:
+            return
+        logits = backend.decode(tok)
+
+
+def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
+             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+             ) -> tuple[list[int], GenerationStats]:
+    """Generate up to `n` tokens after `prompt_ids`; stop early on any id in `stop_ids`.
+
+    `on_token` sees every generated id as soon as the host knows it (stop ids included, so the
+    caller decides what to print).  Returns the generated ids and the timing statistics.
+    """
+    if not prompt_ids:
+        raise ValueError("empty prompt: give at least one token (-p TEXT or -f FILE)")
+    stop = frozenset(int(s) for s in stop_ids)
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    backend.reset()
+    if n <= 0:
+        return [], stats
+    if hasattr(backend, "generate_ids"):
+        source = backend.generate_ids(prompt_ids, n, params, stop)
+    else:
+        source = _sampled_ids(backend, prompt_ids, n, Sampler(params), stop)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    t_first = None
+    for tok in source:
+        if t_first is None:
+            t_first = time.perf_counter()
+            stats.ttft_s = t_first - t0
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if tok in stop:
+            stats.stop_reason = "eos"
+            break
+    t_end = time.perf_counter()
+    stats.generated_tokens = len(out)
+    stats.decode_s = t_end - t_first if t_first is not None else 0.0
+    return out, stats
