@@ -265,15 +265,17 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
     Projections ~ N(0, 1/K) keep each linear output at unit scale and give attention scores
     and logits a spread of order one, so greedy choices are not decided by rounding noise
-    (HF's init std 0.02 makes tiny-model logits nearly flat).  Not quantised; pass the
-    projections through an INT4 round trip where a test needs packable weights.
+    (HF's init std 0.02 makes tiny-model logits nearly flat).  Embeddings are N(0, 0.01): at
+    unit scale they dominate the residual stream, and a tied model, whose logits are dot
+    products with the same embeddings, then predicts its input token forever.  Not quantised;
+    pass the projections through an INT4 round trip where a test needs packable weights.
     """
     rng = np.random.default_rng(seed)
     w: dict[str, np.ndarray] = {}
     for name, shape in _expected_shapes(cfg).items():
         if name.endswith(".weight") or name in ("embed_tokens", "lm_head"):
             fan_in = shape[1]
-            scale = 1.0 if name == "embed_tokens" else 1.0 / np.sqrt(fan_in)
+            scale = 0.1 if name == "embed_tokens" else 1.0 / np.sqrt(fan_in)
             a = rng.standard_normal(shape) * scale
         elif name.endswith(".bias"):
             a = 0.1 * rng.standard_normal(shape)
