@@ -1,0 +1,408 @@
+"""The `.nanoqwen` v1 file: a streaming writer and a zero-copy mmap reader.
+
+One self-contained file per model: a 256-byte header, payloads aligned to 128 bytes, then a
+tensor table.  docs/FORMAT.md specifies it byte by byte; this module is the only code that
+knows the byte layout.  The writer streams (payloads are written as they arrive, the table
+after them, the header last, into a temp file renamed into place) so packing a 7B never holds
+the model in memory; the reader maps the file once and hands out np.frombuffer views.
+
+Checksums are CRC-32 (zlib, ~4 GB/s here): the header's covers the header (checksum field
+zeroed) and the table and is checked on every open; per-tensor payload CRCs are checked only
+by `verify()`, because reading 4.5 GB on every start would cost seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from nq.config import GROUP_SIZE, ConfigError, ModelConfig
+
+MAGIC = b"NANOQWEN"
+VERSION = 1
+LAYOUT_VALUE_SHUFFLE = 1
+HEADER_SIZE = 256
+ALIGN = 128                      # payload alignment: TMA and 128-bit loads want 16 B, 128 B is a line
+CONFIG_TENSOR = "meta/nq_config.json"
+FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no lm_head tensor)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# magic, version, layout, group, flags, vocab, hidden, inter, layers, heads, kv_heads, head_dim,
+# tensor count, table offset, table bytes, file size, source revision, header crc32
+_HEADER = struct.Struct("<8s12IQQQ40sI")
+_HEADER_CRC_AT = _HEADER.size - 4
+assert _HEADER.size <= HEADER_SIZE
+
+DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype("<u2"), 4: np.dtype("<i2"),
+          5: np.dtype("<u4"), 6: np.dtype("<i4"), 7: np.dtype("<f2"), 8: np.dtype("<f4")}
+_DTYPE_CODE = {v: k for k, v in DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """A .nanoqwen file (or a tensor offered to the writer) that nq refuses; says what and how to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    version: int
+    layout: int
+    group_size: int
+    flags: int
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tensor_count: int
+    table_offset: int
+    table_size: int
+    file_size: int
+    source_revision: str
+    checksum: int
+
+    DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape."""
+    f16, u32 = np.dtype("<f2"), np.dtype("<u4")
+    h = cfg.hidden_size
+    out = {"embed_tokens": (f16, (cfg.vocab_size, h))}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out[p + "input_layernorm"] = (f16, (h,))
+        out[p + "post_attention_layernorm"] = (f16, (h,))
+        for proj, (n, k) in cfg.projection_shapes().items():
+            out[p + proj + ".qweight"] = (u32, (n, k // 8))
+            out[p + proj + ".scales"] = (f16, (n, k // GROUP_SIZE))
+            if proj in ("q_proj", "k_proj", "v_proj"):
+                out[p + proj + ".bias"] = (f16, (n,))
+    out["norm"] = (f16, (h,))
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (f16, (cfg.vocab_size, h))
+    return out
+
+
+def _check_tensor(where: str, name: str, dtype: np.dtype, shape: tuple, expect: dict) -> None:
+    if name.startswith("meta/"):
+        if dtype != np.uint8 or len(shape) != 1:
+            raise FormatError(f"{where}: {name} is {dtype} {shape}, meta tensors are 1-D uint8; "
+                              "re-pack with `nq pack`")
+        return
+    if name not in expect:
+        raise FormatError(f"{where}: unexpected tensor {name!r} for this config; re-pack with `nq pack`")
+    edt, eshape = expect[name]
+    if dtype != edt or tuple(shape) != eshape:
+        raise FormatError(f"{where}: tensor {name} is {dtype} {tuple(shape)}, the config needs "
+                          f"{edt} {eshape}; re-pack with `nq pack`")
+
+
+def _pad(n: int) -> int:
+    return -n % ALIGN
+
+
+def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]],
+                   meta: dict[str, bytes] | None = None, source_revision: str = "",
+                   check: bool = True) -> Path:
+    """Stream `tensors` (and `meta/<name>` byte blobs) into a .nanoqwen file at `path`.
+
+    Each array is written as it arrives and may be dropped by the caller right after, so peak
+    memory is one tensor.  With `check` (always, outside tests of the reader's refusals) every
+    tensor's dtype/shape is checked against `config` and the set must be complete; any error
+    removes the temp file and leaves no `path`.
+    """
+    path = Path(path)
+    rev = source_revision.encode("ascii")
+    if len(rev) > 40:
+        raise FormatError(f"{path}: source revision {source_revision!r} is longer than 40 bytes")
+    expect = expected_tensors(config)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    entries: list[Entry] = []
+
+    def blobs():
+        yield CONFIG_TENSOR, np.frombuffer(config.to_json().encode(), np.uint8)
+        for name, data in (meta or {}).items():
+            yield f"meta/{name}", np.frombuffer(bytes(data), np.uint8)
+        yield from tensors
+
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"\0" * HEADER_SIZE)
+            pos = HEADER_SIZE
+            seen = set()
+            for name, arr in blobs():
+                arr = np.asarray(arr)
+                dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+                if dt not in _DTYPE_CODE:
+                    raise FormatError(f"{path}: tensor {name} has dtype {arr.dtype}, which the "
+                                      f"format cannot store ({sorted(map(str, _DTYPE_CODE))})")
+                if name in seen:
+                    raise FormatError(f"{path}: tensor {name} written twice")
+                seen.add(name)
+                if check:
+                    _check_tensor(str(path), name, dt, arr.shape, expect)
+                buf = np.ascontiguousarray(arr, dtype=dt).reshape(-1).view(np.uint8)
+                f.write(buf.data)
+                entries.append(Entry(name, dt, tuple(int(s) for s in arr.shape), pos,
+                                     buf.nbytes, zlib.crc32(buf)))
+                pos += buf.nbytes
+                f.write(b"\0" * _pad(pos))
+                pos += _pad(pos)
+            if check:
+                missing = [n for n in expect if n not in seen]
+                if missing:
+                    raise FormatError(f"{path}: the writer was not given {len(missing)} required "
+                                      f"tensors (first: {missing[:3]}); the pack is incomplete")
+            table = _encode_table(entries)
+            f.write(table)
+            flags = FLAG_TIED if config.tie_word_embeddings else 0
+            c = config
+            fields = [MAGIC, VERSION, LAYOUT_VALUE_SHUFFLE, GROUP_SIZE, flags, c.vocab_size,
+                      c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                      c.num_kv_heads, c.head_dim, len(entries), pos, len(table),
+                      pos + len(table), rev]
+            header = _HEADER.pack(*fields, 0).ljust(HEADER_SIZE, b"\0")
+            crc = zlib.crc32(table, zlib.crc32(header))
+            f.seek(0)
+            f.write(_HEADER.pack(*fields, crc).ljust(HEADER_SIZE, b"\0"))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _encode_table(entries: list[Entry]) -> bytes:
+    out = bytearray()
+    for e in entries:
+        name = e.name.encode()
+        out += struct.pack("<H", len(name)) + name
+        out += struct.pack("<BB", _DTYPE_CODE[e.dtype], len(e.shape))
+        out += struct.pack(f"<{len(e.shape)}Q", *e.shape)
+        out += struct.pack("<QQI", e.offset, e.nbytes, e.crc32)
+    return bytes(out)
+
+
+def _decode_table(where: str, table: bytes, count: int) -> dict[str, Entry]:
+    out: dict[str, Entry] = {}
+    pos = 0
+    try:
+        for _ in range(count):
+            (n,) = struct.unpack_from("<H", table, pos)
+            name = table[pos + 2:pos + 2 + n].decode()
+            pos += 2 + n
+            code, ndim = struct.unpack_from("<BB", table, pos)
+            shape = struct.unpack_from(f"<{ndim}Q", table, pos + 2)
+            pos += 2 + 8 * ndim
+            offset, nbytes, crc = struct.unpack_from("<QQI", table, pos)
+            pos += 20
+            if code not in DTYPES:
+                raise FormatError(f"{where}: tensor {name} has unknown dtype code {code}; "
+                                  "re-pack with `nq pack`")
+            out[name] = Entry(name, DTYPES[code], tuple(shape), offset, nbytes, crc)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise FormatError(f"{where}: the tensor table is malformed ({e}); re-pack with `nq pack`") from None
+    if pos != len(table):
+        raise FormatError(f"{where}: the tensor table has {len(table) - pos} trailing bytes; "
+                          "re-pack with `nq pack`")
+    return out
+
+
+def release_pages(mm: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Drop a mapped range from this process's resident set (the page cache keeps it).
+
+    Touched pages of a file mapping count in RSS until unmapped; streaming over a 15 GB
+    checkpoint or a 4.5 GB .nanoqwen without this would show the whole file as resident.
+    """
+    if nbytes <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset - offset % mmap.PAGESIZE
+    end = min(len(mm), offset + nbytes)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass                     # only a memory-use hint; never worth failing a load over
+
+
+class NanoqwenFile:
+    """A .nanoqwen file mapped read-only; tensors are zero-copy views of the mapping.
+
+    Opening checks the header, the header/table checksum, every table entry's bounds and the
+    stored config against the header and the required tensor set; `verify()` also checks
+    every payload's CRC-32.
+    """
+
+    def __init__(self, path, verify: bool = False):
+        self.path = Path(path)
+        where = str(self.path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise FormatError(f"{where}: no such file; create it with `nq pack`") from None
+        if size < HEADER_SIZE:
+            raise FormatError(f"{where}: truncated file ({size} bytes, shorter than the "
+                              f"{HEADER_SIZE}-byte header); re-pack with `nq pack`")
+        with open(self.path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        raw = bytes(self._mm[:HEADER_SIZE])
+        fields = _HEADER.unpack_from(raw)
+        if fields[0] != MAGIC:
+            raise FormatError(f"{where}: not a .nanoqwen file (magic {fields[0]!r}, expected "
+                              f"{MAGIC!r}); create one from a Hugging Face snapshot with `nq pack`")
+        h = Header(*fields[1:-2], source_revision=fields[-2].rstrip(b"\0").decode("ascii", "replace"),
+                   checksum=fields[-1])
+        self.header = h
+        if h.version != VERSION:
+            raise FormatError(f"{where}: format version {h.version}, this nq reads version "
+                              f"{VERSION}; re-pack with this version's `nq pack`")
+        if h.layout != LAYOUT_VALUE_SHUFFLE:
+            raise FormatError(f"{where}: weight layout id {h.layout}, nq's kernels read only "
+                              f"{LAYOUT_VALUE_SHUFFLE} (ValueShuffle); re-pack with `nq pack`")
+        if h.group_size != GROUP_SIZE:
+            raise FormatError(f"{where}: INT4 group size {h.group_size}, the kernels are built "
+                              f"for {GROUP_SIZE}; re-pack with `nq pack`")
+        if h.file_size != size or h.table_offset + h.table_size > size:
+            raise FormatError(f"{where}: truncated or extended file ({size} bytes, the header "
+                              f"says {h.file_size}); re-download or re-pack with `nq pack`")
+        table = bytes(self._mm[h.table_offset:h.table_offset + h.table_size])
+        zeroed = raw[:_HEADER_CRC_AT] + b"\0\0\0\0" + raw[_HEADER_CRC_AT + 4:]
+        crc = zlib.crc32(table, zlib.crc32(zeroed))
+        if crc != h.checksum:
+            raise FormatError(f"{where}: header/table checksum mismatch (stored {h.checksum:08x}, "
+                              f"computed {crc:08x}); the file is corrupt, re-pack with `nq pack`")
+        self._entries = _decode_table(where, table, h.tensor_count)
+        for e in self._entries.values():
+            if e.offset < HEADER_SIZE or e.offset + e.nbytes > h.table_offset:
+                raise FormatError(f"{where}: tensor {e.name} spans bytes [{e.offset}, "
+                                  f"{e.offset + e.nbytes}), outside the payload area [{HEADER_SIZE}, "
+                                  f"{h.table_offset}); the file is corrupt, re-pack with `nq pack`")
+            if e.nbytes != int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize:
+                raise FormatError(f"{where}: tensor {e.name} has {e.nbytes} bytes for shape "
+                                  f"{e.shape} {e.dtype}; re-pack with `nq pack`")
+        self.config = self._read_config(where)
+        if verify:
+            self.verify()
+
+    def _read_config(self, where: str) -> ModelConfig:
+        if CONFIG_TENSOR not in self._entries:
+            raise FormatError(f"{where}: no {CONFIG_TENSOR} tensor; re-pack with `nq pack`")
+        try:
+            cfg = ModelConfig.from_json(self.meta(CONFIG_TENSOR).decode())
+        except (ConfigError, ValueError, TypeError) as e:
+            raise FormatError(f"{where}: the stored config is unusable ({e}); re-pack with `nq pack`") from None
+        h = self.header
+        for dim in Header.DIMS:
+            if getattr(h, dim) != getattr(cfg, dim):
+                raise FormatError(f"{where}: header {dim}={getattr(h, dim)} contradicts the stored "
+                                  f"config ({getattr(cfg, dim)}); the file is corrupt, re-pack with `nq pack`")
+        if bool(h.flags & FLAG_TIED) != cfg.tie_word_embeddings:
+            raise FormatError(f"{where}: header tied-embedding flag contradicts the stored config; "
+                              "re-pack with `nq pack`")
+        expect = expected_tensors(cfg)
+        missing = [n for n in expect if n not in self._entries]
+        if missing:
+            raise FormatError(f"{where}: missing {len(missing)} required tensors (first: "
+                              f"{', '.join(missing[:3])}); re-pack with `nq pack`")
+        for e in self._entries.values():
+            if e.name in expect or e.name.startswith("meta/"):
+                _check_tensor(where, e.name, e.dtype, e.shape, expect)
+        return cfg
+
+    # ---- access ------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def entry(self, name: str) -> Entry:
+        if name == "lm_head" and name not in self._entries and self.config.tie_word_embeddings:
+            name = "embed_tokens"
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+
+    def array(self, name: str) -> np.ndarray:
+        """A read-only view into the mapping (no copy); `lm_head` aliases `embed_tokens` when tied."""
+        e = self.entry(name)
+        count = e.nbytes // e.dtype.itemsize
+        return np.frombuffer(self._mm, e.dtype, count, e.offset).reshape(e.shape)
+
+    def meta(self, name: str) -> bytes:
+        """The bytes of `meta/<name>` (e.g. "tokenizer.json"); KeyError if not stored."""
+        return self.array(name if name.startswith("meta/") else "meta/" + name).tobytes()
+
+    def release(self, name: str) -> None:
+        """Drop `name`'s pages from RSS once it has been copied elsewhere (e.g. to the GPU)."""
+        e = self.entry(name)
+        release_pages(self._mm, e.offset, e.nbytes)
+
+    def verify(self) -> int:
+        """Check every payload's CRC-32; returns the bytes checked, raises FormatError on a mismatch."""
+        total = 0
+        view = memoryview(self._mm)
+        try:
+            for e in self._entries.values():
+                crc = zlib.crc32(view[e.offset:e.offset + e.nbytes])
+                release_pages(self._mm, e.offset, e.nbytes)
+                if crc != e.crc32:
+                    raise FormatError(f"{self.path}: payload checksum mismatch in tensor {e.name} "
+                                      f"(stored {e.crc32:08x}, computed {crc:08x}); the file is "
+                                      "corrupt, re-download or re-pack with `nq pack`")
+                total += e.nbytes
+        finally:
+            view.release()
+        return total
+
+    def describe(self) -> str:
+        """Header, config and tensor table as text (what `nq info` prints)."""
+        h, c = self.header, self.config
+        lines = [f"{self.path}: .nanoqwen v{h.version}, layout {h.layout} (ValueShuffle), "
+                 f"group {h.group_size}, {h.file_size / 2**30:.2f} GiB, {h.tensor_count} tensors",
+                 f"source revision: {h.source_revision or '(unknown)'}",
+                 f"config: {c.name}: vocab {c.vocab_size}, hidden {c.hidden_size}, intermediate "
+                 f"{c.intermediate_size}, layers {c.num_layers}, heads {c.num_heads}/{c.num_kv_heads} "
+                 f"(q/kv), head_dim {c.head_dim}, rope_theta {c.rope_theta:g}, eps {c.rms_norm_eps:g}, "
+                 f"tied embeddings {c.tie_word_embeddings}",
+                 f"{'tensor':<40} {'dtype':<8} {'shape':<18} {'offset':>12} {'bytes':>12}  crc32"]
+        for e in self._entries.values():
+            shape = "x".join(map(str, e.shape))
+            lines.append(f"{e.name:<40} {e.dtype.name:<8} {shape:<18} {e.offset:>12} "
+                         f"{e.nbytes:>12}  {e.crc32:08x}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except BufferError:
+            pass                 # arrays still view the mapping; it closes when they are gone
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_nanoqwen(path, verify: bool = False) -> NanoqwenFile:
+    return NanoqwenFile(path, verify=verify)

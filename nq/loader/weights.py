@@ -1,0 +1,55 @@
+"""Host (fp32 NumPy) weights for the reference engine, and the fake-quantised HF weights tests use.
+
+`load_host_weights` turns a .nanoqwen file into the dict the NumPy reference reads: every
+projection dequantised from its INT4 ValueShuffle words to fp32 `layers.{i}.{proj}.weight`
+(N, K), every other tensor widened from fp16.  `fake_quantize` applies the same rounding to a
+dict of float weights (HF or our names) without a file, so transformers, the reference and the
+GPU engine can be compared on identical weights.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from nq.config import ModelConfig
+from nq.loader.format import NanoqwenFile
+from nq.loader.hf import hf_name, host_names
+from nq.loader.quant import dequantize_packed, fake_quantize_matrix
+
+_PROJ_WEIGHT = re.compile(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
+    """fp32 host weights under our names (docs/ARCHITECTURE.md); `lm_head` is the same array
+    as `embed_tokens` when the embeddings are tied."""
+    out: dict[str, np.ndarray] = {}
+    for name in host_names(nf.config):
+        if name.endswith("_proj.weight"):
+            base = name[:-len(".weight")]
+            out[name] = dequantize_packed(nf.array(base + ".qweight"), nf.array(base + ".scales"))
+        else:
+            out[name] = nf.array(name).astype(np.float32)
+    if nf.config.tie_word_embeddings:
+        out["lm_head"] = out["embed_tokens"]
+    return out
+
+
+def fake_quantize(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What a .nanoqwen file would hold, back in fp32: the seven projections become
+    dequantize(quantize(w)), every other float tensor is rounded through fp16 (as `pack`
+    stores it).  Keys are kept, so this works on HF names and on ours."""
+    out = {}
+    for name, w in weights.items():
+        w = np.asarray(w, np.float32)
+        out[name] = fake_quantize_matrix(w) if _PROJ_WEIGHT.search(name) else \
+            w.astype(np.float16).astype(np.float32)
+    return out
+
+
+def hf_to_host(cfg: ModelConfig, hf_weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rename HF-named weights to host names (fp32, no rounding); tied lm_head aliases the embedding."""
+    out = {name: np.asarray(hf_weights[hf_name(name)], np.float32) for name in host_names(cfg)}
+    if cfg.tie_word_embeddings:
+        out["lm_head"] = out["embed_tokens"]
+    return out
