@@ -235,11 +235,12 @@ class RefModel:
         m = swiglu(linear(h, w[p + "gate_proj.weight"]), linear(h, w[p + "up_proj.weight"]))
         return x + linear(m, w[p + "down_proj.weight"])
 
-    def forward(self, ids, cache: KVCache | None = None) -> np.ndarray:
+    def forward(self, ids, cache: KVCache | None = None, last_only: bool = False) -> np.ndarray:
         """Token ids (T,) at positions cache.length.. -> logits (T, vocab) fp32.
 
         T > 1 is a prefill, T == 1 a decode step; both are the same computation.  Uses the
-        model's own cache when none is given.
+        model's own cache when none is given.  `last_only` returns (1, vocab) for the last
+        position, sparing a (T, vocab) matrix (2.5 GB for 4096 tokens of a 152k vocabulary).
         """
         cache = self.cache if cache is None else cache
         ids = np.asarray(ids).reshape(-1)
@@ -256,8 +257,46 @@ class RefModel:
         for i in range(self.cfg.num_layers):
             x = self.layer(i, x, positions, cache)
         cache.advance(t)
+        if last_only:
+            x = x[-1:]
         x = rms_norm(x, self.w["norm"], self.cfg.rms_norm_eps)
         return linear(x, self.w["lm_head"])
+
+
+class NumpyBackend:
+    """The generation loop's backend interface (nq/generate.py) over a RefModel.
+
+    Prefill runs in chunks of `chunk` tokens: the attention scores of one chunk are
+    (heads, chunk, context) fp32, which for a whole 4096-token prompt of the 7B would be
+    1.9 GB; chunks keep it to a few hundred MB at no cost in exactness (the cache makes a
+    chunked prefill the same computation).
+    """
+
+    def __init__(self, model: RefModel, chunk: int = 256):
+        self.model = model
+        self.chunk = int(chunk)
+
+    @classmethod
+    def from_file(cls, nf, max_len: int | None = None) -> "NumpyBackend":
+        """From an open NanoqwenFile: dequantised fp32 host weights (4 bytes per parameter)."""
+        from nq.loader.weights import load_host_weights
+        return cls(RefModel(nf.config, load_host_weights(nf), max_len=max_len))
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def prefill(self, ids) -> np.ndarray:
+        """Append ids (T,) to the context -> logits (vocab,) fp32 of the last position."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("prefill: no tokens")
+        for s in range(0, ids.size, self.chunk):
+            logits = self.model.forward(ids[s:s + self.chunk], last_only=True)
+        return logits[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token -> logits (vocab,) fp32."""
+        return self.model.forward(np.array([int(token)]))[0]
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

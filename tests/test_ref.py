@@ -172,3 +172,18 @@ def test_tied_model_uses_embeddings_and_bad_weights_are_named():
     w["norm"] = w["norm"][:-1]
     with pytest.raises(ValueError, match="norm has shape"):
         RefModel(cfg, w)
+
+
+def test_numpy_backend_chunked_prefill_and_decode(model):
+    from nq.ref import NumpyBackend
+    ids = np.random.default_rng(6).integers(0, model.cfg.vocab_size, 9)
+    full = model.forward(np.append(ids, 3), model.new_cache())
+    b = NumpyBackend(model, chunk=4)  # 9 prompt tokens: chunks of 4, 4, 1
+    b.reset()
+    last = b.prefill(ids)
+    nxt = b.decode(3)
+    assert last.shape == nxt.shape == (model.cfg.vocab_size,)
+    np.testing.assert_allclose(last, full[8], rtol=0, atol=1e-5 * np.abs(full).max())
+    np.testing.assert_allclose(nxt, full[9], rtol=0, atol=1e-5 * np.abs(full).max())
+    b.reset()
+    np.testing.assert_array_equal(b.prefill(ids), last)
