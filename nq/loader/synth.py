@@ -97,11 +97,12 @@ def encode_st(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def write_safetensors(path, specs: list[tuple[str, tuple[int, ...]]], dtype: str,
-                      produce: Callable[[str], np.ndarray]) -> int:
+                      produce: Callable[[str], object]) -> int:
     """Write a .safetensors file whose tensors (name, shape) are produced one at a time.
 
-    `produce(name)` returns the tensor as float (or already encoded in `dtype`); only one
-    tensor is alive at a time.  Returns the data size in bytes.
+    `produce(name)` returns the tensor as a float array, or an iterator of row blocks (so a
+    1 GB embedding never exists whole); uint16 blocks for bfloat16 are taken as bit patterns
+    already.  Returns the data size in bytes.
     """
     st = _ST_NAME[dtype]
     header, pos = {}, 0
@@ -115,12 +116,16 @@ def write_safetensors(path, specs: list[tuple[str, tuple[int, ...]]], dtype: str
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, shape in specs:
-            x = np.asarray(produce(name))
-            # uint16 given for bf16 is already bit patterns (the 7B faker makes them directly)
-            data = x if (st == "BF16" and x.dtype == np.uint16) else encode_st(x, dtype)
-            if data.shape != tuple(shape):
-                raise ValueError(f"{path}: produced {name} with shape {data.shape}, declared {shape}")
-            f.write(np.ascontiguousarray(data).data)
+            x = produce(name)
+            written = 0
+            for block in ([x] if isinstance(x, np.ndarray) else x):
+                data = block if (st == "BF16" and block.dtype == np.uint16) else encode_st(block, dtype)
+                f.write(np.ascontiguousarray(data).data)
+                written += data.nbytes
+            b, e = header[name]["data_offsets"]
+            if written != e - b:
+                raise ValueError(f"{path}: produced {written} bytes for {name}, its shape "
+                                 f"{shape} needs {e - b}")
     return pos
 
 
