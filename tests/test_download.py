@@ -1,0 +1,70 @@
+"""The repo-id path of resolve_snapshot/pack against a fake, offline Hugging Face cache.
+
+The cache is laid out as huggingface_hub lays it out (models--Org--Name/{blobs, refs/main,
+snapshots/<sha>/ -> ../../blobs}), under a tmp HF_HOME with HF_HUB_OFFLINE=1, so the real
+snapshot_download resolves it with no network.
+"""
+import hashlib
+import os
+
+import pytest
+
+from nq.config import tiny_config
+from nq.loader.format import NanoqwenFile
+from nq.loader.hf import LoadError, pack, resolve_snapshot, snapshot_revision
+from nq.loader.synth import make_hf_snapshot
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hub_cache(hf_home, repo_id, build_dir):
+    """Move the files of build_dir into an HF-cache layout for repo_id at revision SHA."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    snap = repo / "snapshots" / SHA
+    snap.mkdir(parents=True)
+    for f in sorted(build_dir.iterdir()):
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        f.rename(repo / "blobs" / blob)
+        (snap / f.name).symlink_to(os.path.join("..", "..", "blobs", blob))
+    return snap
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    hf_home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = tiny_config(num_layers=1)
+    snap = fake_hub_cache(hf_home, "FakeOrg/Tiny-Coder",
+                          make_hf_snapshot(tmp_path / "build", cfg, seed=3))
+    return snap, cfg
+
+
+def test_repo_id_resolves_from_offline_cache(offline_hub, tmp_path):
+    snap, cfg = offline_hub
+    got = resolve_snapshot("FakeOrg/Tiny-Coder", progress=False)
+    assert got == snap and snapshot_revision(got) == SHA
+    assert resolve_snapshot("FakeOrg/Tiny-Coder", revision=SHA, progress=False) == snap
+    out = pack("FakeOrg/Tiny-Coder", tmp_path / "m.nanoqwen", progress=False)
+    nf = NanoqwenFile(out, verify=True)
+    assert nf.header.source_revision == SHA
+    assert nf.config.replace(name=cfg.name) == cfg
+    assert nf.meta("config.json") == (snap / "config.json").read_bytes()
+
+
+def test_local_directory_is_used_as_is(offline_hub):
+    snap, _ = offline_hub
+    assert resolve_snapshot(str(snap)) == snap
+    assert snapshot_revision(snap.parent.parent / "blobs") == ""
+
+
+def test_uncached_repo_offline_is_a_clear_error(offline_hub):
+    with pytest.raises(LoadError, match=r"FakeOrg/Not-There: not in the Hugging Face cache.*"
+                                        r"HF_HUB_OFFLINE=1.*local snapshot directory"):
+        resolve_snapshot("FakeOrg/Not-There", progress=False)
+    with pytest.raises(LoadError, match=r"FakeOrg/Tiny-Coder@v9: not in the Hugging Face cache"):
+        resolve_snapshot("FakeOrg/Tiny-Coder", revision="v9", progress=False)
