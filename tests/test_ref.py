@@ -187,3 +187,23 @@ def test_numpy_backend_chunked_prefill_and_decode(model):
     np.testing.assert_allclose(nxt, full[9], rtol=0, atol=1e-5 * np.abs(full).max())
     b.reset()
     np.testing.assert_array_equal(b.prefill(ids), last)
+
+
+def test_numpy_backend_from_a_packed_file_runs_the_packed_weights(tmp_path):
+    from nq.loader.format import NanoqwenFile
+    from nq.loader.hf import pack
+    from nq.loader.synth import make_hf_snapshot, random_hf_weights
+    from nq.loader.weights import fake_quantize, hf_to_host
+    from nq.ref import NumpyBackend
+
+    cfg = tiny_config(num_layers=1, tie=True)
+    snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=3, dtype="float32", tokenizer=False)
+    ids = np.array([5, 9, 2, 7])
+    with NanoqwenFile(pack(str(snap), tmp_path / "m.nanoqwen", progress=False)) as nf:
+        backend = NumpyBackend.from_file(nf, max_len=16)
+        got = backend.prefill(ids)
+    # the same fp32 checkpoint, rounded as the pack rounds it, without going through a file
+    want = RefModel(cfg, fake_quantize(hf_to_host(cfg, random_hf_weights(cfg, 3)))).forward(ids)
+    # same weights and formulas; only BLAS blocking differs (one row of lm_head vs four)
+    assert np.abs(got - want[-1]).max() < 1e-5 * np.abs(want).max()
+    assert backend.model.cache.max_len == 16
