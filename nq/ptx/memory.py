@@ -1,0 +1,92 @@
+"""Global memory: 16-byte loads through the read-only path, 16-byte stores, L2 cache policies.
+
+A GEMV streams each weight byte exactly once, so what matters is bytes in flight per
+instruction: one `ld.global.nc.v4.u32` moves 16 bytes (32 INT4 weights).  numba's array
+indexing emits 4-byte scalar loads and cannot promise the non-coherent (read-only, `.nc`)
+path; these wrappers can.  The address is `arr[idx]` of any array (1-d: an int index, N-d: a
+tuple) and must be 16-byte aligned -- for a uint32 array, idx a multiple of 4 from a
+128-byte-aligned base (every .nanoqwen tensor and every numba device allocation is).
+
+`.nc` loads are emitted as read-only asm (effect="load"): LLVM may merge duplicates but
+never moves them across a store or barrier.  Never use `.nc` on memory that the same kernel
+(or a concurrent one) writes: the read-only path is not coherent with those writes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nq.ptx._asm import ptx
+
+# createpolicy's result is an opaque 64-bit descriptor; the twin's stand-in value.
+_TWIN_POLICY_EVICT_FIRST = np.uint64(0x10E0_0000_0000_0000)
+
+
+def _bytes_at(arr, idx, n=16):
+    """Writable uint8 view of the n bytes from arr[idx] on (twins only; arr C-contiguous)."""
+    a = np.asarray(getattr(arr, "_ary", arr))  # the simulator wraps arrays in FakeCUDAArray
+    assert a.flags.c_contiguous, "the twins model C-contiguous arrays only"
+    off = int(np.ravel_multi_index(idx if isinstance(idx, tuple) else (idx,), a.shape))
+    off *= a.itemsize
+    assert (a.ctypes.data + off) % 16 == 0, "16-byte access at a misaligned address"
+    return a.reshape(-1).view(np.uint8)[off:off + n]
+
+
+def _u32x4(arr, idx):
+    w = _bytes_at(arr, idx).view(np.uint32)
+    return (w[0], w[1], w[2], w[3])
+
+
+@ptx("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];",
+     out=("u32",) * 4, args=("arr", "idx"), effect="load")
+def ld_global_nc_v4_u32(arr, idx):
+    """`ld.global.nc.v4.u32 {d0, d1, d2, d3}, [&arr[idx]];` -- 16 bytes via the read-only path.
+
+    Returns 4 uint32 in memory order.  &arr[idx] must be 16-byte aligned (misaligned
+    addresses fault on the GPU with "misaligned address").
+    """
+    return _u32x4(arr, idx)
+
+
+@ptx("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];",
+     out=("u32",) * 4, args=("arr", "idx"), effect="load")
+def ld_global_nc_na_v4_u32(arr, idx):
+    """`ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {d0..d3}, [&arr[idx]];` -- streaming load.
+
+    Same result as ld_global_nc_v4_u32.  `.L1::no_allocate` keeps weights that are read once
+    from evicting the activations in L1; `.L2::256B` asks L2 to fetch the whole 256-byte
+    sector group, which a warp reading consecutive 16-byte chunks uses entirely (sm_80+).
+    """
+    return _u32x4(arr, idx)
+
+
+@ptx("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;", out="u64")
+def createpolicy_evict_first_b64():
+    """`createpolicy.fractional.L2::evict_first.b64 policy, 1.0;` -- an L2 policy descriptor.
+
+    For ld_global_nc_hint_v4_u32: weights marked evict_first leave L2 before the KV cache and
+    activations do.  Create it once per thread outside the loop (it is one instruction, but the
+    64-bit result costs two registers).  The twin's value is a stand-in: the encoding is opaque.
+    """
+    return _TWIN_POLICY_EVICT_FIRST
+
+
+@ptx("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %6;",
+     out=("u32",) * 4, args=("arr", "idx", "u64"), effect="load")
+def ld_global_nc_hint_v4_u32(arr, idx, policy):
+    """`ld.global.nc.L2::cache_hint.v4.u32 {d0..d3}, [&arr[idx]], policy;` -- load with an L2 policy.
+
+    Same result as ld_global_nc_v4_u32; policy comes from createpolicy_evict_first_b64.
+    """
+    return _u32x4(arr, idx)
+
+
+@ptx("st.global.v4.u32 [%0], {%2, %3, %4, %5};",
+     args=("arr", "idx", "u32", "u32", "u32", "u32"), effect="memory")
+def st_global_v4_u32(arr, idx, a, b, c, d):
+    """`st.global.v4.u32 [&arr[idx]], {a, b, c, d};` -- one 16-byte store.
+
+    &arr[idx] must be 16-byte aligned.  The four words land in memory order; arr may be of
+    any dtype (a float32 array receives the bit patterns).
+    """
+    words = np.array([int(v) & 0xFFFFFFFF for v in (a, b, c, d)], dtype=np.uint32)
+    _bytes_at(arr, idx)[:] = words.view(np.uint8)
