@@ -1,0 +1,223 @@
+"""Each nq.ptx wrapper on the GPU against its Python twin (the spec, see test_ptx_twins.py).
+
+Run on the H200 with `python3 -m pytest -m gpu tests/test_ptx_gpu.py`.  Under the simulator
+(`NUMBA_ENABLE_CUDASIM=1 python3 -m pytest -m gpu tests/test_ptx_gpu.py`) the wrappers are the
+twins, so this checks the kernels' plumbing on small sizes, not the hardware.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+import nq.ptx as P
+from nq.ptx import LUT_AND_OR, LUT_AND_XOR
+
+pytestmark = pytest.mark.gpu
+
+SIM = P.SIMULATOR
+N = 256 if SIM else 1 << 16  # elements per test; the simulator runs ~1-5k threads/s
+TPB = 64 if SIM else 256
+RNG = np.random.default_rng(7)
+
+
+def launch(kernel, n, *args):
+    dev = [cuda.to_device(a) for a in args]
+    kernel[(n + TPB - 1) // TPB, TPB](*dev)
+    cuda.synchronize()
+    return [d.copy_to_host() for d in dev]
+
+
+def rand_u32(n):
+    return RNG.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+
+
+def rand_f16_bits(n):
+    """Random fp16 bit patterns: all signs, subnormals, infinities; no NaN inputs."""
+    h = RNG.integers(0, 2**16, n, dtype=np.uint32).astype(np.uint16)
+    nan = (h & 0x7C00) == 0x7C00
+    h[nan & ((h & 0x3FF) != 0)] &= np.uint16(0xFC00)  # NaN -> inf of the same sign
+    return h
+
+
+def rand_half2(n):
+    return rand_f16_bits(2 * n).view(np.uint32)
+
+
+def twin_map(f, *cols):
+    return np.array([f(*row) for row in zip(*cols)])
+
+
+def assert_half2_equal(got, want):
+    """Bitwise equal, except that any NaN only has to be a NaN (payloads are not specified)."""
+    g, w = got.view(np.uint16), want.astype(np.uint32).view(np.uint16)
+    nan_w = np.isnan(w.view(np.float16))
+    np.testing.assert_array_equal(g[~nan_w], w[~nan_w])
+    assert np.isnan(g[nan_w].view(np.float16)).all()
+
+
+# ---- permute ---------------------------------------------------------------------------------
+@cuda.jit
+def k_prmt(a, b, s, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = P.prmt_b32(a[i], b[i], s[i])
+
+
+@cuda.jit
+def k_prmt_const(a, b, s, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = P.prmt_b32(a[i], b[i], 0x5410) ^ P.prmt_b32(a[i], b[i], 0x8F1C)
+
+
+def test_prmt():
+    a, b, s = rand_u32(N), rand_u32(N), rand_u32(N)
+    *_, out = launch(k_prmt, N, a, b, s, np.zeros(N, np.uint32))
+    np.testing.assert_array_equal(out, twin_map(P.prmt_b32.twin, a, b, s))
+    *_, out = launch(k_prmt_const, N, a, b, s, np.zeros(N, np.uint32))
+    want = twin_map(lambda x, y: P.prmt_b32.twin(x, y, 0x5410) ^ P.prmt_b32.twin(x, y, 0x8F1C), a, b)
+    np.testing.assert_array_equal(out, want)
+
+
+@cuda.jit
+def k_lop3(a, b, c, out):
+    i = cuda.grid(1)
+    if i < a.size:
+        out[0, i] = P.lop3_b32(a[i], b[i], c[i], LUT_AND_OR)
+        out[1, i] = P.lop3_b32(a[i], b[i], c[i], LUT_AND_XOR)
+        out[2, i] = P.lop3_b32(a[i], b[i], c[i], 0x96)
+        out[3, i] = P.lop3_b32(a[i], b[i], c[i], 0x1B)
+
+
+def test_lop3():
+    a, b, c = rand_u32(N), rand_u32(N), rand_u32(N)
+    *_, out = launch(k_lop3, N, a, b, c, np.zeros((4, N), np.uint32))
+    for row, lut in enumerate((LUT_AND_OR, LUT_AND_XOR, 0x96, 0x1B)):
+        np.testing.assert_array_equal(out[row], twin_map(lambda x, y, z: P.lop3_b32.twin(x, y, z, lut), a, b, c))
+
+
+# ---- half -------------------------------------------------------------------------------------
+@cuda.jit
+def k_half2_math(a, b, c, out):
+    i = cuda.grid(1)
+    if i < a.size:
+        out[0, i] = P.fma_rn_f16x2(a[i], b[i], c[i])
+        out[1, i] = P.mul_rn_f16x2(a[i], b[i])
+        out[2, i] = P.add_rn_f16x2(a[i], c[i])
+
+
+def test_half2_math():
+    a, b, c = rand_half2(N), rand_half2(N), rand_half2(N)
+    # plus products that land near 1 (a dense test of the rounding rather than of overflow)
+    a[: N // 2] = ((rand_f16_bits(N) & 0x03FF) | 0x3800).view(np.uint32)  # [0.5, 1)
+    b[: N // 2] = ((rand_f16_bits(N) & 0x03FF) | 0x3C00).view(np.uint32)  # [1, 2)
+    *_, out = launch(k_half2_math, N, a, b, c, np.zeros((3, N), np.uint32))
+    assert_half2_equal(out[0], twin_map(P.fma_rn_f16x2.twin, a, b, c))
+    assert_half2_equal(out[1], twin_map(P.mul_rn_f16x2.twin, a, b))
+    assert_half2_equal(out[2], twin_map(P.add_rn_f16x2.twin, a, c))
+
+
+@cuda.jit
+def k_cvt_f32_f16(h, out):
+    i = cuda.grid(1)
+    if i < h.size:
+        out[i] = P.cvt_f32_f16(h[i])
+
+
+def test_cvt_f32_f16_all_bit_patterns():
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16) if not SIM else rand_f16_bits(N)
+    _, out = launch(k_cvt_f32_f16, h.size, h, np.zeros(h.size, np.float32))
+    want = twin_map(P.cvt_f32_f16.twin, h).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.isnan(out[nan]).all()
+
+
+@cuda.jit
+def k_cvt_f16_f32(f, out, packed):
+    i = cuda.grid(1)
+    if i < f.size:
+        out[i] = P.cvt_rn_f16_f32(f[i])
+        packed[i] = P.pack_f16x2_from_f32(f[i], -f[i] * 0.5)
+
+
+def test_cvt_rn_f16_f32_and_pack():
+    f = np.concatenate([
+        RNG.standard_normal(N // 2).astype(np.float32) * np.float32(1000),
+        rand_u32(N // 2).view(np.float32),
+    ])
+    f[np.isnan(f)] = np.float32(65520.0)  # the overflow tie, instead of NaN inputs
+    _, out, packed = launch(k_cvt_f16_f32, N, f, np.zeros(N, np.uint16), np.zeros(N, np.uint32))
+    np.testing.assert_array_equal(out, twin_map(P.cvt_rn_f16_f32.twin, f))
+    neg_half = (-f * np.float32(0.5)).astype(np.float32)
+    np.testing.assert_array_equal(packed, twin_map(P.pack_f16x2_from_f32.twin, f, neg_half))
+
+
+@cuda.jit
+def k_unpack(w, lo, hi):
+    i = cuda.grid(1)
+    if i < w.size:
+        lo[i], hi[i] = P.unpack_f16x2_to_f32(w[i])
+
+
+def test_unpack_f16x2_to_f32():
+    w = rand_half2(N)
+    _, lo, hi = launch(k_unpack, N, w, np.zeros(N, np.float32), np.zeros(N, np.float32))
+    want = np.array([P.unpack_f16x2_to_f32.twin(x) for x in w], dtype=np.float32)
+    np.testing.assert_array_equal(lo, want[:, 0])
+    np.testing.assert_array_equal(hi, want[:, 1])
+
+
+# ---- the INT4 dequant, end to end in one kernel --------------------------------------------
+@cuda.jit
+def k_dequant(words, scales, out):
+    i = cuda.grid(1)
+    if i < words.size:
+        s2 = scales[i] | (scales[i] << 16)
+        for j in range(4):
+            v = P.lop3_b32(words[i] >> (4 * j), 0x000F000F, 0x64086408, LUT_AND_XOR)
+            out[i, j] = P.mul_rn_f16x2(P.add_rn_f16x2(v, 0xE408E408), s2)
+
+
+def test_value_shuffle_dequant_on_device():
+    from nq.loader.quant import pack_value_shuffle
+
+    q = RNG.integers(-8, 8, size=(N, 8)).astype(np.int8)
+    words = pack_value_shuffle(q).reshape(N)
+    scales = RNG.uniform(1e-3, 1.0, N).astype(np.float16).view(np.uint16).astype(np.uint32)
+    *_, out = launch(k_dequant, N, words, scales, np.zeros((N, 4), np.uint32))
+    got = out.view(np.float16).reshape(N, 8).astype(np.float64)
+    want = (q * scales.astype(np.uint16).view(np.float16)[:, None]).astype(np.float16)
+    np.testing.assert_array_equal(got, want.astype(np.float64))
+
+
+# ---- memory -----------------------------------------------------------------------------------
+@cuda.jit
+def k_copy16(src, out):
+    i = cuda.grid(1)
+    if 4 * i < src.size:
+        a, b, c, d = P.ld_global_nc_v4_u32(src, 4 * i)
+        e, f, g, h = P.ld_global_nc_na_v4_u32(src, 4 * i)
+        pol = P.createpolicy_evict_first_b64()
+        w, x, y, z = P.ld_global_nc_hint_v4_u32(src, 4 * i, pol)
+        P.st_global_v4_u32(out, (0, 4 * i), a, b, c, d)
+        P.st_global_v4_u32(out, (1, 4 * i), e, f, g, h)
+        P.st_global_v4_u32(out, (2, 4 * i), w, x, y, z)
+
+
+@cuda.jit
+def k_copy16_2d(src, out):
+    r, c = cuda.grid(2)
+    if r < src.shape[0] and 4 * c < src.shape[1]:
+        a, b, x, y = P.ld_global_nc_v4_u32(src, (r, 4 * c))
+        P.st_global_v4_u32(out, (r, 4 * c), a, b, x, y)
+
+
+def test_loads_and_stores_move_16_bytes():
+    src = rand_u32(4 * N)
+    *_, out = launch(k_copy16, N, src, np.zeros((3, 4 * N), np.uint32))
+    for row in range(3):
+        np.testing.assert_array_equal(out[row], src)
+    m = rand_u32(16 * 32).reshape(16, 32)
+    dm, dout = cuda.to_device(m), cuda.to_device(np.zeros_like(m))
+    k_copy16_2d[(2, 1), (8, 8)](dm, dout)
+    np.testing.assert_array_equal(dout.copy_to_host(), m)
