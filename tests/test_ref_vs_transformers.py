@@ -1,8 +1,8 @@
 """The oracle: nq.ref against Hugging Face's Qwen2ForCausalLM on the same weights.
 
 transformers runs on CPU torch in fp32 with eager attention, built from `cfg.to_hf()`, so the
-config translation is checked too.  The seven projections go through the INT4 round trip
-first, so the weights are ones a .nanoqwen file can hold exactly.
+config translation is checked too.  The weights go through the pack's rounding first (INT4
+projections, fp16 for the rest), so they are ones a .nanoqwen file holds exactly.
 
 Relative error is max|ours - theirs| / max|theirs| over a whole logits block.  Both sides
 compute in fp32 with the same formulas and differ only in summation order and libm, which
@@ -18,17 +18,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from nq.config import tiny_config  # noqa: E402
-from nq.ref import PROJECTIONS, RefModel, random_weights  # noqa: E402
-
-try:
-    from nq.loader.quant import fake_quantize_matrix
-except ImportError:  # the loader is written in parallel; the same round trip, locally
-    def fake_quantize_matrix(w):
-        n, k = w.shape
-        g = w.reshape(n, k // 128, 128)
-        s = (np.abs(g).max(axis=2, keepdims=True) / 7).astype(np.float16).astype(np.float32)
-        q = np.clip(np.rint(g / np.where(s == 0, 1, s)), -7, 7)
-        return (q * s).reshape(n, k).astype(np.float32)
+from nq.loader.hf import hf_name, host_names  # noqa: E402
+from nq.loader.weights import fake_quantize  # noqa: E402
+from nq.ref import RefModel, random_weights  # noqa: E402
 
 REL_TOL = 1e-4
 PROMPT_LEN = 10
@@ -42,29 +34,14 @@ CONFIGS = {
 
 
 def quantized_weights(cfg, seed):
-    w = random_weights(cfg, seed)
-    for i in range(cfg.num_layers):
-        for p in PROJECTIONS:
-            name = f"layers.{i}.{p}.weight"
-            w[name] = fake_quantize_matrix(w[name])
-    return w
+    """Random weights as a .nanoqwen holds them: INT4 projections, fp16 everything else."""
+    return fake_quantize(random_weights(cfg, seed))
 
 
 def hf_state_dict(cfg, w):
-    """nq host names -> Qwen2ForCausalLM parameter names."""
-    sd = {"model.embed_tokens.weight": w["embed_tokens"], "model.norm.weight": w["norm"]}
-    if not cfg.tie_word_embeddings:
-        sd["lm_head.weight"] = w["lm_head"]
-    for i in range(cfg.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        sd[dst + "input_layernorm.weight"] = w[src + "input_layernorm"]
-        sd[dst + "post_attention_layernorm.weight"] = w[src + "post_attention_layernorm"]
-        for p in PROJECTIONS:
-            block = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            sd[f"{dst}{block}.{p}.weight"] = w[f"{src}{p}.weight"]
-            if p in ("q_proj", "k_proj", "v_proj"):
-                sd[f"{dst}{block}.{p}.bias"] = w[f"{src}{p}.bias"]
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
+    """nq host names -> Qwen2ForCausalLM parameter names (the loader's map, checked here by
+    transformers' own load_state_dict)."""
+    return {hf_name(n): torch.from_numpy(np.ascontiguousarray(w[n])) for n in host_names(cfg)}
 
 
 def hf_model(cfg, w):
