@@ -1,0 +1,130 @@
+"""The `nq` command end to end on the NumPy backend: pack, info, generate (plain, chat, FIM).
+
+Greedy ids from `nq generate --json` must equal a greedy loop written here directly over the
+reference model, so the CLI's plumbing (prompt building, stop ids, JSON) is what is tested.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nq.cli import main
+from nq.loader.format import NanoqwenFile
+from nq.loader.weights import load_host_weights
+from nq.ref import RefModel
+from nq.text import Tokenizer
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["generate", "--backend", "numpy", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def greedy_reference(nf, prompt_ids, n, stop=()):
+    model = RefModel(nf.config, load_host_weights(nf))
+    logits = model.forward(np.array(prompt_ids))[-1]
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        if t in stop:
+            break
+        logits = model.forward(np.array([t]))[-1]
+    return out
+
+
+def test_pack_and_info_verify(tmp_path, tiny_snapshot, capsys):
+    out = tmp_path / "m.nanoqwen"
+    assert main(["pack", str(tiny_snapshot), str(out)]) == 0
+    assert out.exists() and not list(tmp_path.glob("*.tmp*"))
+    capsys.readouterr()
+    assert main(["info", str(out), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "NANOQWEN" in text or "nanoqwen" in text.lower()
+    assert "layers.0.q_proj.qweight" in text
+    assert "verify: every payload checksum" in text
+
+
+def test_generate_greedy_matches_reference(tiny_nanoqwen, capsys):
+    # --repeat-penalty 1: generation_config.json sets repetition_penalty, which applies by default.
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "-p", "def fibonacci(n):", "-n", "12",
+                   "--temp", "0", "--repeat-penalty", "1", "--ignore-eos")
+    nf = NanoqwenFile(tiny_nanoqwen)
+    tok = Tokenizer.from_nanoqwen(nf)
+    assert res["prompt_ids"] == tok.encode("def fibonacci(n):")
+    assert res["ids"] == greedy_reference(nf, res["prompt_ids"], 12)
+    assert res["text"] == tok.decode(res["ids"])
+    assert res["stats"]["generated_tokens"] == 12
+    assert res["stats"]["prompt_tokens"] == len(res["prompt_ids"])
+
+
+def test_generate_chat_and_fim_prompts(tiny_nanoqwen, capsys):
+    nf = NanoqwenFile(tiny_nanoqwen)
+    tok = Tokenizer.from_nanoqwen(nf)
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "--system", "Be brief.", "-p", "Hello",
+                   "-n", "3", "--temp", "0")
+    want = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hello"}])
+    assert res["prompt_ids"] == tok.encode(want)
+    assert want.endswith("<|im_start|>assistant\n")
+
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "--fim-prefix", "def f(x):\n    return ",
+                   "--fim-suffix", "\n", "-n", "3", "--temp", "0")
+    assert res["prompt_ids"] == tok.encode("<|fim_prefix|>def f(x):\n    return "
+                                           "<|fim_suffix|>\n<|fim_middle|>")
+
+
+def test_generate_stops_on_eos(tiny_nanoqwen, capsys, monkeypatch):
+    """Stop ids come from generation_config.json; make the first greedy token one of them."""
+    nf = NanoqwenFile(tiny_nanoqwen)
+    tok = Tokenizer.from_nanoqwen(nf)
+    prompt = tok.encode("Hello, world!")
+    first = greedy_reference(nf, prompt, 1)[0]
+    monkeypatch.setattr(Tokenizer, "eos_ids", property(lambda self: (first,)))
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "-p", "Hello, world!", "-n", "8", "--temp", "0",
+                   "--repeat-penalty", "1")
+    assert res["ids"] == [first]
+    assert res["stats"]["stop_reason"] == "eos"
+    assert res["text"] == ""
+
+
+def test_generate_seeded_sampling_is_reproducible(tiny_nanoqwen, capsys):
+    args = ["-m", str(tiny_nanoqwen), "-p", "Hello", "-n", "6", "--temp", "1.5", "--top-k", "50",
+            "--ignore-eos"]
+    a = run_json(capsys, *args, "--seed", "3")
+    b = run_json(capsys, *args, "--seed", "3")
+    assert a["ids"] == b["ids"] and len(a["ids"]) == 6
+
+
+def test_generate_text_to_stdout_stats_to_stderr(tiny_nanoqwen):
+    r = subprocess.run([sys.executable, "-m", "nq", "generate", "--backend", "numpy", "-m",
+                        str(tiny_nanoqwen), "-p", "Hello", "-n", "4", "--temp", "0",
+                        "--ignore-eos"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and "TTFT" in r.stderr
+    assert "tok/s" not in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-m", "missing.nanoqwen", "-p", "x"], "pack one with `nq pack"),
+    (["-p", "x", "-n", "10", "-c", "4"], "exceeds the context"),
+    ([], "no prompt"),
+])
+def test_generate_refusals(tiny_nanoqwen, capsys, monkeypatch, argv, message):
+    if "-m" not in argv:
+        argv = ["-m", str(tiny_nanoqwen), *argv]
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    assert main(["generate", "--backend", "numpy", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_info_refuses_a_damaged_file(tmp_path, tiny_nanoqwen, capsys):
+    bad = tmp_path / "bad.nanoqwen"
+    data = bytearray(tiny_nanoqwen.read_bytes())
+    data[:8] = b"NOTQWEN!"
+    bad.write_bytes(bytes(data))
+    assert main(["info", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.nanoqwen" in err and "nq pack" in err
