@@ -1,0 +1,95 @@
+"""Paged attention decode on the GPU against the float64 reference from the same fp16 K/V.
+
+Tolerance: o is rounded to fp16 (half an ulp = 2.4e-4 relative near 1); the kernel adds fp32
+accumulation over up to 9000 tokens (~1e-6 relative), ex2.approx (2 ulp of fp32) and fp32
+scores.  |o| <= max|v| ~ 4 here, so rtol 2e-3 / atol 1e-3 is ~4x the fp16 rounding and far
+below what a wrong tail, page or split (errors of order 1e-1) would produce.
+"""
+import numpy as np
+import pytest
+
+from nq.config import PRESETS, tiny_config
+from nq.kernels import attn_decode
+from nq.kv_cache import PAGE, STATE_POS, gather_kv, make_state, pool_shape
+
+pytestmark = pytest.mark.gpu
+
+CFGS = {"7b": PRESETS["7b"], "tiny": tiny_config()}  # GQA 7:1 d128, GQA 2:1 d64
+
+
+def _setup(cfg, length, seed, n_pages=None):
+    from numba import cuda
+    rng = np.random.default_rng(seed)
+    need = -(-length // PAGE)
+    n_pages = n_pages or need + 7
+    # Every slot random, the tail of the last page too: a kernel reading past `length` is wrong.
+    pool = (rng.standard_normal(pool_shape(cfg, n_pages)[1:]) * 1.0).astype(np.float16)
+    table = np.zeros(need + 3, np.int32)
+    table[:need] = rng.permutation(n_pages)[:need]  # scattered pages
+    q = (rng.standard_normal(cfg.q_size) * 2.0).astype(np.float32)
+    d = dict(kv=cuda.to_device(pool), table=cuda.to_device(table), q=cuda.to_device(q),
+             state=make_state(pos=length - 1), o=cuda.device_array(cfg.q_size, np.float16))
+    k, v = gather_kv(pool, table, length)
+    ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
+    return d, ref
+
+
+def _run(cfg, d, max_splits=None):
+    pa, pm = attn_decode.attn_workspace(cfg, max_splits)
+    launch = attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
+    launch()
+    return d["o"].copy_to_host().astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 49, 1000, 9000])
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+def test_attention_matches_reference(name, length):
+    cfg = CFGS[name]
+    d, ref = _setup(cfg, length, seed=length)
+    got = _run(cfg, d)
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("length", [49, 1000, 3001])
+def test_attention_single_split_many_stage_rounds(length):
+    """max_splits=1: one CTA per kv head walks every page, wrapping the 3 stages many times."""
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=7)
+    np.testing.assert_allclose(_run(cfg, d, max_splits=1), ref, rtol=2e-3, atol=1e-3)
+
+
+def test_attention_graph_replay_follows_device_length():
+    """One captured graph, replayed after the length in `state` changes, gives each answer."""
+    from numba import cuda
+    from nq.graphs import CapturedGraph
+    cfg = CFGS["7b"]
+    d, _ = _setup(cfg, 700, seed=3)
+    pa, pm = attn_decode.attn_workspace(cfg)
+    launch = attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
+    stream = cuda.stream()
+    launch(stream)
+    stream.synchronize()
+    g = CapturedGraph(stream, lambda: launch(stream))
+    pool = d["kv"].copy_to_host()
+    table = d["table"].copy_to_host()
+    q = d["q"].copy_to_host().reshape(cfg.num_heads, cfg.head_dim)
+    for length in (700, 33, 350):
+        st = np.zeros(d["state"].shape, np.int32)
+        st[STATE_POS] = length - 1
+        d["state"].copy_to_device(st, stream=stream)
+        g.replay(stream)
+        stream.synchronize()
+        k, v = gather_kv(pool, table, length)
+        ref = attn_decode.attention_reference(q, k, v)
+        got = d["o"].copy_to_host().astype(np.float64).reshape(ref.shape)
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=1e-3)
+
+
+def test_launcher_rejects_bad_shapes():
+    from numba import cuda
+    cfg = CFGS["tiny"]
+    d, _ = _setup(cfg, 20, seed=0)
+    pa, pm = attn_decode.attn_workspace(cfg)
+    with pytest.raises(ValueError, match="q is"):
+        attn_decode.attn_decode_launcher(cfg, cuda.device_array(3, np.float32), d["state"],
+                                         d["table"], d["kv"], d["o"], pa, pm)
