@@ -52,7 +52,7 @@ def test_repo_id_resolves_from_offline_cache(offline_hub, tmp_path):
     out = pack("FakeOrg/Tiny-Coder", tmp_path / "m.nanoqwen", progress=False)
     nf = NanoqwenFile(out, verify=True)
     assert nf.header.source_revision == SHA
-    assert nf.config.replace(name=cfg.name) == cfg
+    assert nf.config == cfg.replace(name="FakeOrg/Tiny-Coder")
     assert nf.meta("config.json") == (snap / "config.json").read_bytes()
 
 

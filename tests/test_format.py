@@ -45,7 +45,6 @@ def reseal(path, header=None, entries=None):
     h.update(tensor_count=len(ents), table_size=len(table),
              file_size=h["table_offset"] + len(table))
     h.update(header or {})
-    h["source_revision"] = h["source_revision"]
     vals = [h[n] for n in names[:-1]]
     hdr = fm._HEADER.pack(*vals, 0).ljust(fm.HEADER_SIZE, b"\0")
     crc = zlib.crc32(table, zlib.crc32(hdr))

@@ -30,6 +30,7 @@ LAYOUT_VALUE_SHUFFLE = 1
 HEADER_SIZE = 256
 ALIGN = 128                      # payload alignment: TMA and 128-bit loads want 16 B, 128 B is a line
 CONFIG_TENSOR = "meta/nq_config.json"
+VERIFY_CHUNK = 64 << 20          # verify() checksums and unmaps 64 MiB at a time: RSS stays flat
 FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no lm_head tensor)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -363,8 +364,11 @@ class NanoqwenFile:
         view = memoryview(self._mm)
         try:
             for e in self._entries.values():
-                crc = zlib.crc32(view[e.offset:e.offset + e.nbytes])
-                release_pages(self._mm, e.offset, e.nbytes)
+                crc = 0
+                for at in range(e.offset, e.offset + e.nbytes, VERIFY_CHUNK):
+                    end = min(at + VERIFY_CHUNK, e.offset + e.nbytes)
+                    crc = zlib.crc32(view[at:end], crc)
+                    release_pages(self._mm, at, end - at)
                 if crc != e.crc32:
                     raise FormatError(f"{self.path}: payload checksum mismatch in tensor {e.name} "
                                       f"(stored {e.crc32:08x}, computed {crc:08x}); the file is "

@@ -112,8 +112,13 @@ class SafetensorsFile:
     def is_bf16(self, name: str) -> bool:
         return self.tensors[name]["dtype"] == "BF16"
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, rows: slice | None = None) -> None:
+        """Drop tensor `name` (or rows `rows` of it) from RSS; see format.release_pages."""
         b, e = self.tensors[name]["data_offsets"]
+        if rows is not None:
+            row = (e - b) // max(1, self.tensors[name]["shape"][0])
+            start, stop, _ = rows.indices(self.tensors[name]["shape"][0])
+            b, e = b + start * row, b + stop * row
         release_pages(self._mm, self._base + b, e - b)
 
 
@@ -179,7 +184,7 @@ class Checkpoint:
             part = raw[r:r + CONVERT_ROWS]
             out[r:r + CONVERT_ROWS] = _to_f16(bf16_to_f32(part) if sf.is_bf16(name)
                                               else part.astype(np.float32), name, sf.path)
-        sf.release(name)
+            sf.release(name, slice(r, r + CONVERT_ROWS))
         return out
 
 
@@ -248,6 +253,15 @@ def snapshot_revision(snapshot: Path) -> str:
     return ""
 
 
+def snapshot_name(snapshot: Path) -> str:
+    """A readable model name: "Org/Name" for an HF-cache snapshot, else the folder name."""
+    snapshot = Path(snapshot)
+    repo = snapshot.parent.parent.name
+    if snapshot_revision(snapshot) and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/", 1)
+    return snapshot.name
+
+
 # ---- pack ------------------------------------------------------------------------------------
 def _source_plan(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """(our name, HF name, source shape) for every tensor the file stores, in file order."""
@@ -284,7 +298,7 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True) -> P
     from tqdm import tqdm
 
     snap = resolve_snapshot(str(src), revision, progress)
-    cfg = ModelConfig.from_hf(snap / "config.json")
+    cfg = ModelConfig.from_hf(snap / "config.json", name=snapshot_name(snap))
     ckpt = Checkpoint(snap)
     plan = _source_plan(cfg)
     _check_sources(ckpt, plan)
