@@ -1,0 +1,254 @@
+"""The GPU engine: weights on the device, KV pages, and decode as one captured CUDA graph.
+
+One decode step (this file never holds a kernel body; nq/kernels does):
+
+    feed       state.token = prompt[pos - start] while inside the prompt (prefill = replays)
+    embed      x = emb[state.token]                                   x: (hidden,) fp32
+    per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
+               q, KV page[pos] = rope(qkv)                            rope_kv
+               o    = paged_attention(q, pages[0..pos])               attn_split + combine
+               x   += o @ Wo                                          GEMV, residual epilogue
+               a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
+               x   += a @ Wd                                          GEMV, residual epilogue
+    lm_head    logits = rmsnorm(x) @ Wlm                              fp16 GEMV
+    argmax     state.token = argmax(logits); out_ids[step] = token; pos += 1; step += 1
+
+Everything that changes per step lives in device memory (`state`, the block table), so the
+step is captured once and replayed.  One graph serves every position: the kernels read `pos`
+on the device and pages are reserved ahead, so nothing differs at a page boundary
+(docs/KERNELS.md says why the seed's two graphs are not needed here).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from nq.config import ModelConfig
+from nq.graphs import CapturedGraph
+from nq.kv_cache import (PAGE, STATE_LEN, STATE_POS, STATE_STEP, STATE_TOKEN, KVCacheFull,
+                         PageAllocator, Sequence, pages_for, pool_shape, release, reserve)
+
+
+def memset_zero(arr, stream) -> None:
+    """Zero a numba device array asynchronously (no host buffer of its size)."""
+    from cuda.bindings import driver as cu
+    from nq.graphs import _check, stream_handle
+    ptr = arr.__cuda_array_interface__["data"][0]
+    _check(cu.cuMemsetD8Async(ptr, 0, arr.nbytes, stream_handle(stream)))
+
+
+class Engine:
+    """Batch-1 decode of one sequence on the GPU (the `--backend gpu` of `nq generate`).
+
+    Backend interface of nq/generate.py: `reset()`, `prefill(ids) -> logits`,
+    `decode(token) -> logits` (host sampling), and `generate_ids(...)` (greedy on the device,
+    the host reading each token one step late).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True):
+        from numba import cuda
+
+        from nq.kernels import argmax, attn_decode, embed, feed, lm_head, rope_kv
+        from nq.kernels.gemv_int4 import decode_gemvs
+
+        self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
+        self.stream = cuda.stream()
+        s = self.stream
+        c = cfg
+        # ---- decode state and scratch: allocated once; graphs keep pointing at them -------
+        self.n_pages = pages_for(self.max_len) + 1
+        self.alloc = PageAllocator(self.n_pages)
+        self.seq = Sequence(max_pages=pages_for(self.max_len))
+        self.kv = cuda.device_array(pool_shape(c, self.n_pages), np.float16)  # (L, pages, Hkv, 2, 16, D)
+        memset_zero(self.kv, s)  # never-written slots must not hold NaN bit patterns
+        self.d_table = cuda.to_device(self.seq.table, stream=s)              # (max_pages,) int32
+        self.state = cuda.to_device(np.zeros(STATE_LEN, np.int32), stream=s)  # kv_cache.py layout
+        self.out_ids = cuda.device_array(self.max_len, np.int32)              # ring, by step
+        self.prompt = cuda.device_array(self.max_len, np.int32)               # (max_len,) ids
+        self.feed_meta = cuda.to_device(np.zeros(2, np.int32), stream=s)      # [start, length]
+        self.x = cuda.device_array(c.hidden_size, np.float32)                 # residual stream
+        self.qkv = cuda.device_array(c.qkv_size, np.float32)
+        self.q = cuda.device_array(c.q_size, np.float32)                      # rotated q
+        self.o = cuda.device_array(c.q_size, np.float16)                      # attention output
+        self.logits = cuda.device_array(c.vocab_size, np.float32)
+        self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
+        part_acc, part_ml = attn_decode.attn_workspace(c)
+
+        # ---- launchers: shapes checked once, here ------------------------------------------
+        steps = [feed.feed_launcher(self.prompt, self.feed_meta, self.state),
+                 embed.embed_launcher(weights.embed, self.state, self.x)]
+        self.gemv = decode_gemvs(c, weights, self.x, self.qkv, self.o)
+        for i in range(c.num_layers):
+            kv_i = self.kv[i]
+            steps += [
+                self.gemv.qkv(i),
+                rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq, self.d_table,
+                                         kv_i, self.q),
+                attn_decode.attn_decode_launcher(c, self.q, self.state, self.d_table, kv_i,
+                                                 self.o, part_acc, part_ml),
+                self.gemv.o_proj(i),
+                self.gemv.gate_up(i),
+                self.gemv.down(i),
+            ]
+        steps.append(lm_head.lm_head_launcher(c, self.x, weights.norm, weights.lm_head,
+                                              self.logits))
+        steps.append(argmax.argmax_launcher(self.logits, self.state, self.out_ids,
+                                            argmax.argmax_workspace()))
+        self._steps = steps
+        self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
+        self._h_tok = cuda.pinned_array(2, np.int32)
+        self.graph = None
+        if use_graph:
+            self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
+            self.stream.synchronize()
+            self.graph = CapturedGraph(self.stream, self.run_eager, name="decode")
+        self.reset()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
+        from nq.weights_gpu import upload
+        return cls(nf.config, upload(nf), max_len=max_len, **kw)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, **kw) -> "Engine":
+        """Random weights of cfg's shape made on the GPU (benchmarks: no download, no host copy)."""
+        from nq.weights_gpu import random_device_weights
+        return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def run_eager(self) -> None:
+        for launch in self._steps:
+            launch(self.stream)
+
+    def step(self) -> None:
+        """Enqueue one decode step (graph replay, or eager launches without a graph)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run_eager()
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache (host view; valid after a synchronize)."""
+        return self._pos
+
+    def reset(self) -> None:
+        self.stream.synchronize()
+        release(self.alloc, self.seq)
+        self._pos = 0
+        self._write_state(token=0, pos=0, step=0)
+
+    def _write_state(self, token: int, pos: int, step: int) -> None:
+        h = self._h_state
+        h[:] = 0
+        h[STATE_TOKEN], h[STATE_POS], h[STATE_STEP] = token, pos, step
+        self.state.copy_to_device(h, stream=self.stream)
+
+    def _reserve(self, n_tokens: int) -> None:
+        if n_tokens > self.max_len:
+            raise KVCacheFull(f"context of {n_tokens} tokens exceeds this engine's {self.max_len}; "
+                              "raise -c")
+        reserve(self.alloc, self.seq, n_tokens)
+        if self.seq.dirty:
+            self.d_table.copy_to_device(self.seq.table, stream=self.stream)
+            self.seq.dirty = False
+
+    def _start_prompt(self, ids) -> int:
+        """Upload ids as the tokens following the cache; returns their count."""
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("prefill: no tokens")
+        start = self._pos
+        self._reserve(start + ids.size)
+        self.stream.synchronize()  # the pinned/host buffers below are reused
+        self.prompt[: ids.size].copy_to_device(ids, stream=self.stream)
+        self.feed_meta.copy_to_device(np.array([start, ids.size], np.int32), stream=self.stream)
+        self._write_state(token=int(ids[0]), pos=start, step=0)
+        return int(ids.size)
+
+    # ---- host-sampled interface ---------------------------------------------------------------
+    def prefill(self, ids) -> np.ndarray:
+        """Append ids to the context (one step per token); logits (vocab,) fp32 of the last."""
+        n = self._start_prompt(ids)
+        for _ in range(n):
+            self.step()
+        self._pos += n
+        return self.logits.copy_to_host(stream=self.stream)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token -> logits (vocab,) fp32."""
+        self._reserve(self._pos + 1)
+        self._write_state(token=int(token), pos=self._pos, step=0)
+        self.step()
+        self._pos += 1
+        return self.logits.copy_to_host(stream=self.stream)
+
+    # ---- greedy on the device -----------------------------------------------------------------
+    def generate_ids(self, prompt_ids, n: int, params, stop_ids=frozenset()):
+        """Yield up to n greedy ids; the host reads token k while step k+1 already runs."""
+        if params.temperature > 0 or params.repeat_penalty != 1.0:
+            from nq.generate import _sampled_ids
+            from nq.sample import Sampler
+            yield from _sampled_ids(self, list(prompt_ids), n, Sampler(params), stop_ids)
+            return
+        p = self._start_prompt(prompt_ids)
+        self._reserve(self._pos + p + n)
+        for _ in range(p - 1):
+            self.step()
+        # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
+        # read after step k is queued, so the GPU never waits for the host.
+        prev = None
+        for k in range(n):
+            self.step()
+            reader = self._enqueue_read(p - 1 + k, k % 2)
+            if prev is not None:
+                tok = prev()
+                yield tok
+                if tok in stop_ids:
+                    self._finish(p + k - 1)
+                    return
+            prev = reader
+        yield prev()
+        self._finish(p + n - 1)
+
+    def _enqueue_read(self, index: int, slot: int):
+        """Copy out_ids[index] into pinned slot after the work queued so far; return a reader."""
+        from numba import cuda
+        self.out_ids[index: index + 1].copy_to_host(self._h_tok[slot: slot + 1], stream=self.stream)
+        ev = cuda.event(timing=False)
+        ev.record(self.stream)
+
+        def read() -> int:
+            ev.synchronize()
+            return int(self._h_tok[slot])
+        return read
+
+    def _finish(self, fed: int) -> None:
+        """After generation: the cache holds the prompt plus the generated tokens that were fed."""
+        self.stream.synchronize()
+        self._pos += fed
+
+    def fake_context(self, length: int) -> None:
+        """Benchmarks only: make the cache `length` tokens long without computing them (the
+        pages hold zeros), so a decode step at 8K or 32K context can be timed in seconds."""
+        self._reserve(length + 1)
+        self._pos = int(length)
+        self._write_state(token=0, pos=self._pos, step=0)
+        self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
+
+    # ---- timing -------------------------------------------------------------------------------
+    def time_steps(self, n: int, warmup: int = 3) -> list[float]:
+        """Per-step GPU times (ms) of n replays at the current state, measured with events."""
+        from numba import cuda
+        for _ in range(warmup):
+            self.step()
+        evs = [cuda.event() for _ in range(n + 1)]
+        evs[0].record(self.stream)
+        for i in range(n):
+            self.step()
+            evs[i + 1].record(self.stream)
+        evs[-1].synchronize()
+        return [cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(n)]
