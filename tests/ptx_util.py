@@ -66,6 +66,15 @@ _REGS = re.compile(r"[Uu]sed (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def have_ptxas() -> bool:
+    """Whether ptxas_report can run here (cuda.core + nvJitLink, or a ptxas binary)."""
+    try:
+        import cuda.core  # noqa: F401
+        return True
+    except ImportError:
+        return bool(shutil.which("ptxas")) or Path("/usr/local/cuda/bin/ptxas").exists()
+
+
 def ptxas_log(ptx: str) -> str:
     """ptxas's verbose report for sm_90: nvJitLink from pip first, else a ptxas on PATH.
 

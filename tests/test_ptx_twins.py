@@ -284,3 +284,163 @@ def test_st_global_v4_twin_writes_memory_order():
     f = np.zeros(8, dtype=np.float32)
     P.st_global_v4_u32.twin(f, 4, *np.array([1.0, 2.0, -3.0, 0.5], dtype=np.float32).view(np.uint32))
     np.testing.assert_array_equal(f[4:], [1.0, 2.0, -3.0, 0.5])
+
+
+# ---- shared addresses, mbarrier, bulk copy ---------------------------------------------------
+def test_shared_address_twin_is_consistent_across_views():
+    buf = np.zeros(64, dtype=np.uint32)
+    base = int(P.cvta_to_shared_u32.twin(buf))
+    assert base % 16 == 0 and base < 2**32
+    assert int(P.cvta_to_shared_u32.twin(buf[8:])) == base + 32
+    other = int(P.cvta_to_shared_u32.twin(np.zeros(4, dtype=np.uint64)))
+    assert other >= base + 256 or other + 32 <= base  # distinct buffers never overlap
+
+
+def test_mbarrier_arrival_counting_and_phases():
+    bars = np.zeros(2, dtype=np.uint64)
+    bar = P.cvta_to_shared_u32.twin(bars)
+    P.mbarrier_init.twin(bar, 2)
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 0
+    assert P.mbarrier_try_wait_parity.twin(bar, 1) == 1  # "the phase before" counts as done
+    assert P.mbarrier_arrive.twin(bar) == 0
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 0
+    P.mbarrier_arrive.twin(bar)
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 1
+    assert P.mbarrier_try_wait_parity.twin(bar, 1) == 0  # re-armed: phase 1 in progress
+    assert P.mbarrier_arrive.twin(bar) == 1
+    P.mbarrier_arrive.twin(bar)
+    assert P.mbarrier_try_wait_parity.twin(bar, 1) == 1
+    P.mbarrier_wait_parity.twin(bar, 1)  # returns at once
+
+
+def test_bulk_copy_completes_the_phase_only_with_all_bytes():
+    bars = np.zeros(1, dtype=np.uint64)
+    tile = np.zeros(32, dtype=np.uint32)
+    src = np.arange(64, dtype=np.uint32) + np.uint32(1000)
+    bar, dst = P.cvta_to_shared_u32.twin(bars), P.cvta_to_shared_u32.twin(tile)
+    P.mbarrier_init.twin(bar, 1)
+    P.mbarrier_arrive_expect_tx.twin(bar, 128)
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 0  # arrived, but no bytes yet
+    P.cp_async_bulk_g2s.twin(dst, src, 16, 64, bar)
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 0  # half the bytes
+    P.cp_async_bulk_g2s_hint.twin(dst + 64, src, 48, 64, bar, P.createpolicy_evict_first_b64.twin())
+    assert P.mbarrier_try_wait_parity.twin(bar, 0) == 1
+    np.testing.assert_array_equal(tile[:16], src[16:32])
+    np.testing.assert_array_equal(tile[16:], src[48:64])
+    # bytes may land before the producer announces them (tx-count goes negative meanwhile)
+    P.cp_async_bulk_g2s.twin(dst, src, 0, 16, bar)
+    assert P.mbarrier_try_wait_parity.twin(bar, 1) == 0
+    P.mbarrier_arrive_expect_tx.twin(bar, 16)
+    assert P.mbarrier_try_wait_parity.twin(bar, 1) == 1
+
+
+def test_bulk_copy_rejects_what_the_gpu_would_fault_on():
+    bars, tile = np.zeros(1, dtype=np.uint64), np.zeros(32, dtype=np.uint32)
+    src = np.zeros(64, dtype=np.uint32)
+    bar, dst = P.cvta_to_shared_u32.twin(bars), P.cvta_to_shared_u32.twin(tile)
+    P.mbarrier_init.twin(bar, 1)
+    with pytest.raises(AssertionError, match="multiple of 16"):
+        P.cp_async_bulk_g2s.twin(dst, src, 0, 24, bar)
+    with pytest.raises(AssertionError, match="misaligned"):
+        P.cp_async_bulk_g2s.twin(dst, src, 2, 16, bar)
+    with pytest.raises(RuntimeError, match="before mbarrier_init"):
+        P.mbarrier_arrive.twin(P.cvta_to_shared_u32.twin(np.zeros(1, dtype=np.uint64)))
+
+
+# ---- dp4a ------------------------------------------------------------------------------------
+def test_dp4a_hand_cases():
+    assert P.dp4a_s32.twin(0x01020304, 0x01010101, 0) == 10
+    assert P.dp4a_s32.twin(0xFFFFFFFF, 0xFFFFFFFF, -4) == 0           # (-1)(-1) * 4 - 4
+    assert P.dp4a_s32.twin(0x80808080, 0x80808080, 0) == 4 * 128 * 128
+    assert P.dp4a_s32.twin(0x0000007F, 0x00000080, 7) == 127 * -128 + 7
+    assert P.dp4a_s32.twin(0x01, 0x01, 2**31 - 1) == -2**31            # wraps like an s32 add
+    for _ in range(200):
+        a8, b8 = RNG.integers(-128, 128, 4), RNG.integers(-128, 128, 4)
+        c = int(RNG.integers(-2**20, 2**20))
+        a = int(np.array(a8, dtype=np.int8).view("<u4")[0])
+        b = int(np.array(b8, dtype=np.int8).view("<u4")[0])
+        assert P.dp4a_s32.twin(a, b, c) == int(a8 @ b8) + c
+
+
+# ---- ldmatrix and mma fragments --------------------------------------------------------------
+from nq.ptx.mma import ldmatrix_x4_warp, mma_m16n8k16_f16_f32_warp  # noqa: E402
+
+
+def pack2(lo, hi):
+    return int(np.array([lo, hi], dtype=np.float16).view("<u4")[0])
+
+
+def a_fragments(A):
+    """A 16x16 -> (32, 4) uint32, written out from the PTX ISA's figure for m16n8k16 .row."""
+    out = np.zeros((32, 4), dtype=np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        out[lane] = [pack2(A[g, 2 * t], A[g, 2 * t + 1]),
+                     pack2(A[g + 8, 2 * t], A[g + 8, 2 * t + 1]),
+                     pack2(A[g, 2 * t + 8], A[g, 2 * t + 9]),
+                     pack2(A[g + 8, 2 * t + 8], A[g + 8, 2 * t + 9])]
+    return out
+
+
+def b_fragments(B):
+    """B 16x8 (K x N) -> (32, 2) uint32 (.col operand)."""
+    out = np.zeros((32, 2), dtype=np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        out[lane] = [pack2(B[2 * t, g], B[2 * t + 1, g]), pack2(B[2 * t + 8, g], B[2 * t + 9, g])]
+    return out
+
+
+def c_fragments(C):
+    out = np.zeros((32, 4), dtype=np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        out[lane] = [C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]]
+    return out
+
+
+def test_mma_warp_model_is_a_matmul():
+    A = RNG.standard_normal((16, 16)).astype(np.float16)
+    B = RNG.standard_normal((16, 8)).astype(np.float16)
+    C = RNG.standard_normal((16, 8)).astype(np.float32)
+    d = mma_m16n8k16_f16_f32_warp(a_fragments(A), b_fragments(B), c_fragments(C))
+    want = A.astype(np.float64) @ B.astype(np.float64) + C
+    np.testing.assert_allclose(d, c_fragments(want), rtol=1e-6, atol=1e-6)
+    # a single nonzero in A and B lands exactly where D[row, col] says
+    A, B = np.zeros((16, 16), np.float16), np.zeros((16, 8), np.float16)
+    A[13, 9], B[9, 6] = 3.0, -2.0
+    d = mma_m16n8k16_f16_f32_warp(a_fragments(A), b_fragments(B), np.zeros((32, 4), np.float32))
+    lane, reg = 4 * (13 - 8) + 6 // 2, 2 + 6 % 2
+    assert d[lane, reg] == -6.0 and np.count_nonzero(d) == 1
+
+
+def rows_for(tile, lane_rc):
+    """The 8 fp16 (as uint16) that each lane's ldmatrix address points at: lane_rc(i) -> (r, c)."""
+    u = tile.view(np.uint16)
+    return np.array([u[r, c:c + 8] for r, c in (lane_rc(i) for i in range(32))])
+
+
+def test_ldmatrix_a_tile_gives_mma_a_fragments():
+    A = RNG.standard_normal((16, 16)).astype(np.float16)
+    regs = ldmatrix_x4_warp(rows_for(A, lambda i: (i % 16, 8 * (i // 16))))
+    np.testing.assert_array_equal(regs, a_fragments(A))
+
+
+def test_ldmatrix_b_tiles_give_mma_b_fragments():
+    B = RNG.standard_normal((16, 16)).astype(np.float16)  # K x N, two n-blocks of 8
+    # stored N-major (Bt[n, k]), no transpose
+    regs = ldmatrix_x4_warp(rows_for(np.ascontiguousarray(B.T),
+                                     lambda i: ((i % 8) + 8 * (i // 16), 8 * ((i // 8) % 2))))
+    np.testing.assert_array_equal(regs[:, 0:2], b_fragments(B[:, 0:8]))
+    np.testing.assert_array_equal(regs[:, 2:4], b_fragments(B[:, 8:16]))
+    # stored K-major (B[k, n]) with .trans: lane i addresses B row (i % 8) + 8 * ((i // 8) % 2)
+    # at column 8 * (i // 16)
+    regs = ldmatrix_x4_warp(rows_for(B, lambda i: ((i % 8) + 8 * ((i // 8) % 2), 8 * (i // 16))),
+                            trans=True)
+    np.testing.assert_array_equal(regs[:, 0:2], b_fragments(B[:, 0:8]))
+    np.testing.assert_array_equal(regs[:, 2:4], b_fragments(B[:, 8:16]))
+
+
+def test_warp_twins_refuse_to_run_outside_a_simulated_kernel():
+    with pytest.raises(RuntimeError, match="inside a simulated kernel"):
+        P.mma_sync_m16n8k16_f16_f32.twin(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)

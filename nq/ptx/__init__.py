@@ -2,19 +2,44 @@
 
 Kernels import the wrappers from here; under the CUDA simulator each name is its twin.
 See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
+
+    permute   prmt_b32, lop3_b32 (+ LOP3_A/B/C and the luts the GEMV uses)
+    memory    ld_global_nc_v4_u32 (+ _na_ and _hint_ variants, createpolicy_evict_first_b64),
+              st_global_v4_u32, cvta_to_shared_u32
+    half      fma_rn_f16x2, mul_rn_f16x2, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
+              pack_f16x2_from_f32, unpack_f16x2_to_f32
+    mbarrier  mbarrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx,
+              mbarrier_try_wait_parity, mbarrier_wait_parity
+    fence     fence_mbarrier_init, fence_proxy_async_shared
+    bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint
+    mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
+    dp4a      dp4a_s32
 """
 from nq.ptx._asm import SIMULATOR
+from nq.ptx.bulk import cp_async_bulk_g2s, cp_async_bulk_g2s_hint
+from nq.ptx.dp4a import dp4a_s32
+from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
 from nq.ptx.half import (add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, mul_rn_f16x2,
                          pack_f16x2_from_f32, unpack_f16x2_to_f32)
-from nq.ptx.memory import (createpolicy_evict_first_b64, ld_global_nc_hint_v4_u32,
-                           ld_global_nc_na_v4_u32, ld_global_nc_v4_u32, st_global_v4_u32)
+from nq.ptx.mbarrier import (mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+                             mbarrier_try_wait_parity, mbarrier_wait_parity)
+from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
+                           ld_global_nc_hint_v4_u32, ld_global_nc_na_v4_u32, ld_global_nc_v4_u32,
+                           st_global_v4_u32)
+from nq.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
 from nq.ptx.permute import LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop3_b32, prmt_b32
 
 __all__ = [
     "SIMULATOR",
-    "add_rn_f16x2", "cvt_f32_f16", "cvt_rn_f16_f32", "fma_rn_f16x2", "mul_rn_f16x2",
+    "prmt_b32", "lop3_b32", "LOP3_A", "LOP3_B", "LOP3_C", "LUT_AND_OR", "LUT_AND_XOR",
+    "ld_global_nc_v4_u32", "ld_global_nc_na_v4_u32", "ld_global_nc_hint_v4_u32",
+    "createpolicy_evict_first_b64", "st_global_v4_u32", "cvta_to_shared_u32",
+    "fma_rn_f16x2", "mul_rn_f16x2", "add_rn_f16x2", "cvt_f32_f16", "cvt_rn_f16_f32",
     "pack_f16x2_from_f32", "unpack_f16x2_to_f32",
-    "createpolicy_evict_first_b64", "ld_global_nc_hint_v4_u32", "ld_global_nc_na_v4_u32",
-    "ld_global_nc_v4_u32", "st_global_v4_u32",
-    "LOP3_A", "LOP3_B", "LOP3_C", "LUT_AND_OR", "LUT_AND_XOR", "lop3_b32", "prmt_b32",
+    "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
+    "mbarrier_try_wait_parity", "mbarrier_wait_parity",
+    "fence_mbarrier_init", "fence_proxy_async_shared",
+    "cp_async_bulk_g2s", "cp_async_bulk_g2s_hint",
+    "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
+    "dp4a_s32",
 ]

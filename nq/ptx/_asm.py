@@ -21,6 +21,7 @@ Python arguments in order.  Operand kinds, one table for every wrapper:
     u16 / u32 / s32 / u64 / f32 / f64   a register of that type (the argument is cast to it)
     imm                                  a compile-time integer constant, spliced into the
                                          text (a literal or a global/closure int in the kernel)
+    base                                 an array: the 64-bit generic address of its element 0
     arr, idx                             an array and an element index (an int, or a tuple for
                                          an N-d array): together one 64-bit generic address,
                                          referenced by the `arr` slot; the `idx` slot is unused
@@ -80,7 +81,7 @@ def ptx(template, *, out=None, args=(), effect="pure"):
     for k in outs:
         assert k in KINDS, f"output kind {k!r}"
     for i, k in enumerate(args):
-        assert k in KINDS or k in ("imm", "arr", "idx"), f"argument kind {k!r}"
+        assert k in KINDS or k in ("imm", "base", "arr", "idx"), f"argument kind {k!r}"
         assert (k == "idx") == (i > 0 and args[i - 1] == "arr"), "write 'arr' then 'idx'"
 
     def wrap(twin):
@@ -124,7 +125,7 @@ def _make_intrinsic(twin, template, outs, kinds, effect, single):
                         f"name (`from nq.ptx import LUT_AND_XOR`); numba types a module "
                         f"attribute such as `ptx.LUT_AND_XOR` as a runtime int64")
                 sig_args.append(t)
-            elif k == "arr":
+            elif k in ("arr", "base"):
                 if not isinstance(t, types.Array):
                     raise TypingError(f"{name}: argument {i} must be an array, got {t}")
                 sig_args.append(t)
@@ -163,6 +164,10 @@ def _make_intrinsic(twin, template, outs, kinds, effect, single):
                 if k == "arr":
                     value = element_address(context, builder, sig.args[i], llargs[i],
                                             sig.args[i + 1], llargs[i + 1])
+                    constraints.append("l")
+                elif k == "base":
+                    data = context.make_array(sig.args[i])(context, builder, value=llargs[i]).data
+                    value = builder.ptrtoint(data, ir.IntType(64))
                     constraints.append("l")
                 else:
                     value = llargs[i]

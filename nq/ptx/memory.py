@@ -1,4 +1,4 @@
-"""Global memory: 16-byte loads through the read-only path, 16-byte stores, L2 cache policies.
+"""Memory: 16-byte global loads (read-only path) and stores, L2 policies, shared addresses.
 
 A GEMV streams each weight byte exactly once, so what matters is bytes in flight per
 instruction: one `ld.global.nc.v4.u32` moves 16 bytes (32 INT4 weights).  numba's array
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nq.ptx import _sim
 from nq.ptx._asm import ptx
 
 # createpolicy's result is an opaque 64-bit descriptor; the twin's stand-in value.
@@ -90,3 +91,16 @@ def st_global_v4_u32(arr, idx, a, b, c, d):
     """
     words = np.array([int(v) & 0xFFFFFFFF for v in (a, b, c, d)], dtype=np.uint32)
     _bytes_at(arr, idx)[:] = words.view(np.uint8)
+
+
+@ptx("{ .reg .u64 nq_s; cvta.to.shared.u64 nq_s, %1; cvt.u32.u64 %0, nq_s; }",
+     out="u32", args=("base",))
+def cvta_to_shared_u32(arr):
+    """`cvta.to.shared.u64 s, &arr[0]; cvt.u32.u64 d, s;` -- arr's address in the shared window.
+
+    arr must be a cuda.shared.array (or a slice of one).  mbarrier, cp.async.bulk and ldmatrix
+    address shared memory by this 32-bit offset; add byte offsets to it for other elements.
+    Compute it once per kernel: it costs two instructions.  Under the simulator it is a
+    stand-in address that the other twins map back to the numpy buffer (nq/ptx/_sim.py).
+    """
+    return _sim.shared_address(arr)

@@ -1,0 +1,148 @@
+"""What the twins of shared-memory and warp-collective instructions need under the simulator.
+
+The CUDA simulator runs each thread as a Python thread with shared arrays as numpy arrays,
+and has no shared-memory addresses, mbarriers or warps.  This module models the three:
+
+* shared addresses: `shared_address(arr)` hands out a stable 32-bit stand-in address for a
+  numpy buffer (1 KiB-aligned regions from 0x400), and `shared_bytes(addr, n)` maps one back
+  to a writable uint8 view, so kernels can do address arithmetic exactly as on the GPU;
+* mbarriers: the phase / pending-arrival / transaction-count state machine of the PTX ISA,
+  kept beside the memory (the 8 bytes of the barrier itself are not touched);
+* warps: `warp_exchange(value)` is a rendezvous of the 32 lanes of the calling thread's warp
+  that returns every lane's value, which is all ldmatrix and mma.sync need.
+
+Nothing here is used on the GPU target.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+_lock = threading.RLock()
+_regions: list[tuple[int, int, int, np.ndarray]] = []  # (host start, nbytes, base, uint8 view)
+_next_base = 0x400
+_barriers: dict[int, "Mbarrier"] = {}
+_warps: dict[tuple, "_Exchange"] = {}
+WARP_TIMEOUT_S = 60.0  # a lane that never arrives is a bug in the kernel: fail, do not hang
+
+
+def _host_view(arr) -> np.ndarray:
+    a = np.asarray(getattr(arr, "_ary", arr))
+    assert a.flags.c_contiguous, "simulated shared memory must be C-contiguous"
+    return a.reshape(-1).view(np.uint8)
+
+
+def shared_address(arr) -> np.uint32:
+    """A 32-bit stand-in shared-memory address for element 0 of arr."""
+    global _next_base
+    raw = _host_view(arr)
+    p, n = raw.ctypes.data, raw.size
+    with _lock:
+        for start, size, base, _ in _regions:
+            if start <= p and p + n <= start + size:
+                return np.uint32(base + (p - start))
+        base = _next_base
+        _next_base = (base + max(n, 1) + 0x3FF) & ~0x3FF
+        assert _next_base < 2**32, "simulated shared window exhausted"
+        _regions.append((p, n, base, raw))
+        return np.uint32(base)
+
+
+def shared_bytes(addr, n: int) -> np.ndarray:
+    """Writable uint8 view of n bytes of simulated shared memory at addr."""
+    addr = int(addr)
+    with _lock:
+        for _, size, base, raw in _regions:
+            if base <= addr and addr + n <= base + size:
+                return raw[addr - base: addr - base + n]
+    raise IndexError(f"simulated shared address 0x{addr:x} (+{n}) is not in any shared array "
+                     "that went through cvta_to_shared_u32")
+
+
+# ---- mbarrier ---------------------------------------------------------------------------------
+class Mbarrier:
+    """PTX mbarrier: a phase completes when its pending arrivals and its tx-count both reach 0;
+    then the phase flips and the arrival count is re-armed."""
+
+    def __init__(self, count: int):
+        assert 1 <= count < 2**20, "mbarrier arrival count is 1 .. 2^20-1"
+        self.expected = count
+        self.pending = count
+        self.tx = 0
+        self.phase = 0
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase ^= 1
+            self.pending = self.expected
+
+    def arrive(self, count=1) -> int:
+        old = self.phase
+        assert self.pending >= count, "more arrivals than the barrier expects this phase"
+        self.pending -= count
+        self._maybe_complete()
+        return old
+
+    def expect_tx(self, nbytes: int):
+        self.tx += nbytes
+
+    def complete_tx(self, nbytes: int):
+        self.tx -= nbytes
+        self._maybe_complete()
+
+
+def mbarrier(addr) -> Mbarrier:
+    with _lock:
+        try:
+            return _barriers[int(addr)]
+        except KeyError:
+            raise RuntimeError(f"mbarrier at 0x{int(addr):x} used before mbarrier_init") from None
+
+
+def mbarrier_new(addr, count):
+    shared_bytes(addr, 8)  # the barrier must live in a registered shared array
+    assert int(addr) % 8 == 0, "an mbarrier is 8-byte aligned"
+    with _lock:
+        _barriers[int(addr)] = Mbarrier(int(count))
+
+
+def locked(fn, *args):
+    with _lock:
+        return fn(*args)
+
+
+def spin():
+    """Give other simulator threads the GIL while a lane polls a barrier."""
+    time.sleep(0)
+
+
+# ---- warps ------------------------------------------------------------------------------------
+class _Exchange:
+    def __init__(self, lanes):
+        self.barrier = threading.Barrier(lanes, timeout=WARP_TIMEOUT_S)
+        self.slots = [None] * lanes
+
+
+def warp_exchange(value) -> list:
+    """Rendezvous of the caller's warp in the simulator: every lane's value, by lane."""
+    t = threading.current_thread()
+    try:
+        tid, manager, block = t.thread_id, t._manager, tuple(t.blockIdx)
+    except AttributeError:
+        raise RuntimeError("warp-collective twins run only inside a simulated kernel") from None
+    nthreads = int(np.prod(manager._block_dim))
+    warp, lane = divmod(tid, 32)
+    lanes = min(32, nthreads - 32 * warp)
+    with _lock:
+        ex = _warps.setdefault((id(manager), block, warp), _Exchange(lanes))
+    ex.slots[lane] = value
+    ex.barrier.wait()
+    values = list(ex.slots)
+    ex.barrier.wait()  # nobody overwrites a slot before every lane has read them all
+    return values
+
+
+def lane_id() -> int:
+    return threading.current_thread().thread_id % 32
