@@ -50,7 +50,7 @@ class Engine:
         from numba import cuda
 
         from nq.kernels import argmax, attn_decode, embed, feed, lm_head, rope_kv
-        from nq.kernels.gemv_int4 import decode_gemvs
+        from nq.weights_gpu import gemvs
 
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
         self.stream = cuda.stream()
@@ -71,6 +71,7 @@ class Engine:
         self.qkv = cuda.device_array(c.qkv_size, np.float32)
         self.q = cuda.device_array(c.q_size, np.float32)                      # rotated q
         self.o = cuda.device_array(c.q_size, np.float16)                      # attention output
+        self.a = cuda.device_array(c.intermediate_size, np.float16)           # SwiGLU output
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
         part_acc, part_ml = attn_decode.attn_workspace(c)
@@ -78,18 +79,19 @@ class Engine:
         # ---- launchers: shapes checked once, here ------------------------------------------
         steps = [feed.feed_launcher(self.prompt, self.feed_meta, self.state),
                  embed.embed_launcher(weights.embed, self.state, self.x)]
-        self.gemv = decode_gemvs(c, weights, self.x, self.qkv, self.o)
-        for i in range(c.num_layers):
+        g = gemvs(c)
+        for i, L in enumerate(weights.layers):
             kv_i = self.kv[i]
             steps += [
-                self.gemv.qkv(i),
+                lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b,
+                                         self.qkv, st),
                 rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq, self.d_table,
                                          kv_i, self.q),
                 attn_decode.attn_decode_launcher(c, self.q, self.state, self.d_table, kv_i,
                                                  self.o, part_acc, part_ml),
-                self.gemv.o_proj(i),
-                self.gemv.gate_up(i),
-                self.gemv.down(i),
+                lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st),
+                lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w, L.gu_s, self.a, st),
+                lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st),
             ]
         steps.append(lm_head.lm_head_launcher(c, self.x, weights.norm, weights.lm_head,
                                               self.logits))

@@ -1,0 +1,79 @@
+"""Deterministic pseudo-random fill of device buffers, for random-weight models made on the GPU.
+
+Why: `nq bench --random 7b` and the GPU tests of large shapes need ~4.5 GB of weights of the
+right shapes without a download or a host copy.  Each element is a hash of (seed, index)
+(splitmix32-style), so a buffer is the same on every run and independent of the launch shape.
+
+    fill_u32(arr, seed)                  every bit random (INT4 nibbles: uniform in [-8, 7])
+    fill_f16(arr, seed, center, radius)  uniform in [center - radius, center + radius]
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+THREADS = 256
+BLOCKS = 4096  # grid-stride: any size, one launch
+
+
+def hash_u32_reference(seed: int, idx: np.ndarray) -> np.ndarray:
+    """The kernel's hash, in NumPy (uint32 wrap-around arithmetic)."""
+    with np.errstate(over="ignore"):
+        h = (np.asarray(idx, np.uint64) * np.uint64(0x9E3779B9) + np.uint64(seed)) & np.uint64(0xFFFFFFFF)
+        h = h.astype(np.uint32)
+        h ^= h >> np.uint32(16)
+        h = (h.astype(np.uint64) * np.uint64(0x7FEB352D) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        h ^= h >> np.uint32(15)
+        h = (h.astype(np.uint64) * np.uint64(0x846CA68B) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+@functools.cache
+def _kernels():
+    from numba import cuda, float16, float32, uint32
+
+    @cuda.jit(device=True, inline=True)
+    def mix(seed, i):
+        h = uint32(uint32(i) * uint32(0x9E3779B9) + uint32(seed))
+        h ^= h >> uint32(16)
+        h = uint32(h * uint32(0x7FEB352D))
+        h ^= h >> uint32(15)
+        h = uint32(h * uint32(0x846CA68B))
+        h ^= h >> uint32(16)
+        return h
+
+    @cuda.jit("void(uint32[::1], uint32)")
+    def fill_u32(a, seed):
+        i = cuda.grid(1)
+        while i < a.shape[0]:
+            a[i] = mix(seed, i)
+            i += cuda.gridsize(1)
+
+    @cuda.jit("void(float16[::1], uint32, float32, float32)")
+    def fill_f16(a, seed, center, radius):
+        i = cuda.grid(1)
+        while i < a.shape[0]:
+            u = float32(mix(seed, i) >> uint32(8)) * float32(1.0 / 16777216.0)  # [0, 1)
+            a[i] = float16(center + radius * (float32(2.0) * u - float32(1.0)))
+            i += cuda.gridsize(1)
+
+    return fill_u32, fill_f16
+
+
+def _flat(arr):
+    return arr.reshape(arr.size) if len(arr.shape) != 1 else arr
+
+
+def fill_u32(arr, seed: int, stream=0) -> None:
+    if arr.dtype != np.uint32:
+        raise ValueError(f"fill_u32: {arr.dtype} array, want uint32")
+    _kernels()[0][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF))
+
+
+def fill_f16(arr, seed: int, center: float, radius: float, stream=0) -> None:
+    if arr.dtype != np.float16:
+        raise ValueError(f"fill_f16: {arr.dtype} array, want float16")
+    _kernels()[1][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF),
+                                           np.float32(center), np.float32(radius))
