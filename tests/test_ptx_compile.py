@@ -235,3 +235,28 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx):
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")
         assert opcode in gemv_ptx or opcode in pipeline_ptx, f"{n}: {opcode} never compiled"
+
+
+_U, _U2, _F2 = "uint32[::1]", "uint32[:, ::1]", "float32[:, ::1]"
+GPU_TEST_KERNELS = {
+    "k_prmt": f"void({_U},{_U},{_U},{_U})", "k_prmt_const": f"void({_U},{_U},{_U},{_U})",
+    "k_lop3": f"void({_U},{_U},{_U},{_U2})", "k_half2_math": f"void({_U},{_U},{_U},{_U2})",
+    "k_cvt_f32_f16": "void(uint16[::1], float32[::1])",
+    "k_cvt_f16_f32": f"void(float32[::1], uint16[::1], {_U})",
+    "k_unpack": f"void({_U}, float32[::1], float32[::1])",
+    "k_dequant": f"void({_U},{_U},{_U2})", "k_copy16": f"void({_U},{_U2})",
+    "k_copy16_2d": f"void({_U2},{_U2})", "k_dp4a": f"void({_U},{_U},int32[::1],int32[::1])",
+    "k_ldmatrix": f"void({_U2},{_U2},{_U2})", "k_mma": f"void({_U2},{_U2},{_F2},{_F2})",
+    "k_bulk_pipeline": f"void({_U},{_U},{_U})",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_TEST_KERNELS))
+def test_gpu_test_kernels_compile_offline(name):
+    # the kernels of test_ptx_gpu.py type-check and assemble here, before they cost GPU time
+    import test_ptx_gpu
+
+    ptx = compile_ptx_sm90(getattr(test_ptx_gpu, name), GPU_TEST_KERNELS[name])
+    assert_no_local_memory(ptx)
+    if have_ptxas():
+        assert ptxas_report(ptx)[1] == 0

@@ -221,3 +221,122 @@ def test_loads_and_stores_move_16_bytes():
     dm, dout = cuda.to_device(m), cuda.to_device(np.zeros_like(m))
     k_copy16_2d[(2, 1), (8, 8)](dm, dout)
     np.testing.assert_array_equal(dout.copy_to_host(), m)
+
+
+# ---- dp4a -------------------------------------------------------------------------------------
+@cuda.jit
+def k_dp4a(a, b, c, out):
+    i = cuda.grid(1)
+    if i < a.size:
+        out[i] = P.dp4a_s32(a[i], b[i], c[i])
+
+
+def test_dp4a():
+    a, b = rand_u32(N), rand_u32(N)
+    c = RNG.integers(-2**31, 2**31, N, dtype=np.int64).astype(np.int32)
+    *_, out = launch(k_dp4a, N, a, b, c, np.zeros(N, np.int32))
+    np.testing.assert_array_equal(out, twin_map(P.dp4a_s32.twin, a, b, c))
+
+
+# ---- shared memory: alignment where the simulator allows none -------------------------------
+ALIGN = None if SIM else 128  # the simulator refuses alignment=; None is accepted by both
+
+
+@cuda.jit
+def k_ldmatrix(tile_g, out, out_t):
+    tile = cuda.shared.array((16, 8), dtype=np.uint32, alignment=ALIGN)  # 16x16 fp16
+    lane = cuda.threadIdx.x
+    for j in range(4):
+        tile[lane // 2, 4 * (lane % 2) + j] = tile_g[lane // 2, 4 * (lane % 2) + j]
+    cuda.syncthreads()
+    base = P.cvta_to_shared_u32(tile)
+    r0, r1, r2, r3 = P.ldmatrix_x4(base + (lane % 16) * 32 + (lane // 16) * 16)
+    out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = r0, r1, r2, r3
+    r0, r1, r2, r3 = P.ldmatrix_x4_trans(base + (lane % 16) * 32 + (lane // 16) * 16)
+    out_t[lane, 0], out_t[lane, 1], out_t[lane, 2], out_t[lane, 3] = r0, r1, r2, r3
+
+
+def test_ldmatrix_x4_and_trans():
+    from nq.ptx.mma import ldmatrix_x4_warp
+
+    tile = RNG.standard_normal((16, 16)).astype(np.float16)
+    words = tile.view(np.uint32)  # (16, 8)
+    out, out_t = np.zeros((32, 4), np.uint32), np.zeros((32, 4), np.uint32)
+    d = [cuda.to_device(x) for x in (words, out, out_t)]
+    k_ldmatrix[1, 32](*d)
+    u16 = tile.view(np.uint16)
+    rows = np.array([u16[i % 16, 8 * (i // 16): 8 * (i // 16) + 8] for i in range(32)])
+    np.testing.assert_array_equal(d[1].copy_to_host(), ldmatrix_x4_warp(rows))
+    np.testing.assert_array_equal(d[2].copy_to_host(), ldmatrix_x4_warp(rows, trans=True))
+
+
+@cuda.jit
+def k_mma(a, b, c, out):
+    lane = cuda.threadIdx.x
+    d0, d1, d2, d3 = P.mma_sync_m16n8k16_f16_f32(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3],
+                                                 b[lane, 0], b[lane, 1],
+                                                 c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = d0, d1, d2, d3
+
+
+def test_mma_sync_m16n8k16():
+    from nq.ptx.mma import mma_m16n8k16_f16_f32_warp
+
+    for _ in range(3):
+        a = RNG.standard_normal(32 * 8).astype(np.float16).view(np.uint32).reshape(32, 4)
+        b = RNG.standard_normal(32 * 4).astype(np.float16).view(np.uint32).reshape(32, 2)
+        c = RNG.standard_normal((32, 4)).astype(np.float32)
+        d = [cuda.to_device(x) for x in (a, b, c, np.zeros((32, 4), np.float32))]
+        k_mma[1, 32](*d)
+        # products are exact; the tensor core's fp32 sum of 16 terms + c may round differently
+        # from the model's one rounding: sums are O(5), so 1e-5 absolute is a few fp32 ulps.
+        np.testing.assert_allclose(d[3].copy_to_host(), mma_m16n8k16_f16_f32_warp(a, b, c),
+                                   rtol=1e-5, atol=1e-5)
+
+
+# ---- bulk copies signalled through an mbarrier, two phases ----------------------------------
+STAGE_WORDS = 1024  # 4 KiB per stage, copied as two 2 KiB bulk copies
+
+
+@cuda.jit
+def k_bulk_pipeline(src, out, flags):
+    tile = cuda.shared.array(STAGE_WORDS, dtype=np.uint32, alignment=ALIGN)
+    bars = cuda.shared.array(2, dtype=np.uint64, alignment=ALIGN)
+    tid = cuda.threadIdx.x
+    sbase = P.cvta_to_shared_u32(tile)
+    bar = P.cvta_to_shared_u32(bars)
+    if tid == 0:
+        P.mbarrier_init(bar, 1)
+        P.mbarrier_init(bar + 8, cuda.blockDim.x)
+        P.fence_mbarrier_init()
+    cuda.syncthreads()
+    for s in range(2):
+        if tid == 0:
+            P.fence_proxy_async_shared()  # the tile was read by ordinary loads last stage
+            P.mbarrier_arrive_expect_tx(bar, 4 * STAGE_WORDS)
+            P.cp_async_bulk_g2s(sbase, src, s * STAGE_WORDS, 2 * STAGE_WORDS, bar)
+            P.cp_async_bulk_g2s_hint(sbase + 2 * STAGE_WORDS, src, s * STAGE_WORDS + STAGE_WORDS // 2,
+                                     2 * STAGE_WORDS, bar, P.createpolicy_evict_first_b64())
+        if s == 0:
+            while not P.mbarrier_try_wait_parity(bar, 0):
+                pass
+        else:
+            P.mbarrier_wait_parity(bar, 1)
+        for j in range(tid, STAGE_WORDS, cuda.blockDim.x):
+            out[s * STAGE_WORDS + j] = tile[j]
+        cuda.syncthreads()  # everyone has read the tile before it is overwritten
+    # a barrier counting every thread's arrival: phase 0 completes only when all have arrived
+    P.mbarrier_arrive(bar + 8)
+    P.mbarrier_wait_parity(bar + 8, 0)
+    flags[tid] = P.mbarrier_try_wait_parity(bar + 8, 0) + 2 * P.mbarrier_try_wait_parity(bar + 8, 1)
+
+
+def test_bulk_copy_pipeline_with_mbarrier():
+    src = rand_u32(2 * STAGE_WORDS)
+    threads = 64
+    d = [cuda.to_device(x) for x in (src, np.zeros_like(src), np.zeros(threads, np.uint32))]
+    k_bulk_pipeline[1, threads](*d)
+    cuda.synchronize()
+    np.testing.assert_array_equal(d[1].copy_to_host(), src)
+    # after phase 0: parity 0 done (1), parity 1 (the phase now running) not done (0)
+    np.testing.assert_array_equal(d[2].copy_to_host(), np.ones(threads, np.uint32))
