@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import cuda
+from numba.cuda.types import float16, float32, uint32
 
 THREADS = 256
 BLOCKS = 4096  # grid-stride: any size, one launch
@@ -30,36 +32,42 @@ def hash_u32_reference(seed: int, idx: np.ndarray) -> np.ndarray:
     return h
 
 
-@functools.cache
-def _kernels():
-    from numba import cuda, float16, float32, uint32
-
-    @cuda.jit(device=True, inline=True)
-    def mix(seed, i):
-        h = uint32(uint32(i) * uint32(0x9E3779B9) + uint32(seed))
+def _fill_u32(a, seed):
+    # a (n,) uint32; grid-stride.  The hash is hash_u32_reference, written out inline.
+    i = cuda.grid(1)
+    while i < a.shape[0]:
+        h = uint32(uint32(i) * uint32(0x9E3779B9) + seed)
         h ^= h >> uint32(16)
         h = uint32(h * uint32(0x7FEB352D))
         h ^= h >> uint32(15)
         h = uint32(h * uint32(0x846CA68B))
         h ^= h >> uint32(16)
-        return h
+        a[i] = h
+        i += cuda.gridsize(1)
 
-    @cuda.jit("void(uint32[::1], uint32)")
-    def fill_u32(a, seed):
-        i = cuda.grid(1)
-        while i < a.shape[0]:
-            a[i] = mix(seed, i)
-            i += cuda.gridsize(1)
 
-    @cuda.jit("void(float16[::1], uint32, float32, float32)")
-    def fill_f16(a, seed, center, radius):
-        i = cuda.grid(1)
-        while i < a.shape[0]:
-            u = float32(mix(seed, i) >> uint32(8)) * float32(1.0 / 16777216.0)  # [0, 1)
-            a[i] = float16(center + radius * (float32(2.0) * u - float32(1.0)))
-            i += cuda.gridsize(1)
+def _fill_f16(a, seed, center, radius):
+    # a (n,) fp16; uniform in [center - radius, center + radius] from the top 24 hash bits.
+    i = cuda.grid(1)
+    while i < a.shape[0]:
+        h = uint32(uint32(i) * uint32(0x9E3779B9) + seed)
+        h ^= h >> uint32(16)
+        h = uint32(h * uint32(0x7FEB352D))
+        h ^= h >> uint32(15)
+        h = uint32(h * uint32(0x846CA68B))
+        h ^= h >> uint32(16)
+        u = float32(h >> uint32(8)) * float32(1.0 / 16777216.0)  # [0, 1)
+        a[i] = float16(center + radius * (float32(2.0) * u - float32(1.0)))
+        i += cuda.gridsize(1)
 
-    return fill_u32, fill_f16
+
+FILL_U32_SIG = "void(uint32[::1], uint32)"
+FILL_F16_SIG = "void(float16[::1], uint32, float32, float32)"
+
+
+@functools.cache
+def _kernels():
+    return cuda.jit(FILL_U32_SIG)(_fill_u32), cuda.jit(FILL_F16_SIG)(_fill_f16)
 
 
 def _flat(arr):

@@ -1,0 +1,44 @@
+"""CPU tier of the engine's own small kernels (feed, fill): references and sm_90 compile checks.
+
+The engine itself needs a GPU (tests/test_engine_gpu.py); what can be checked here is that its
+kernels compile for sm_90 with no local memory and that their NumPy references behave.
+"""
+import numpy as np
+
+from nq.kernels import feed, fill
+from nq.kv_cache import STATE_LEN, STATE_POS, STATE_TOKEN
+from tests.ptx_util import assert_no_local_memory, compile_ptx_sm90
+
+
+def test_feed_reference_inside_and_past_the_prompt():
+    prompt = np.array([11, 12, 13], np.int32)
+    meta = np.array([5, 3], np.int32)  # the prompt occupies positions 5, 6, 7
+    state = np.zeros(STATE_LEN, np.int32)
+    for pos, want in [(5, 11), (7, 13)]:
+        state[STATE_POS] = pos
+        feed.feed_reference(prompt, meta, state)
+        assert state[STATE_TOKEN] == want
+    state[STATE_POS], state[STATE_TOKEN] = 8, 99  # past the prompt: the sampled token stays
+    feed.feed_reference(prompt, meta, state)
+    assert state[STATE_TOKEN] == 99
+    state[STATE_POS] = 4  # before the prompt (the cached context): untouched too
+    feed.feed_reference(prompt, meta, state)
+    assert state[STATE_TOKEN] == 99
+
+
+def test_fill_hash_is_deterministic_and_spread():
+    idx = np.arange(1 << 16)
+    a = fill.hash_u32_reference(7, idx)
+    assert a.dtype == np.uint32
+    np.testing.assert_array_equal(a, fill.hash_u32_reference(7, idx))
+    assert not np.array_equal(a, fill.hash_u32_reference(8, idx))
+    nibbles = (a & 0xF).astype(np.int64)
+    counts = np.bincount(nibbles, minlength=16)
+    assert counts.min() > 0.9 * len(idx) / 16  # every INT4 value about equally likely
+
+
+def test_engine_kernels_compile_for_sm90_without_local_memory():
+    ptx = compile_ptx_sm90(feed._feed, feed.FEED_SIG)
+    assert_no_local_memory(ptx)
+    for fn, sig in ((fill._fill_u32, fill.FILL_U32_SIG), (fill._fill_f16, fill.FILL_F16_SIG)):
+        assert_no_local_memory(compile_ptx_sm90(fn, sig))
