@@ -147,15 +147,12 @@ def _make_intrinsic(twin, template, outs, kinds, effect, single):
         return ret(*sig_args), _codegen
 
     def _codegen(context, builder, sig, llargs):
-        operands, constraints, text_of = [], [], {}
-        slot = len(outs)
-        for k in outs:
-            constraints.append("=" + KINDS[k][1])
-        for j, k in enumerate(outs):
-            text_of[j] = f"${j}"
-        reg = len(outs)
+        # text_of: template operand %n -> LLVM operand $r (or the spliced immediate)
+        constraints = ["=" + KINDS[k][1] for k in outs]
+        text_of = {j: f"${j}" for j in range(len(outs))}
+        operands, reg = [], len(outs)
         for i, k in enumerate(kinds):
-            n = slot + i
+            n = len(outs) + i
             if k == "imm":
                 text_of[n] = str(int(sig.args[i].literal_value))
             elif k == "idx":
