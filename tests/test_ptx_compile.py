@@ -227,14 +227,45 @@ def test_blocking_wait_inlines_many_times():
     ptxas_report(ptx)  # raises if the duplicated labels clash
 
 
-def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx):
+def extras_set(w, h, f, out, o16):
+    tile = cuda.shared.array((4, 8), dtype=np.uint32, alignment=16)
+    i = cuda.threadIdx.x
+    tile[i // 8, i % 8] = w[i]
+    cuda.syncthreads()
+    a, b, c, d = P.ld_shared_v4_u32(tile, (i // 8, 4 * (i % 2)))
+    e, g = P.ld_global_nc_v2_u32(w, 2 * i)
+    x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
+    hb = P.ld_global_nc_u16(h, i)
+    bits = P.mov_b32_u32_from_f32(x0 + x1 + x2 + x3)
+    out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2))
+    P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(bits) + P.cvt_f32_f16(hb)))
+
+
+@pytest.fixture(scope="module")
+def extras_ptx():
+    return compile_ptx_sm90(extras_set, f"void({U32}, float16[::1], float32[::1], {U32}, "
+                                        f"float16[::1])")
+
+
+@pytest.mark.parametrize("instruction", [
+    "ld.shared.v4.u32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
+    "st.global.u16", "mov.b32", "cvta.to.shared.u64",
+])
+def test_extras_emit_each_instruction(extras_ptx, instruction):
+    assert_uses(extras_ptx, instruction)
+    assert_no_local_memory(extras_ptx)
+    assert count(extras_ptx, "call") == 0
+
+
+def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 28
+    assert len(names) == 36
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")
-        assert opcode in gemv_ptx or opcode in pipeline_ptx, f"{n}: {opcode} never compiled"
+        assert any(opcode in p for p in (gemv_ptx, pipeline_ptx, extras_ptx)), \
+            f"{n}: {opcode} never compiled"
 
 
 _U, _U2, _F2 = "uint32[::1]", "uint32[:, ::1]", "float32[:, ::1]"
@@ -248,6 +279,7 @@ GPU_TEST_KERNELS = {
     "k_copy16_2d": f"void({_U2},{_U2})", "k_dp4a": f"void({_U},{_U},int32[::1],int32[::1])",
     "k_ldmatrix": f"void({_U2},{_U2},{_U2})", "k_mma": f"void({_U2},{_U2},{_F2},{_F2})",
     "k_bulk_pipeline": f"void({_U},{_U},{_U})",
+    "k_extras": f"void({_U}, float16[::1], float32[::1], {_U2}, float16[::1], {_U})",
 }
 
 

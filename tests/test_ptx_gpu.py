@@ -340,3 +340,43 @@ def test_bulk_copy_pipeline_with_mbarrier():
     np.testing.assert_array_equal(d[1].copy_to_host(), src)
     # after phase 0: parity 0 done (1), parity 1 (the phase now running) not done (0)
     np.testing.assert_array_equal(d[2].copy_to_host(), np.ones(threads, np.uint32))
+
+
+# ---- narrow loads, shared 16-byte loads, u16 stores, bit casts ------------------------------
+@cuda.jit
+def k_extras(w, h, f, out, o16, addr):
+    tile = cuda.shared.array((8, 8), dtype=np.uint32, alignment=ALIGN)
+    i = cuda.threadIdx.x  # 32 threads
+    tile[i // 4, 2 * (i % 4)] = w[2 * i]
+    tile[i // 4, 2 * (i % 4) + 1] = w[2 * i + 1]
+    cuda.syncthreads()
+    a, b, c, d = P.ld_shared_v4_u32(tile, (i // 4, 4 * (i % 2)))
+    out[i, 0], out[i, 1], out[i, 2], out[i, 3] = a, b, c, d
+    out[i, 4], out[i, 5] = P.ld_global_nc_v2_u32(w, 2 * i)
+    x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
+    out[i, 6] = P.mov_b32_u32_from_f32(x0 * x1 + x2 - x3)
+    hb = P.ld_global_nc_u16(h, i)
+    out[i, 7] = hb
+    P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(out[i, 6]) * 2))
+    addr[i] = P.cvta_to_shared_u32_at(tile, (i // 4, i % 8)) - P.cvta_to_shared_u32(tile)
+
+
+def test_extras():
+    w = rand_u32(64)
+    h = RNG.standard_normal(32).astype(np.float16)
+    f = RNG.standard_normal(128).astype(np.float32)
+    d = [cuda.to_device(x) for x in (w, h, f, np.zeros((32, 8), np.uint32),
+                                     np.zeros(32, np.float16), np.zeros(32, np.uint32))]
+    k_extras[1, 32](*d)
+    out, o16, addr = d[3].copy_to_host(), d[4].copy_to_host(), d[5].copy_to_host()
+    tile = w.reshape(8, 8)
+    lanes = np.arange(32)
+    np.testing.assert_array_equal(out[:, 0:4], [tile[i // 4, 4 * (i % 2): 4 * (i % 2) + 4] for i in lanes])
+    np.testing.assert_array_equal(out[:, 4:6], w.reshape(32, 2))
+    f4 = f.reshape(32, 4)
+    want = (f4[:, 0] * f4[:, 1] + f4[:, 2] - f4[:, 3]).astype(np.float32)
+    # fp32 contraction of x0*x1 + x2 into an fma may differ from numpy's two roundings
+    np.testing.assert_allclose(out[:, 6].view(np.float32), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out[:, 7], h.view(np.uint16))
+    np.testing.assert_array_equal(o16, (out[:, 6].view(np.float32) * 2).astype(np.float16))
+    np.testing.assert_array_equal(addr, [4 * (8 * (i // 4) + i % 8) for i in lanes])

@@ -286,6 +286,42 @@ def test_st_global_v4_twin_writes_memory_order():
     np.testing.assert_array_equal(f[4:], [1.0, 2.0, -3.0, 0.5])
 
 
+def test_narrow_and_float_loads_and_u16_store_twins():
+    a = np.arange(16, dtype=np.uint32) + np.uint32(7)
+    assert P.ld_global_nc_v2_u32.twin(a, 6) == (13, 14)
+    with pytest.raises(AssertionError, match="8-byte access"):
+        P.ld_global_nc_v2_u32.twin(a, 5)
+    f = np.linspace(-1, 1, 8).astype(np.float32)
+    assert P.ld_global_nc_v4_f32.twin(f, 4) == tuple(f[4:])
+    h = np.array([1.5, -2.0, 65504.0], dtype=np.float16)
+    assert P.ld_global_nc_u16.twin(h, 2) == 0x7BFF
+    P.st_global_u16.twin(h, 1, P.cvt_rn_f16_f32.twin(np.float32(0.25)))
+    np.testing.assert_array_equal(h, [1.5, 0.25, 65504.0])
+
+
+def test_ld_shared_v4_twin_and_element_addresses():
+    tile = (np.arange(32, dtype=np.uint32) * np.uint32(3)).reshape(4, 8)
+    assert P.ld_shared_v4_u32.twin(tile, (2, 4)) == tuple(tile[2, 4:8])
+    base = int(P.cvta_to_shared_u32.twin(tile))
+    assert int(P.cvta_to_shared_u32_at.twin(tile, (2, 4))) == base + 4 * (2 * 8 + 4)
+    flat = np.zeros(16, dtype=np.uint64)
+    assert int(P.cvta_to_shared_u32_at.twin(flat, 3)) == int(P.cvta_to_shared_u32.twin(flat)) + 24
+
+
+def test_mov_b32_bit_casts():
+    assert P.mov_b32_u32_from_f32.twin(np.float32(1.0)) == 0x3F800000
+    assert P.mov_b32_u32_from_f32.twin(np.float32(-0.0)) == 0x80000000
+    assert P.mov_b32_f32_from_u32.twin(0x40490FDB) == np.float32(np.pi)
+    for bits in rand_u32_list(100):
+        f = P.mov_b32_f32_from_u32.twin(bits)
+        if not np.isnan(f):
+            assert P.mov_b32_u32_from_f32.twin(f) == bits
+
+
+def rand_u32_list(n):
+    return [int(v) for v in RNG.integers(0, 2**32, n, dtype=np.uint64)]
+
+
 # ---- shared addresses, mbarrier, bulk copy ---------------------------------------------------
 def test_shared_address_twin_is_consistent_across_views():
     buf = np.zeros(64, dtype=np.uint32)

@@ -20,7 +20,7 @@ def _copy_and_signal(dst, src, src_idx, nbytes, bar):
     dst, nbytes = int(dst), int(nbytes)
     assert dst % 16 == 0 and nbytes % 16 == 0 and nbytes > 0, \
         "cp.async.bulk needs a 16-byte aligned destination and a size that is a multiple of 16"
-    _sim.shared_bytes(dst, nbytes)[:] = _bytes_at(src, src_idx, nbytes)
+    _sim.shared_bytes(dst, nbytes)[:] = _bytes_at(src, src_idx, nbytes, align=16)
     _sim.locked(lambda: _sim.mbarrier(bar).complete_tx(nbytes))
 
 

@@ -22,13 +22,15 @@ from nq.ptx._asm import ptx
 _TWIN_POLICY_EVICT_FIRST = np.uint64(0x10E0_0000_0000_0000)
 
 
-def _bytes_at(arr, idx, n=16):
-    """Writable uint8 view of the n bytes from arr[idx] on (twins only; arr C-contiguous)."""
+def _bytes_at(arr, idx, n=16, align=None):
+    """Writable uint8 view of the n bytes from arr[idx] on (twins only; arr C-contiguous),
+    checking the alignment the instruction needs (n bytes unless given)."""
     a = np.asarray(getattr(arr, "_ary", arr))  # the simulator wraps arrays in FakeCUDAArray
     assert a.flags.c_contiguous, "the twins model C-contiguous arrays only"
     off = int(np.ravel_multi_index(idx if isinstance(idx, tuple) else (idx,), a.shape))
     off *= a.itemsize
-    assert (a.ctypes.data + off) % 16 == 0, "16-byte access at a misaligned address"
+    align = n if align is None else align
+    assert (a.ctypes.data + off) % align == 0, f"{align}-byte access at a misaligned address"
     return a.reshape(-1).view(np.uint8)[off:off + n]
 
 
@@ -58,6 +60,28 @@ def ld_global_nc_na_v4_u32(arr, idx):
     sector group, which a warp reading consecutive 16-byte chunks uses entirely (sm_80+).
     """
     return _u32x4(arr, idx)
+
+
+@ptx("ld.global.nc.v2.u32 {%0, %1}, [%2];", out=("u32",) * 2, args=("arr", "idx"), effect="load")
+def ld_global_nc_v2_u32(arr, idx):
+    """`ld.global.nc.v2.u32 {d0, d1}, [&arr[idx]];` -- 8 bytes (four fp16), 8-byte aligned."""
+    w = _bytes_at(arr, idx, 8).view(np.uint32)
+    return (w[0], w[1])
+
+
+@ptx("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];", out=("f32",) * 4, args=("arr", "idx"),
+     effect="load")
+def ld_global_nc_v4_f32(arr, idx):
+    """`ld.global.nc.v4.f32 {f0..f3}, [&arr[idx]];` -- four float32, 16-byte aligned, read-only."""
+    w = _bytes_at(arr, idx).view(np.float32)
+    return (w[0], w[1], w[2], w[3])
+
+
+@ptx("ld.global.nc.u16 %0, [%1];", out="u16", args=("arr", "idx"), effect="load")
+def ld_global_nc_u16(arr, idx):
+    """`ld.global.nc.u16 h, [&arr[idx]];` -- 2 bytes (an fp16's bits) via the read-only path,
+    without numba's negative-index wraparound code."""
+    return _bytes_at(arr, idx, 2).view(np.uint16)[0]
 
 
 @ptx("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;", out="u64")
@@ -93,6 +117,27 @@ def st_global_v4_u32(arr, idx, a, b, c, d):
     _bytes_at(arr, idx)[:] = words.view(np.uint8)
 
 
+@ptx("st.global.u16 [%0], %2;", args=("arr", "idx", "u16"), effect="memory")
+def st_global_u16(arr, idx, h):
+    """`st.global.u16 [&arr[idx]], h;` -- store fp16 bits (from cvt_rn_f16_f32) into any array
+    (an fp16 array included, which numba would otherwise convert the value for)."""
+    _bytes_at(arr, idx, 2).view(np.uint16)[0] = np.uint16(int(h) & 0xFFFF)
+
+
+@ptx("{ .reg .u64 nq_sa; cvta.to.shared.u64 nq_sa, %4; "
+     "ld.shared.v4.u32 {%0, %1, %2, %3}, [nq_sa]; }",
+     out=("u32",) * 4, args=("arr", "idx"), effect="load")
+def ld_shared_v4_u32(arr, idx):
+    """`cvta.to.shared.u64 a, &arr[idx]; ld.shared.v4.u32 {d0..d3}, [a];` -- 16 bytes of shared.
+
+    arr must be a cuda.shared.array and &arr[idx] 16-byte aligned.  numba's indexing emits
+    four 4-byte loads (NVVM cannot always prove the alignment); a GEMV reads its activations
+    from shared once per 8 weights, so the width matters.  Read-only asm: order it after the
+    stores with cuda.syncthreads() (LLVM never moves it across one).
+    """
+    return _u32x4(arr, idx)
+
+
 @ptx("{ .reg .u64 nq_s; cvta.to.shared.u64 nq_s, %1; cvt.u32.u64 %0, nq_s; }",
      out="u32", args=("base",))
 def cvta_to_shared_u32(arr):
@@ -104,3 +149,12 @@ def cvta_to_shared_u32(arr):
     stand-in address that the other twins map back to the numpy buffer (nq/ptx/_sim.py).
     """
     return _sim.shared_address(arr)
+
+
+@ptx("{ .reg .u64 nq_s; cvta.to.shared.u64 nq_s, %1; cvt.u32.u64 %0, nq_s; }",
+     out="u32", args=("arr", "idx"))
+def cvta_to_shared_u32_at(arr, idx):
+    """cvta_to_shared_u32 for element arr[idx] (an int, or a tuple for an N-d shared array)."""
+    a = np.asarray(getattr(arr, "_ary", arr))
+    off = int(np.ravel_multi_index(idx if isinstance(idx, tuple) else (idx,), a.shape))
+    return np.uint32(int(_sim.shared_address(arr)) + off * a.itemsize)

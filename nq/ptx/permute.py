@@ -1,4 +1,5 @@
-"""Bit shuffling on 32-bit registers: prmt (byte permute) and lop3 (any 3-input logic op).
+"""Bit shuffling on 32-bit registers: prmt (byte permute), lop3 (any 3-input logic op), and
+mov.b32 bit casts between float32 and uint32.
 
 These two make INT4 dequantisation a few instructions per eight weights: one lop3 masks a
 nibble pair out of a ValueShuffle word and ORs the fp16 exponent 0x6400 onto it in one go
@@ -55,3 +56,16 @@ def lop3_b32(a, b, c, lut):
         if (lut >> i) & 1:
             d |= (a if i & 4 else ~a & m) & (b if i & 2 else ~b & m) & (c if i & 1 else ~c & m)
     return np.uint32(d)
+
+
+@ptx("mov.b32 %0, %1;", out="u32", args=("f32",))
+def mov_b32_u32_from_f32(f):
+    """`mov.b32 r, f;` -- the bits of a float32 (to read its exponent without frexp's calls).
+    Free after register allocation."""
+    return np.array([f], np.float32).view(np.uint32)[0]
+
+
+@ptx("mov.b32 %0, %1;", out="f32", args=("u32",))
+def mov_b32_f32_from_u32(r):
+    """`mov.b32 f, r;` -- a float32 from its bits (to build an exact power of two)."""
+    return np.array([int(r) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
