@@ -1,0 +1,634 @@
+"""The four fused INT4 GEMVs of a decode step, and the weight layout they read.
+
+    qkv      out fp32 (N,)  = Wqkv . rmsnorm(x, w_in) + bias         N = q + 2 kv
+    o_proj   x   fp32 (H,) += Wo . a                                 a fp16 (attention output)
+    gate_up  out fp16 (I,)  = silu(Wg . h) * (Wu . h),  h = rmsnorm(x, w_post)
+    down     x   fp32 (H,) += Wd . a                                 a fp16 (SwiGLU output)
+
+Public API (the engine codes against this; docs/KERNELS_GEMV.md has the design and figures):
+
+    g = make_qkv_gemv(cfg)             # make_o_proj_gemv / make_gate_up_gemv / make_down_gemv
+    qw, sc = g.prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)])   # host numpy, once
+    g(x, norm_w, qw, sc, bias, out, stream)      # qkv     (bias: the q,k,v biases concatenated)
+    g(a, qw, sc, x, stream)                      # o_proj, down
+    g(x, norm_w, qw, sc, out, stream)            # gate_up (prepare([(gate...), (up...)]))
+
+`prepare` takes the file's (N, K/8) ValueShuffle qweights and (N, K/128) fp16 scales,
+concatenates the parts along N, and permutes each row's 16-byte chunks into the order the
+kernel's lanes read them (`tile_rows`; scales keep the file's layout).  Upload its outputs
+as they are.  Launchers take numba device arrays and a numba stream, allocate nothing, touch
+no host memory and are safe to capture in a CUDA graph; no workspace is needed (every
+reduction is inside a warp).  References: ref_qkv, ref_o_proj, ref_gate_up, ref_down.
+
+How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
+  * A row's G = K/128 groups are split over `ks` lanes of a segment of P = pow2(ks) lanes;
+    lane j owns groups j, j+ks, j+2ks, ... ("steps").  Per step it issues four 16-byte loads
+    per weight row (one group: 128 nibbles) and one 2-byte scale load, all before any math;
+    with `prefetch` the next step's loads are issued before this step's math.
+  * The step-0 loads are issued first of all: weights do not depend on the activations, so
+    the DRAM latency overlaps the prologue (RMSNorm, staging).
+  * Prologue: every block stages the whole activation vector in shared memory as fp16, each
+    group of 128 multiplied by a power of two f_g that brings its absmax into [128, 256)
+    (exact; undone in fp32 with the weight scale).  This bounds every fp16 partial sum: a
+    nibble times an activation is <= 7*256 = 1792, and 32 such products stay < 65504, so
+    the fp16 partials cannot overflow even on Qwen's "massive activations".  RMSNorm's rstd
+    is applied once to the final dot product (the staged values are x*w*f_g).
+  * Dequant, per 32-bit word (8 weights): (q & 0x000F000F) ^ 0x64086408 is the fp16 pair
+    1032+n (the XOR maps two's complement n to n+8), minus 1032 gives n exactly; the high
+    nibbles (q & 0x00F000F0) ^ 0x64806480 are 1152+16n, fma(., 1/16, -72) gives n; q >> 8
+    gives the other four.  1 shr + 4 lop3 + 4 add/fma + 4 fma.f16x2 = 13 per 8 weights.
+  * fp16 partial sums span `span` weights (32: one 16-byte chunk, 8 products per fp16 lane;
+    128: one group), then go to fp32 and are scaled once per group: fp32 acc += partial *
+    (scale * 1/f_g).  Error: the inputs are fp16 (2^-11 relative), each fp16 partial adds
+    ~sqrt(8) roundings of 2^-11 of its own magnitude, which is random in sign across
+    chunks: |out - ref_fp64| / |ref| ~ 1e-3 (tests allow 5e-3 relative to the row norm).
+  * The segment reduces its lanes with shuffles; lane 0 writes (one writer per element).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from nq.config import GROUP_SIZE, ModelConfig
+from nq.kernels._ptx_extra import (ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                                   ld_shared_v4_u32, mov_b32_f32_from_u32, mov_b32_u32_from_f32,
+                                   st_global_u16)
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
+                    fma_rn_f16x2, ld_global_nc_v4_u32, lop3_b32, pack_f16x2_from_f32,
+                    unpack_f16x2_to_f32)
+from nq.ref import linear, rms_norm, swiglu
+
+KINDS = ("qkv", "o_proj", "gate_up", "down")
+STATIC_SMEM_LIMIT = 48 * 1024  # numba has no opt-in for more static shared memory per block
+
+
+# ---- NumPy references ------------------------------------------------------------------------
+
+def ref_qkv(x, norm_w, eps, w_deq, bias):
+    """x fp32 (H,), norm_w (H,), w_deq (N, H) fp32 (q,k,v stacked), bias (N,) -> fp32 (N,)."""
+    return linear(rms_norm(x, norm_w, eps), w_deq, bias)
+
+
+def ref_o_proj(a, w_deq, x):
+    """a (K,) (fp16 attention output), w_deq (H, K), x fp32 (H,) -> the new residual x + W.a."""
+    return np.asarray(x, np.float32) + linear(np.asarray(a, np.float32), w_deq)
+
+
+ref_down = ref_o_proj  # same contract: residual += W . a
+
+
+def ref_gate_up(x, norm_w, eps, w_gate, w_up):
+    """x fp32 (H,), w_gate / w_up (I, H) -> silu(gate) * up, fp32 (I,) (the kernel stores fp16)."""
+    h = rms_norm(x, norm_w, eps)
+    return swiglu(linear(h, w_gate), linear(h, w_up))
+
+
+# ---- the tile layout (NumPy model; the kernel's address arithmetic mirrors it) ---------------
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How a GEMV splits work; chosen per shape by `default_tiling` (measured in bench_gemv)."""
+    ks: int              # lanes a row's groups are spread over (1..32); lane j owns j + ks*s
+    rows: int = 1        # output rows per thread (gate_up: gate/up pairs)
+    threads: int = 128   # threads per block
+    prefetch: bool = True  # issue step s+1's loads before step s's math
+    span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
+    min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+
+    @property
+    def lanes(self) -> int:
+        return 1 << (self.ks - 1).bit_length()
+
+    def tag(self) -> str:
+        return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
+                + ("_s128" if self.span == 128 else "")
+                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
+
+
+def chunk_permutation(k: int, ks: int) -> np.ndarray:
+    """perm (K/32,): tiled row chunk p holds file chunk perm[p] (a chunk = 16 bytes = 32 weights).
+
+    Step s covers groups s*ks .. s*ks+gs-1 (gs = ks except in a short last step); inside a step
+    the chunks are ordered (chunk-in-group i, lane j), so the four loads a lane issues per step
+    are, across the ks lanes, four contiguous runs of ks*16 bytes (coalesced, no sector split).
+    """
+    g = k // GROUP_SIZE
+    perm = []
+    for s in range(-(-g // ks)):
+        gs = min(ks, g - s * ks)
+        for i in range(4):
+            perm.extend(4 * (s * ks + j) + i for j in range(gs))
+    return np.asarray(perm, np.int64)
+
+
+def tile_rows(qweight: np.ndarray, ks: int) -> np.ndarray:
+    """(N, K/8) uint32 file layout -> (N, K/8) uint32 kernel layout (each row permuted alone)."""
+    n, k8 = qweight.shape
+    chunks = np.ascontiguousarray(qweight).reshape(n, k8 // 4, 4)
+    return np.ascontiguousarray(chunks[:, chunk_permutation(k8 * 8, ks)].reshape(n, k8))
+
+
+def untile_rows(tiled: np.ndarray, ks: int) -> np.ndarray:
+    """The inverse of tile_rows."""
+    n, k8 = tiled.shape
+    out = np.empty((n, k8 // 4, 4), np.uint32)
+    out[:, chunk_permutation(k8 * 8, ks)] = tiled.reshape(n, k8 // 4, 4)
+    return out.reshape(n, k8)
+
+
+def prepare_weights(parts, ks: int) -> tuple[np.ndarray, np.ndarray]:
+    """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] -> concatenated, tiled (qw, scales)."""
+    qws = [np.asarray(q) for q, _ in parts]
+    scs = [np.asarray(s) for _, s in parts]
+    k8 = qws[0].shape[1]
+    for q, s in zip(qws, scs):
+        if q.dtype != np.uint32 or q.ndim != 2 or q.shape[1] != k8:
+            raise ValueError(f"prepare_weights: qweight must be uint32 (N, {k8}), got {q.dtype} {q.shape}")
+        if s.dtype != np.float16 or s.shape != (q.shape[0], k8 * 8 // GROUP_SIZE):
+            raise ValueError(f"prepare_weights: scales must be fp16 {(q.shape[0], k8 * 8 // GROUP_SIZE)}, "
+                             f"got {s.dtype} {s.shape}")
+    return tile_rows(np.concatenate(qws), ks), np.ascontiguousarray(np.concatenate(scs))
+
+
+def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
+    """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
+
+    The rule: a single wave whose threads each own >= 1 whole group; spread a row over as
+    many lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
+    """
+    g = k // GROUP_SIZE
+    measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=128),
+        ("o_proj", 3584, 3584): Tiling(ks=28, threads=128),
+        ("gate_up", 18944, 3584): Tiling(ks=4, threads=128, prefetch=False),
+        ("down", 3584, 18944): Tiling(ks=30, threads=256, min_blocks=4),
+    }
+    if (kind, n_out, k) in measured:
+        return measured[(kind, n_out, k)]
+    budget = sms * 700
+    best = 1
+    for ks in range(1, min(32, g) + 1):
+        lanes = 1 << (ks - 1).bit_length()
+        if n_out * lanes > budget and best > 1:
+            break
+        steps = -(-g // ks)
+        waste = steps * ks - g
+        if waste * 8 <= g or ks == g:  # at most 1/8 of the last step idle
+            best = ks
+    return Tiling(ks=best, rows=1, threads=256 if k * 2 > 16384 else 128)
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+_ALIGN = None if SIMULATOR else 16   # the simulator refuses alignment=; numba honours it
+_NEG1032 = 0xE408E408     # fp16x2 (-1032, -1032)
+_SIXTEENTH = 0x2C002C00   # fp16x2 (1/16, 1/16)
+_NEG72 = 0xD480D480       # fp16x2 (-72, -72)
+_MASK_LO = 0x000F000F
+_MASK_HI = 0x00F000F0
+_MAGIC_LO = 0x64086408    # fp16 1024 in both halves, and the sign flip of the low nibble
+_MAGIC_HI = 0x64806480    # the same for the high nibble (bit 7 = its sign bit)
+_SH8 = np.uint32(8)
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
+    """The cuda.jit kernel `gemv_int4_{kind}_n{n_out}_k{k}_{tiling}`, compiled for its signature."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMV kind {kind!r}; one of {KINDS}")
+    G = k // GROUP_SIZE
+    KS, P, RL, TPB = t.ks, t.lanes, t.rows, t.threads
+    NMAT = 2 if kind == "gate_up" else 1
+    RLW = RL * NMAT
+    S = -(-G // KS)
+    GL = G - (S - 1) * KS
+    SEGS = TPB // P
+    WARPS = TPB // 32
+    NORM = kind in ("qkv", "gate_up")
+    PREFETCH = t.prefetch
+    SPAN32 = t.span == 32
+    UWORDS = S * 16 * KS * 4            # staged activations, uint32 words (fp16 pairs)
+    EPS = np.float32(eps)
+    INV_K = np.float32(1.0 / k)
+    ZERO = np.uint32(0)
+    if not (1 <= KS <= 32 and t.span in (32, 128) and RLW <= 4 and TPB % 32 == 0
+            and (NMAT == 1 or RL <= 2)
+            and TPB % P == 0 and TPB <= 1024):
+        raise ValueError(f"unsupported tiling {t} for {kind}")
+    if UWORDS * 4 + G * 4 + WARPS * 4 > STATIC_SMEM_LIMIT:
+        raise ValueError(f"{kind}: K={k} needs {UWORDS * 4} bytes of staged activations, "
+                         f"over the {STATIC_SMEM_LIMIT}-byte static shared memory limit")
+
+    def load_row(qw, sc, row, ok, s, j):
+        # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
+        gs = KS if s < S - 1 else GL
+        if ok and j < gs:
+            c = s * (KS * 16) + j * 4          # word index of chunk (i=0, j) of step s
+            a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, (row, c))
+            b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, (row, c + gs * 4))
+            c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, (row, c + gs * 8))
+            d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, (row, c + gs * 12))
+            sb = uint32(ld_global_nc_u16(sc, (row, s * KS + j)))
+            return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, sb)
+        return (ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO,
+                ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO)
+
+    def dot8(q, a, h0, h1):
+        # 8 weights of word q times the 8 fp16 activations a (4 pairs), into fp16x2 h0, h1
+        lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
+        hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
+        q8 = q >> _SH8
+        lo1 = lop3_b32(q8, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
+        hi1 = lop3_b32(q8, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
+        h0 = fma_rn_f16x2(add_rn_f16x2(lo0, _NEG1032), a[0], h0)
+        h1 = fma_rn_f16x2(fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72), a[1], h1)
+        h0 = fma_rn_f16x2(add_rn_f16x2(lo1, _NEG1032), a[2], h0)
+        h1 = fma_rn_f16x2(fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72), a[3], h1)
+        return h0, h1
+
+    def load_act(act, u):
+        # the activations of one chunk: word t's 8 fp16 are unit u + t*KS (16 bytes each)
+        return (ld_shared_v4_u32(act, u * 4), ld_shared_v4_u32(act, (u + KS) * 4),
+                ld_shared_v4_u32(act, (u + 2 * KS) * 4), ld_shared_v4_u32(act, (u + 3 * KS) * 4))
+
+    def to_f32(h0, h1):
+        if SPAN32:  # 16 products per fp16 lane: h0 + h1 <= 16*1792 cannot overflow
+            lo, hi = unpack_f16x2_to_f32(add_rn_f16x2(h0, h1))
+            return lo + hi
+        a, b = unpack_f16x2_to_f32(h0)  # 32 products each: add in fp32
+        c, d = unpack_f16x2_to_f32(h1)
+        return (a + b) + (c + d)
+
+    def chunk(q0, q1, q2, q3, a, st):
+        # one 16-byte chunk (32 weights) of one row; st = (h0, h1, p): fp16x2 partials, fp32 sum
+        h0, h1, p = st
+        h0, h1 = dot8(q0, a[0], h0, h1)
+        h0, h1 = dot8(q1, a[1], h0, h1)
+        h0, h1 = dot8(q2, a[2], h0, h1)
+        h0, h1 = dot8(q3, a[3], h0, h1)
+        if SPAN32:
+            return ZERO, ZERO, p + to_f32(h0, h1)
+        return h0, h1, p
+
+    def scaled(st, sbits, fi):
+        # a row's group sum in fp32, times its weight scale and the activations' 1/f_g
+        h0, h1, p = st
+        if not SPAN32:
+            p = to_f32(h0, h1)
+        return p * (cvt_f32_f16(sbits) * fi)
+
+    def rows_chunk(c0, c1, c2, c3, a, sts):
+        # chunk words c_m (4-tuples) of the thread's rows against one chunk of activations a
+        s0, s1, s2, s3 = sts
+        s0 = chunk(c0[0], c0[1], c0[2], c0[3], a, s0)
+        if RLW >= 2:
+            s1 = chunk(c1[0], c1[1], c1[2], c1[3], a, s1)
+        if RLW >= 3:
+            s2 = chunk(c2[0], c2[1], c2[2], c2[3], a, s2)
+        if RLW >= 4:
+            s3 = chunk(c3[0], c3[1], c3[2], c3[3], a, s3)
+        return s0, s1, s2, s3
+
+    def dot_step(cur, act, u, fi):
+        """The thread's RLW rows times one group of activations (chunk-major: each chunk's
+        activations are read from shared once and used by every row).  Written out, not
+        looped: tuple elements need literal indices to stay in registers."""
+        r0, r1, r2, r3 = cur
+        z = (ZERO, ZERO, float32(0.0))
+        sts = (z, z, z, z)
+        sts = rows_chunk(r0[0:4], r1[0:4], r2[0:4], r3[0:4], load_act(act, u), sts)
+        sts = rows_chunk(r0[4:8], r1[4:8], r2[4:8], r3[4:8], load_act(act, u + 4 * KS), sts)
+        sts = rows_chunk(r0[8:12], r1[8:12], r2[8:12], r3[8:12], load_act(act, u + 8 * KS), sts)
+        sts = rows_chunk(r0[12:16], r1[12:16], r2[12:16], r3[12:16],
+                         load_act(act, u + 12 * KS), sts)
+        s0, s1, s2, s3 = sts
+        return (scaled(s0, r0[16], fi), scaled(s1, r1[16], fi),
+                scaled(s2, r2[16], fi), scaled(s3, r3[16], fi))
+
+    def weight_row(row0, m):
+        # weight row of a thread's m-th row slot: gate_up stacks [gate; up], up rows at +n_out
+        if NMAT == 2:
+            return row0 + (m % RL) + (m // RL) * n_out
+        return row0 + m
+
+    def load_step(qw, sc, row0, s, j):
+        r0 = load_row(qw, sc, weight_row(row0, 0), row0 < n_out, s, j)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        if RLW >= 2:
+            r1 = load_row(qw, sc, weight_row(row0, 1), row0 + (1 % RL) < n_out, s, j)
+        if RLW >= 3:
+            r2 = load_row(qw, sc, weight_row(row0, 2), row0 + (2 % RL) < n_out, s, j)
+        if RLW >= 4:
+            r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % RL) < n_out, s, j)
+        return r0, r1, r2, r3
+
+    def pow2_scale(m):
+        # (f, 1/f): powers of two with m*f in [128, 256) (clamped to 2^+-100 for 0 and tiny m)
+        e = np.int32((mov_b32_u32_from_f32(m) >> _SH23) & 0xFF)
+        ef = min(max(134 - e, -100), 100)
+        return (mov_b32_f32_from_u32(uint32((ef + 127) << 23)),
+                mov_b32_f32_from_u32(uint32((127 - ef) << 23)))
+
+    def stage(xin, norm_w, act, invf, red):
+        """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd."""
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        ss = float32(0.0)
+        i = lane >> 3
+        tq = (lane >> 1) & 3
+        for g in range(warp, G, WARPS):
+            base = g * GROUP_SIZE + lane * 4
+            if NORM:
+                x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
+                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+                n0, n1 = unpack_f16x2_to_f32(w01)
+                n2, n3 = unpack_f16x2_to_f32(w23)
+                ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+            else:
+                a01, a23 = ld_global_nc_v2_u32(xin, base)
+                p0, p1 = unpack_f16x2_to_f32(a01)
+                p2, p3 = unpack_f16x2_to_f32(a23)
+            m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
+            f, fi = pow2_scale(m)
+            s = g // KS
+            u = ((s * 4 + i) * 4 + tq) * KS + (g - s * KS)
+            w = u * 4 + (lane & 1) * 2
+            act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+            act[w + 1] = pack_f16x2_from_f32(p2 * f, p3 * f)
+            if lane == 0:
+                invf[g] = fi
+        rstd = float32(1.0)
+        if NORM:
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 16)
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 8)
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 4)
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
+            if lane == 0:
+                red[warp] = ss
+        cuda.syncthreads()
+        if NORM:
+            tot = float32(0.0)
+            for w_ in range(WARPS):
+                tot += red[w_]
+            rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+        return rstd
+
+    def seg_sum(v):
+        # butterfly over the P lanes of a segment (P divides 32: lanes never leave it)
+        off = P >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+    def mainloop(qw, sc, act, invf, row0, j, cur):
+        """fp32 dot products of the thread's RLW weight rows over its groups, lane-partial."""
+        acc0 = float32(0.0)
+        acc1 = float32(0.0)
+        acc2 = float32(0.0)
+        acc3 = float32(0.0)
+        nxt = cur
+        for s in range(S):
+            if PREFETCH and s + 1 < S:
+                nxt = load_step(qw, sc, row0, s + 1, j)
+            g = s * KS + j
+            if g < G and j < KS:
+                d0, d1, d2, d3 = dot_step(cur, act, s * 16 * KS + j, invf[g])
+                acc0 += d0
+                acc1 += d1
+                acc2 += d2
+                acc3 += d3
+            if s + 1 < S:
+                if PREFETCH:
+                    cur = nxt
+                else:
+                    cur = load_step(qw, sc, row0, s + 1, j)
+        return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
+
+    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
+    load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
+        load_step, pow2_scale, stage, seg_sum, mainloop = (
+            dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step,
+                             weight_row, load_step, pow2_scale, stage, seg_sum, mainloop))
+
+    def start(qw, sc):
+        tid = cuda.threadIdx.x
+        j = tid % P
+        row0 = (cuda.blockIdx.x * SEGS + tid // P) * RL
+        return row0, j
+
+    def put_qkv(out, bias, row, v):
+        if row < n_out:
+            out[row] = v + cvt_f32_f16(ld_global_nc_u16(bias, row))
+
+    def put_swiglu(out, row, gt, up):
+        if row < n_out:
+            y = gt / (float32(1.0) + math.exp(-gt)) * up
+            st_global_u16(out, row, cvt_rn_f16_f32(y))
+
+    def put_residual(x, row, v):
+        if row < n_out:
+            x[row] += v
+
+    start, put_qkv, put_swiglu, put_residual = (dev(f) for f in (start, put_qkv, put_swiglu,
+                                                                 put_residual))
+
+    if kind == "qkv":
+        def kernel(x, norm_w, qw, sc, bias, out):
+            act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(G, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start(qw, sc)
+            cur = load_step(qw, sc, row0, 0, j)
+            rstd = stage(x, norm_w, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            if j == 0:
+                a0, a1, a2, a3 = acc
+                put_qkv(out, bias, row0, a0 * rstd)
+                if RL >= 2:
+                    put_qkv(out, bias, row0 + 1, a1 * rstd)
+                if RL >= 3:
+                    put_qkv(out, bias, row0 + 2, a2 * rstd)
+                if RL >= 4:
+                    put_qkv(out, bias, row0 + 3, a3 * rstd)
+        sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
+    elif kind == "gate_up":
+        def kernel(x, norm_w, qw, sc, out):
+            act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(G, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start(qw, sc)
+            cur = load_step(qw, sc, row0, 0, j)
+            rstd = stage(x, norm_w, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            if j == 0:
+                a0, a1, a2, a3 = acc
+                if RL == 1:
+                    put_swiglu(out, row0, a0 * rstd, a1 * rstd)
+                else:  # RL == 2: rows (g0, g1, u0, u1)
+                    put_swiglu(out, row0, a0 * rstd, a2 * rstd)
+                    put_swiglu(out, row0 + 1, a1 * rstd, a3 * rstd)
+        sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1])"
+    else:
+        def kernel(a, qw, sc, x):
+            act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(G, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start(qw, sc)
+            cur = load_step(qw, sc, row0, 0, j)
+            stage(a, a, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            if j == 0:
+                a0, a1, a2, a3 = acc
+                put_residual(x, row0, a0)
+                if RL >= 2:
+                    put_residual(x, row0 + 1, a1)
+                if RL >= 3:
+                    put_residual(x, row0 + 2, a2)
+                if RL >= 4:
+                    put_residual(x, row0 + 3, a3)
+        sig = "void(float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
+
+    kernel.__name__ = kernel.__qualname__ = f"gemv_int4_{kind}_n{n_out}_k{k}_{t.tag()}"
+    return kernel, sig
+
+
+_SH23 = np.uint32(23)
+
+
+def compile_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
+    """The compiled dispatcher (on the GPU) or the simulator kernel, cached by its name."""
+    return _compiled(kind, n_out, k, t, float(eps))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind, n_out, k, t, eps):
+    pyfunc, sig = build_kernel(kind, n_out, k, t, eps)
+    if SIMULATOR:
+        return cuda.jit(pyfunc)
+    bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
+    return cuda.jit(sig, launch_bounds=bounds)(pyfunc)
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+def _addr(a) -> int:
+    cai = getattr(a, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai else np.asarray(getattr(a, "_ary", a)).ctypes.data
+
+
+def _need(a, what, dtype, shape, align=16):
+    if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: expected {np.dtype(dtype)} {tuple(shape)}, got {a.dtype} {tuple(a.shape)}")
+    contig = a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else a.flags.c_contiguous
+    if not contig:
+        raise ValueError(f"{what}: must be C-contiguous")
+    if _addr(a) % align:
+        raise ValueError(f"{what}: device address must be {align}-byte aligned")
+
+
+class _Gemv:
+    """One compiled GEMV: its shape, tiling, launch grid, weight preparation and arg checks."""
+
+    kind = ""
+
+    def __init__(self, cfg: ModelConfig, n_out: int, k: int, n_rows: int,
+                 tiling: Tiling | None = None):
+        if k % GROUP_SIZE or n_out % 8:
+            raise ValueError(f"{self.kind}: N={n_out}, K={k}; K must be a multiple of "
+                             f"{GROUP_SIZE} and N of 8")
+        self.n_out, self.k, self.n_rows = n_out, k, n_rows  # n_rows: weight rows (gate_up: 2N)
+        self.tiling = tiling or default_tiling(self.kind, n_out, k)
+        self.eps = float(cfg.rms_norm_eps)
+        self.kernel = compile_kernel(self.kind, n_out, k, self.tiling, self.eps)
+        t = self.tiling
+        rows_per_block = (t.threads // t.lanes) * t.rows
+        self.grid = -(-n_out // rows_per_block)
+        self.name = f"gemv_int4_{self.kind}_n{n_out}_k{k}_{t.tag()}"
+
+    def prepare(self, parts):
+        """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
+        qw, sc = prepare_weights(parts, self.tiling.ks)
+        if qw.shape[0] != self.n_rows or qw.shape[1] * 8 != self.k:
+            raise ValueError(f"{self.name}: prepared weights are {qw.shape}, expected "
+                             f"({self.n_rows}, {self.k // 8})")
+        return qw, sc
+
+    def _check_weights(self, qw, sc):
+        _need(qw, f"{self.name} qweight", np.uint32, (self.n_rows, self.k // 8))
+        _need(sc, f"{self.name} scales", np.float16, (self.n_rows, self.k // GROUP_SIZE), 2)
+
+
+class QkvGemv(_Gemv):
+    kind = "qkv"
+
+    def __call__(self, x, norm_w, qw, sc, bias, out, stream=0):
+        """out fp32 (N,) = Wqkv . rmsnorm(x, norm_w) + bias; x fp32 (K,), norm_w/bias fp16."""
+        self._check_weights(qw, sc)
+        _need(x, f"{self.name} x", np.float32, (self.k,))
+        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
+        _need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
+        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, bias, out)
+
+
+class GateUpGemv(_Gemv):
+    kind = "gate_up"
+
+    def __call__(self, x, norm_w, qw, sc, out, stream=0):
+        """out fp16 (I,) = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w); qw = [gate; up]."""
+        self._check_weights(qw, sc)
+        _need(x, f"{self.name} x", np.float32, (self.k,))
+        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        _need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
+        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, out)
+
+
+class ResidualGemv(_Gemv):
+    """o_proj and down: x fp32 (N,) += W . a, a fp16 (K,); each x element has one writer."""
+
+    def __init__(self, kind, *args, **kw):
+        self.kind = kind
+        super().__init__(*args, **kw)
+
+    def __call__(self, a, qw, sc, x, stream=0):
+        self._check_weights(qw, sc)
+        _need(a, f"{self.name} a", np.float16, (self.k,), 8)
+        _need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
+        self.kernel[self.grid, self.tiling.threads, stream](a, qw, sc, x)
+
+
+def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
+    """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv)."""
+    return QkvGemv(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
+
+
+def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
+    """o_proj: prepare([(o_qw, o_sc)]); call (attn_out fp16, qw, sc, x, stream)."""
+    return ResidualGemv("o_proj", cfg, cfg.hidden_size, cfg.q_size, cfg.hidden_size, tiling)
+
+
+def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> GateUpGemv:
+    """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix."""
+    i = cfg.intermediate_size
+    return GateUpGemv(cfg, i, cfg.hidden_size, 2 * i, tiling)
+
+
+def make_down_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
+    """down: prepare([(down_qw, down_sc)]); call (swiglu_out fp16, qw, sc, x, stream)."""
+    return ResidualGemv("down", cfg, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size,
+                        tiling)
