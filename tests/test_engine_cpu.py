@@ -7,7 +7,7 @@ import numpy as np
 
 from nq.kernels import feed, fill
 from nq.kv_cache import STATE_LEN, STATE_POS, STATE_TOKEN
-from tests.ptx_util import assert_no_local_memory, compile_ptx_sm90
+from ptx_util import assert_no_local_memory, compile_ptx_sm90
 
 
 def test_feed_reference_inside_and_past_the_prompt():
