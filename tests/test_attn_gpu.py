@@ -34,9 +34,10 @@ def _setup(cfg, length, seed, n_pages=None):
     return d, ref
 
 
-def _run(cfg, d, max_splits=None):
+def _run(cfg, d, max_splits=None, **kw):
     pa, pm = attn_decode.attn_workspace(cfg, max_splits)
-    launch = attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
+    launch = attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"],
+                                              pa, pm, **kw)
     launch()
     return d["o"].copy_to_host().astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
 
@@ -56,6 +57,15 @@ def test_attention_single_split_many_stage_rounds(length):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=7)
     np.testing.assert_allclose(_run(cfg, d, max_splits=1), ref, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("length", [17, 1000])
+@pytest.mark.parametrize("kw", [dict(nc=8), dict(nc=2, pages_per_stage=2), dict(min_pps=1)],
+                         ids=["nc8", "nc2_pps2", "minpps1"])
+def test_attention_variants(length, kw):
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=11)
+    np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=2e-3, atol=1e-3)
 
 
 def test_attention_graph_replay_follows_device_length():

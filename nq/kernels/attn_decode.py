@@ -108,17 +108,17 @@ def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = 2
     return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
 
 
-def smem_bytes(gqa: int, head_dim: int, pps: int) -> int:
-    """Dynamic shared memory of attn_split: the stages, or the merge scratch if larger."""
+def smem_bytes(gqa: int, head_dim: int, pps: int, nc: int = NC) -> int:
+    """Dynamic shared memory of attn_split: the stages, then fp32 q / acc / m / l."""
     stages = NSTAGE * pps * 2 * PAGE * head_dim * 2
-    merge = NC * gqa * head_dim * 4 + 2 * NC * gqa * 4
-    return max(stages, merge)
+    state = 4 * (nc * gqa * head_dim + gqa * head_dim + 2 * nc * gqa)
+    return stages + state
 
 
-def default_pages_per_stage(gqa: int, head_dim: int) -> int:
+def default_pages_per_stage(gqa: int, head_dim: int, nc: int = NC) -> int:
     """Most pages per stage that fit 48 KiB with the 48 B of static barriers (1 at d=128)."""
     pps = 1
-    while smem_bytes(gqa, head_dim, pps + 1) + 64 <= SMEM_LIMIT:
+    while smem_bytes(gqa, head_dim, pps + 1, nc) + 64 <= SMEM_LIMIT:
         pps += 1
     return pps
 
@@ -126,42 +126,49 @@ def default_pages_per_stage(gqa: int, head_dim: int) -> int:
 # ---- kernels -----------------------------------------------------------------------------------
 
 @functools.cache
-def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: int, min_pps: int):
-    """attn_split_g{gqa}_d{head_dim}_kv{num_kv}_pps{pps}_s{max_splits}."""
+def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: int, min_pps: int,
+                  nc: int = NC):
+    """attn_split_g{gqa}_d{head_dim}_kv{num_kv}_pps{pps}_s{max_splits}_nc{nc}."""
     from numba import cuda
-    from numba.cuda.types import float16, float32, uint64
+    from numba.cuda.types import boolean, float16, float32, uint64
 
     from nq.kernels._ptx_attn import (cp_async_bulk_g2s, fence_mbarrier_init, mbarrier_arrive,
                                       mbarrier_arrive_expect_tx, mbarrier_init,
                                       mbarrier_try_wait_parity, smem_addr_u32)
 
     G, D, DPL = gqa, head_dim, head_dim // 32
+    NC = nc
     PAGE_ELEMS = 2 * PAGE * D            # K then V of one (page, kv head), fp16
     PAGE_BYTES = PAGE_ELEMS * 2
     STAGE_ELEMS = pps * PAGE_ELEMS
     STAGE_TOK = pps * PAGE
     PPS, MAXS, MINP = pps, max_splits, min_pps
     QSCALE = float32(LOG2E / math.sqrt(D))
-    ACC_OFF = 0                          # merge scratch (fp32): acc (NC, G, D), m (NC, G), l (NC, G)
-    M_OFF = NC * G * D
-    L_OFF = M_OFF + NC * G
+    NEG = float32(NEG_BIG)
+    # fp32 regions after the stages: acc (NC, G, D) unnormalised sum p*v per consumer warp,
+    # q (G, D) pre-scaled, m (NC, G) and l (NC, G) per consumer warp (written at the end).
+    F_ACC = NSTAGE * pps * PAGE_BYTES // 4
+    F_Q = F_ACC + NC * G * D
+    F_M = F_Q + G * D
+    F_L = F_M + NC * G
     NTHREADS = (NC + 1) * 32
     NBARS = 2 * NSTAGE
+    TPW = PAGE // NC                     # tokens of a page per consumer warp
 
     def attn_split(q, state, table, kv, part_acc, part_ml):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
-        sm = cuda.shared.array(0, float16)   # (NSTAGE, PPS, 2, 16, D) fp16 stages
-        smf = cuda.shared.array(0, float32)  # the same bytes as merge scratch, after the loop
+        sm = cuda.shared.array(0, float16)   # (NSTAGE, PPS, 2, 16, D) fp16 stages, then ...
+        smf = cuda.shared.array(0, float32)  # ... the fp32 regions F_ACC, F_Q, F_M, F_L
         bars = cuda.shared.array(NBARS, uint64)  # full[0..2], empty[0..2]
         # Per-lane state; declared first so the allocas sit in the entry block, where LLVM's
         # SROA turns them into registers (declared inside a branch they stay in local memory).
-        qr = cuda.local.array((G, DPL), float32)   # q * log2(e)/sqrt(D), this lane's dims
-        acc = cuda.local.array((G, DPL), float32)  # unnormalised sum p * v
-        m = cuda.local.array(G, float32)           # running max (log2 domain)
-        ll = cuda.local.array(G, float32)          # running sum of p
-        kf = cuda.local.array(DPL, float32)
-        vf = cuda.local.array(DPL, float32)
+        qv = cuda.local.array(DPL, float32)
+        kf = cuda.local.array((TPW, DPL), float32)
+        vf = cuda.local.array((TPW, DPL), float32)
+        ok = cuda.local.array(TPW, boolean)
+        scs = cuda.local.array(TPW, float32)
+        ps = cuda.local.array(TPW, float32)
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
@@ -181,19 +188,23 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
         if tid == 0:
             for s in range(NSTAGE):
                 mbarrier_init(bar0 + 8 * s, 1)
-                mbarrier_init(bar0 + 8 * (NSTAGE + s), NC)
+                mbarrier_init(bar0 + 8 * (NSTAGE + s), NC * 32)
             fence_mbarrier_init()
+        for idx in range(tid, G * D, NTHREADS):
+            smf[F_Q + idx] = q[kvh * G * D + idx] * QSCALE
         cuda.syncthreads()
 
         if warp == NC:
-            if lane == 0:  # producer: one thread drives the copy engine
-                stage0 = smem_addr_u32(sm, 0)
-                for it in range(n_iters):
-                    s = it % NSTAGE
-                    # A fresh barrier counts its (virtual) previous phase as complete, so the
-                    # first NSTAGE waits with parity 1 pass at once.
-                    while mbarrier_try_wait_parity(bar0 + 8 * (NSTAGE + s), ((it // NSTAGE) & 1) ^ 1) == 0:
-                        pass
+            # Producer.  The whole warp walks the loop (so it reaches the CTA barrier below
+            # converged: bar.sync is .aligned); lane 0 alone drives the copy engine.
+            stage0 = smem_addr_u32(sm, 0)
+            for it in range(n_iters):
+                s = it % NSTAGE
+                # A fresh barrier counts its (virtual) previous phase as complete, so the
+                # first NSTAGE waits with parity 1 pass at once.
+                while mbarrier_try_wait_parity(bar0 + 8 * (NSTAGE + s), ((it // NSTAGE) & 1) ^ 1) == 0:
+                    pass
+                if lane == 0:
                     p0 = p_begin + it * PPS
                     npg = min(PPS, p_end - p0)
                     mbarrier_arrive_expect_tx(bar0 + 8 * s, npg * PAGE_BYTES)
@@ -201,70 +212,91 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
                         pid = table[p0 + j]
                         cp_async_bulk_g2s(stage0 + (s * PPS + j) * PAGE_BYTES, kv, (pid, kvh, 0, 0, 0),
                                           PAGE_BYTES, bar0 + 8 * s)
+                cuda.syncwarp(0xFFFFFFFF)
         else:
+            # Consumers: warp w takes slots w, w+NC, w+2NC, w+3NC of every page (TPW tokens).
+            # The TPW dot products and shuffle chains of a head are independent and branch-free
+            # (masking by select), so they overlap; a per-token "rescale if the max grew"
+            # branch serialised every shuffle chain and measured ~10x slower (latency-bound).
+            # Per-head state lives where a runtime head index can reach it without local
+            # memory: q and acc in shared memory (this lane's dims only), m and l in the
+            # registers of lane g (read with one shuffle).
+            m_r = NEG
+            l_r = float32(0.0)
             for g in range(G):
                 for j in range(DPL):
-                    qr[g, j] = q[(kvh * G + g) * D + lane * DPL + j] * QSCALE
-                    acc[g, j] = 0.0
-                m[g] = NEG_BIG
-                ll[g] = 0.0
+                    smf[F_ACC + (warp * G + g) * D + lane * DPL + j] = 0.0
             for it in range(n_iters):
                 s = it % NSTAGE
                 while mbarrier_try_wait_parity(bar0 + 8 * s, (it // NSTAGE) & 1) == 0:
                     pass
-                n_tok = min(STAGE_TOK, length - (p_begin + it * PPS) * PAGE)
-                for t in range(warp, n_tok, NC):
-                    base = s * STAGE_ELEMS + (t // PAGE) * PAGE_ELEMS + (t % PAGE) * D + lane * DPL
-                    for j in range(DPL):
-                        kf[j] = float32(sm[base + j])
-                        vf[j] = float32(sm[base + PAGE * D + j])
+                tok0 = (p_begin + it * PPS) * PAGE
+                n_tok = min(min(length, p_end * PAGE) - tok0, STAGE_TOK)  # valid tokens in stage
+                for pg in range((n_tok + PAGE - 1) // PAGE):
+                    pbase = s * STAGE_ELEMS + pg * PAGE_ELEMS + lane * DPL
+                    for i in range(TPW):
+                        slot = warp + NC * i
+                        ok[i] = pg * PAGE + slot < n_tok
+                        for j in range(DPL):
+                            kf[i, j] = float32(sm[pbase + slot * D + j])
+                            # Slots past the length hold whatever the pool had (NaN possibly):
+                            # zero V so that p = 0 really contributes nothing.
+                            vv = float32(sm[pbase + (PAGE + slot) * D + j])
+                            vf[i, j] = vv if ok[i] else float32(0.0)
                     for g in range(G):
-                        sc = float32(0.0)
                         for j in range(DPL):
-                            sc += qr[g, j] * kf[j]
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 16)
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 8)
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 4)
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 2)
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 1)
-                        # Rescale only when the running max grows (warp-uniform: every lane
-                        # holds the same sc); for real attention that is a few times a split.
-                        if sc > m[g]:
-                            alpha = math.exp2(m[g] - sc)
-                            ll[g] *= alpha
+                            qv[j] = smf[F_Q + g * D + lane * DPL + j]
+                        m_old = cuda.shfl_sync(0xFFFFFFFF, m_r, g)
+                        l_old = cuda.shfl_sync(0xFFFFFFFF, l_r, g)
+                        mx = m_old
+                        for i in range(TPW):
+                            sc = float32(0.0)
                             for j in range(DPL):
-                                acc[g, j] *= alpha
-                            m[g] = sc
-                        p = math.exp2(sc - m[g])
-                        ll[g] += p
+                                sc += qv[j] * kf[i, j]
+                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 16)
+                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 8)
+                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 4)
+                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 2)
+                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 1)
+                            sc = sc if ok[i] else NEG
+                            scs[i] = sc
+                            mx = max(mx, sc)
+                        alpha = math.exp2(m_old - mx)
+                        psum = float32(0.0)
+                        for i in range(TPW):
+                            pi = math.exp2(scs[i] - mx)
+                            ps[i] = pi if ok[i] else float32(0.0)
+                            psum += ps[i]
+                        if lane == g:
+                            m_r = mx
+                            l_r = l_old * alpha + psum
+                        ao = F_ACC + (warp * G + g) * D + lane * DPL
                         for j in range(DPL):
-                            acc[g, j] += p * vf[j]
-                cuda.syncwarp(0xFFFFFFFF)
-                if lane == 0:
-                    mbarrier_arrive(bar0 + 8 * (NSTAGE + s))
+                            a = smf[ao + j] * alpha
+                            for i in range(TPW):
+                                a += ps[i] * vf[i, j]
+                            smf[ao + j] = a
+                # Every consumer thread arrives (count NC*32): each thread's own reads of the
+                # stage are then ordered before the refill by its own release, with no reliance
+                # on __syncwarp cumulativity.
+                mbarrier_arrive(bar0 + 8 * (NSTAGE + s))
+            if lane < G:
+                smf[F_M + warp * G + lane] = m_r
+                smf[F_L + warp * G + lane] = l_r
 
-        cuda.syncthreads()  # every copy has landed and been read: the stages become scratch
-        if warp < NC:
-            for g in range(G):
-                for j in range(DPL):
-                    smf[ACC_OFF + (warp * G + g) * D + lane * DPL + j] = acc[g, j]
-            if lane == 0:  # constant indices only: m[lane] would demote m to local memory
-                for g in range(G):
-                    smf[M_OFF + warp * G + g] = m[g]
-                    smf[L_OFF + warp * G + g] = ll[g]
-        cuda.syncthreads()
+        cuda.syncthreads()  # both roles done; every consumer's acc, m, l is in shared memory
         for idx in range(tid, G * D, NTHREADS):
             g = idx // D
             d = idx % D
-            mx = smf[M_OFF + g]
+            mx = smf[F_M + g]
             for w in range(1, NC):
-                mx = max(mx, smf[M_OFF + w * G + g])
+                mx = max(mx, smf[F_M + w * G + g])
             a = float32(0.0)
             lsum = float32(0.0)
             for w in range(NC):
-                sc = math.exp2(smf[M_OFF + w * G + g] - mx)
-                a += smf[ACC_OFF + (w * G + g) * D + d] * sc
-                lsum += smf[L_OFF + w * G + g] * sc
+                sc = math.exp2(smf[F_M + w * G + g] - mx)
+                a += smf[F_ACC + (w * G + g) * D + d] * sc
+                lsum += smf[F_L + w * G + g] * sc
             h = kvh * G + g
             part_acc[split, h, d] = a
             if d == 0:
@@ -338,7 +370,7 @@ def attn_workspace(cfg, max_splits: int | None = None):
 
 
 def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
-                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS):
+                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS, nc: int = NC):
     """Check shapes once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -363,15 +395,17 @@ def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
         raise ValueError("attention: table and state must be int32")
     if kv_layer.__cuda_array_interface__["data"][0] % 128:
         raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
-    pps = pages_per_stage or default_pages_per_stage(G, D)
-    split = _jit("split", G, D, hkv, pps, ms, min_pps)
+    if PAGE % nc:
+        raise ValueError(f"attention: {nc} consumer warps do not divide a {PAGE}-token page")
+    pps = pages_per_stage or default_pages_per_stage(G, D, nc)
+    split = _jit("split", G, D, hkv, pps, ms, min_pps, nc)
     combine = _jit("combine", D, ms, min_pps)
-    nbytes = smem_bytes(G, D, pps)
+    nbytes = smem_bytes(G, D, pps, nc)
     if nbytes + 64 > SMEM_LIMIT:
         _allow_smem(split, nbytes)
 
     def launch(stream=0):
-        split[(ms, hkv), (NC + 1) * 32, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
+        split[(ms, hkv), (nc + 1) * 32, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
         combine[hq, D, stream](state, part_acc, part_ml, o)
 
     return launch
