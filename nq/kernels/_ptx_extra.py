@@ -76,3 +76,12 @@ def mov_b32_u32_from_f32(f):
 def mov_b32_f32_from_u32(r):
     """`mov.b32 f, r;` -- a float32 from its bits (to build an exact power of two)."""
     return np.array([int(r) & 0xFFFFFFFF], np.uint32).view(np.float32)[0]
+
+
+@ptx("{ .reg .u64 nq_sa; cvta.to.shared.u64 nq_sa, %4; "
+     "ld.shared.v4.f32 {%0, %1, %2, %3}, [nq_sa]; }",
+     out=("f32",) * 4, args=("arr", "idx"), effect="load")
+def ld_shared_v4_f32(arr, idx):
+    """`ld.shared.v4.f32 {f0..f3}, [a];` -- four float32 of a shared array, 16-byte aligned."""
+    w = _bytes_at(arr, idx).view(np.float32)
+    return (w[0], w[1], w[2], w[3])

@@ -1,0 +1,201 @@
+"""The fp16 lm_head GEMV with the final RMSNorm fused: logits fp32 (V,) = W . rmsnorm(x, w_norm).
+
+Public API:
+
+    head = make_lm_head(cfg)                   # LmHead; tiling in .unroll/.threads/.grid
+    head(x, norm_w, weight, logits, stream)    # x fp32 (H,), norm_w fp16 (H,),
+                                               # weight fp16 (V, H) (embed_tokens when tied),
+                                               # logits fp32 (V,)
+    ref_lm_head(x, norm_w, eps, weight)        # NumPy reference
+
+The weight is the file's row-major fp16 matrix, untouched (a tied model shares it with the
+embedding).  Persistent grid: a fixed number of blocks (4 per SM) stage h = rmsnorm(x) once, in
+fp32 shared memory, then each warp walks rows gw, gw + W, ...: its lanes read consecutive
+16-byte chunks of the row (8 fp16 weights each; `unroll` chunks in flight per lane), widen
+them to fp32 and accumulate in fp32; a 5-step shuffle reduces the warp.  h is kept in fp32
+(not rounded to fp16) and the sums are fp32, so the logits match the fp32 reference to
+~1e-6 relative: the argmax of near-tied logits is decided as the reference decides it.
+The fp32 math is 2 instructions per weight, far under the issue rate at 2 bytes per weight.
+Shared layout: chunk c's elements 0-3 at hA[4c], 4-7 at hB[4c], so the 16-byte reads of
+consecutive lanes are consecutive (no bank conflicts).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from nq.config import ModelConfig
+from nq.kernels._ptx_extra import ld_shared_v4_f32
+from nq.kernels.gemv_int4 import STATIC_SMEM_LIMIT, _need
+from nq.ptx import SIMULATOR, ld_global_nc_v4_u32, unpack_f16x2_to_f32
+from nq.ref import linear, rms_norm
+
+_ALIGN = None if SIMULATOR else 16
+
+
+def ref_lm_head(x, norm_w, eps, weight):
+    """x fp32 (H,), norm_w (H,), weight (V, H) -> logits fp32 (V,)."""
+    return linear(rms_norm(x, norm_w, eps), weight)
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int = 7):
+    """The cuda.jit kernel `lm_head_fp16_v{vocab}_k{k}_t{threads}_u{unroll}` and its signature."""
+    if k % 8 or threads % 32:
+        raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
+    if k * 4 + 64 > STATIC_SMEM_LIMIT:
+        raise ValueError(f"lm_head: hidden={k} needs {k * 4} bytes of shared memory")
+    CH = k // 8                  # 16-byte chunks per row
+    NCL = -(-CH // 32)           # chunks per lane
+    U = unroll
+    SH = CH * 4                  # floats in each of hA, hB
+    WARPS = threads // 32
+    EPS = np.float32(eps)
+    INV_K = np.float32(1.0 / k)
+
+    def dot_chunk(w0, w1, w2, w3, hA, hB, c, acc):
+        a0, a1, a2, a3 = ld_shared_v4_f32(hA, c * 4)
+        b0, b1, b2, b3 = ld_shared_v4_f32(hB, c * 4)
+        p0, p1 = unpack_f16x2_to_f32(w0)
+        p2, p3 = unpack_f16x2_to_f32(w1)
+        p4, p5 = unpack_f16x2_to_f32(w2)
+        p6, p7 = unpack_f16x2_to_f32(w3)
+        acc += p0 * a0 + p1 * a1 + p2 * a2 + p3 * a3
+        return acc + (p4 * b0 + p5 * b1 + p6 * b2 + p7 * b3)
+
+    dot_chunk = cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))(dot_chunk)
+
+    def kernel(x, norm_w, weight, logits):
+        hA = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 0-3
+        hB = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 4-7
+        red = cuda.shared.array(WARPS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        ss = float32(0.0)
+        for e in range(tid, k, threads):
+            v = x[e]
+            ss += v * v
+        for off in (16, 8, 4, 2, 1):
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, off)
+        if lane == 0:
+            red[warp] = ss
+        cuda.syncthreads()
+        tot = float32(0.0)
+        for w_ in range(WARPS):
+            tot += red[w_]
+        rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+        for e in range(tid, k, threads):
+            h = (x[e] * rstd) * float32(norm_w[e])
+            c = e >> 3
+            if (e & 7) < 4:
+                hA[c * 4 + (e & 3)] = h
+            else:
+                hB[c * 4 + (e & 3)] = h
+        cuda.syncthreads()
+        nwarps = cuda.gridDim.x * WARPS
+        for row in range(cuda.blockIdx.x * WARPS + warp, vocab, nwarps):
+            acc = float32(0.0)
+            for c0 in range(0, NCL, U):
+                # issue up to U 16-byte loads, then the math (U words x 4 in registers)
+                ws = load_u(weight, row, lane, c0)
+                acc = dot_u(ws, hA, hB, lane, c0, acc)
+            for off in (16, 8, 4, 2, 1):
+                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+            if lane == 0:
+                logits[row] = acc
+
+    z = np.uint32(0)
+
+    def load1(weight, row, c):
+        if c < CH:
+            return ld_global_nc_v4_u32(weight, (row, c * 8))
+        return (z, z, z, z)
+
+    def load_u(weight, row, lane, c0):
+        # chunk (c0 + u) * 32 + lane for u < U; U in 1..8, written out for literal indices
+        b = c0 * 32 + lane
+        l0 = load1(weight, row, b)
+        l1 = load1(weight, row, b + 32) if U > 1 else l0
+        l2 = load1(weight, row, b + 64) if U > 2 else l0
+        l3 = load1(weight, row, b + 96) if U > 3 else l0
+        l4 = load1(weight, row, b + 128) if U > 4 else l0
+        l5 = load1(weight, row, b + 160) if U > 5 else l0
+        l6 = load1(weight, row, b + 192) if U > 6 else l0
+        l7 = load1(weight, row, b + 224) if U > 7 else l0
+        return l0, l1, l2, l3, l4, l5, l6, l7
+
+    def dot1(w, hA, hB, c, acc):
+        if c < CH:
+            return dot_chunk(w[0], w[1], w[2], w[3], hA, hB, c, acc)
+        return acc
+
+    def dot_u(ws, hA, hB, lane, c0, acc):
+        b = c0 * 32 + lane
+        l0, l1, l2, l3, l4, l5, l6, l7 = ws
+        acc = dot1(l0, hA, hB, b, acc)
+        if U > 1:
+            acc = dot1(l1, hA, hB, b + 32, acc)
+        if U > 2:
+            acc = dot1(l2, hA, hB, b + 64, acc)
+        if U > 3:
+            acc = dot1(l3, hA, hB, b + 96, acc)
+        if U > 4:
+            acc = dot1(l4, hA, hB, b + 128, acc)
+        if U > 5:
+            acc = dot1(l5, hA, hB, b + 160, acc)
+        if U > 6:
+            acc = dot1(l6, hA, hB, b + 192, acc)
+        if U > 7:
+            acc = dot1(l7, hA, hB, b + 224, acc)
+        return acc
+
+    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
+    load1, load_u, dot1, dot_u = (dev(f) for f in (load1, load_u, dot1, dot_u))
+    if not 1 <= U <= 8:
+        raise ValueError("lm_head: unroll must be 1..8")
+    kernel.__name__ = kernel.__qualname__ = f"lm_head_fp16_v{vocab}_k{k}_t{threads}_u{U}"
+    return kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1])"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(vocab, k, eps, threads, unroll):
+    pyfunc, sig = build_kernel(vocab, k, eps, threads, unroll)
+    if SIMULATOR:
+        return cuda.jit(pyfunc)
+    return cuda.jit(sig, launch_bounds=(threads,))(pyfunc)
+
+
+def _sm_count() -> int:
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # no GPU (simulator, offline compile): the H200's count
+        return 132
+
+
+class LmHead:
+    """logits fp32 (V,) = weight fp16 (V, H) . rmsnorm(x, norm_w); see the module doc."""
+
+    def __init__(self, cfg: ModelConfig, threads: int = 256, unroll: int = 7,
+                 blocks_per_sm: int = 4, grid: int | None = None):
+        self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
+        self.threads, self.unroll = threads, unroll
+        self.kernel = _compiled(self.vocab, self.k, float(cfg.rms_norm_eps), threads, unroll)
+        rows_per_block = threads // 32
+        self.grid = grid or min(-(-self.vocab // rows_per_block), _sm_count() * blocks_per_sm)
+        self.name = f"lm_head_fp16_v{self.vocab}_k{self.k}_t{threads}_u{unroll}"
+
+    def __call__(self, x, norm_w, weight, logits, stream=0):
+        _need(x, f"{self.name} x", np.float32, (self.k,), 4)
+        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 2)
+        _need(weight, f"{self.name} weight", np.float16, (self.vocab, self.k))
+        _need(logits, f"{self.name} logits", np.float32, (self.vocab,), 4)
+        self.kernel[self.grid, self.threads, stream](x, norm_w, weight, logits)
+
+
+def make_lm_head(cfg: ModelConfig, **tiling) -> LmHead:
+    """The lm_head launcher for cfg (threads=256, unroll=7, blocks_per_sm=4 by default)."""
+    return LmHead(cfg, **tiling)
