@@ -1,0 +1,120 @@
+"""GPU tests of the INT4 GEMVs and the lm_head against their NumPy references (H200: -m gpu).
+
+Inputs are random and fresh per case; outputs are poisoned with NaN first, so an unwritten
+element fails.  Tolerance, relative to the reference's norm (||out - ref|| / ||ref||):
+  * INT4 GEMVs 5e-3: activations are rounded to fp16 (2^-11 relative each) and each 32-weight
+    fp16 partial sum adds a few roundings of 2^-11 of its magnitude; these errors are random
+    in sign across the K/32 partials, measured ~3e-4..1.5e-3 in the simulator.  gate_up's
+    fp16 output adds 2^-11.
+  * lm_head 1e-5: fp32 h and fp32 sums over fp16 weights (exact products), only summation
+    order differs from the reference.
+Weights are random nibbles (all of -8..7, a superset of what the quantiser writes) with fp16
+scales; the reference multiplies the same dequantised weights in fp32.
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cuda = pytest.importorskip("numba.cuda")
+if not cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from nq.config import PRESETS  # noqa: E402
+from nq.kernels import gemv_int4 as G  # noqa: E402
+from nq.kernels import lm_head as L  # noqa: E402
+from nq.loader.quant import dequantize_packed  # noqa: E402
+
+TOL_INT4 = 5e-3
+TOL_HEAD = 1e-5
+
+
+def rel(got, ref):
+    assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} non-finite outputs"
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def rand_int4(rng, n, k):
+    qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
+    return qw, sc, dequantize_packed(qw, sc)
+
+
+SHAPES = [  # (kind, n_out, k)
+    ("qkv", 4608, 3584), ("o_proj", 3584, 3584), ("gate_up", 18944, 3584), ("down", 3584, 18944),
+    ("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 4864, 896), ("down", 896, 4864),
+    ("qkv", 1000, 128), ("down", 200, 4864), ("gate_up", 1000, 640), ("o_proj", 8, 128),
+]
+TILINGS = [None, G.Tiling(ks=3, rows=2, threads=64), G.Tiling(ks=8, span=128, prefetch=False),
+           G.Tiling(ks=5, threads=256, min_blocks=2)]
+
+
+def run_case(kind, n, k, tiling, seed):
+    rng = np.random.default_rng(seed)
+    cfg = PRESETS["7b"]
+    x = (rng.standard_normal(k) * 2).astype(np.float32)
+    x[rng.integers(0, k)] = 900.0                      # a "massive activation" channel
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+    if kind == "qkv":
+        g = G.QkvGemv(cfg, n, k, n, tiling)
+        qw, sc, wd = rand_int4(rng, n, k)
+        bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
+        pq, ps = g.prepare([(qw, sc)])
+        out = cuda.to_device(np.full(n, np.nan, np.float32))
+        g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps),
+          cuda.to_device(bias), out, 0)
+        return out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, bias)
+    if kind == "gate_up":
+        g = G.GateUpGemv(cfg, n, k, 2 * n, tiling)
+        q1, s1, w1 = rand_int4(rng, n, k)
+        q2, s2, w2 = rand_int4(rng, n, k)
+        pq, ps = g.prepare([(q1, s1), (q2, s2)])
+        out = cuda.to_device(np.full(n, np.nan, np.float16))
+        g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out, 0)
+        return out.copy_to_host().astype(np.float32), G.ref_gate_up(x, nw, cfg.rms_norm_eps, w1, w2)
+    g = G.ResidualGemv(kind, cfg, n, k, n, tiling)
+    qw, sc, wd = rand_int4(rng, n, k)
+    a = (rng.standard_normal(k) * 3).astype(np.float16)
+    a[rng.integers(0, k)] = 3000.0
+    xr = rng.standard_normal(n).astype(np.float32)
+    pq, ps = g.prepare([(qw, sc)])
+    xd = cuda.to_device(xr)
+    g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd, 0)
+    return xd.copy_to_host(), G.ref_o_proj(a, wd, xr)
+
+
+@pytest.mark.parametrize("kind,n,k", SHAPES)
+def test_int4_gemv_default_tiling(kind, n, k):
+    got, ref = run_case(kind, n, k, None, seed=n + k)
+    assert rel(got, ref) < TOL_INT4
+
+
+@pytest.mark.parametrize("tiling", TILINGS[1:], ids=lambda t: t.tag())
+@pytest.mark.parametrize("kind,n,k", [("qkv", 1000, 896), ("gate_up", 600, 640),
+                                      ("down", 3584, 18944), ("o_proj", 200, 4864)])
+def test_int4_gemv_tilings(kind, n, k, tiling):
+    got, ref = run_case(kind, n, k, tiling, seed=7)
+    assert rel(got, ref) < TOL_INT4
+
+
+def test_int4_gemv_deterministic():
+    a, _ = run_case("down", 3584, 18944, None, seed=3)
+    b, _ = run_case("down", 3584, 18944, None, seed=3)
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("vocab,k,kw", [(152064, 3584, {}), (151936, 896, {}),
+                                        (1000, 136, {"unroll": 3, "grid": 5})])
+def test_lm_head(vocab, k, kw):
+    rng = np.random.default_rng(vocab)
+    cfg = SimpleNamespace(vocab_size=vocab, hidden_size=k, rms_norm_eps=1e-6)  # all LmHead reads
+    head = L.make_lm_head(cfg, **kw)
+    x = (rng.standard_normal(k) * 2).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+    w = (0.05 * rng.standard_normal((vocab, k), dtype=np.float32)).astype(np.float16)
+    out = cuda.to_device(np.full(vocab, np.nan, np.float32))
+    head(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(w), out, 0)
+    got = out.copy_to_host()
+    assert rel(got, L.ref_lm_head(x, nw, cfg.rms_norm_eps, w)) < TOL_HEAD
