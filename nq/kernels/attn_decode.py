@@ -23,7 +23,7 @@ Split plan (same arithmetic in both kernels and in `split_plan`, the NumPy model
     n_splits = ceil(n_pages / pps)                            every split has >= 1 page
 CTAs with split >= n_splits exit at once.  max_splits defaults to ~2 CTAs per SM over the kv
 heads (66 for 4 kv heads on 132 SMs), so a single sequence fills the GPU from
-min_pps*max_splits*16 tokens on; shorter contexts use fewer, fuller CTAs.
+min_pps*max_splits*16 tokens on (1056 tokens for the 7B).
 
 No __syncthreads inside a role branch: the CTA syncs once after mbarrier init and once after
 both roles finish (before the merge, which reuses the stage memory).
@@ -39,7 +39,7 @@ from nq.kv_cache import PAGE, STATE_POS
 
 NSTAGE = 3       # shared-memory stages (triple buffering)
 NC = 4           # consumer warps
-MIN_PPS = 4      # fewest pages a split takes (64 tokens): below that the merge costs more
+MIN_PPS = 1      # fewest pages a split takes: 1 measured best (512 tokens: 15.7 vs 20.7 us at 4)
 NEG_BIG = -1e30  # finite "-inf": exp2(NEG_BIG - m) == 0 and NEG_BIG - NEG_BIG is not NaN
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 48 * 1024  # dynamic + static shared memory without the opt-in attribute
@@ -216,11 +216,12 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
         else:
             # Consumers: warp w takes slots w, w+NC, w+2NC, w+3NC of every page (TPW tokens).
             # The TPW dot products and shuffle chains of a head are independent and branch-free
-            # (masking by select), so they overlap; a per-token "rescale if the max grew"
-            # branch serialised every shuffle chain and measured ~10x slower (latency-bound).
-            # Per-head state lives where a runtime head index can reach it without local
-            # memory: q and acc in shared memory (this lane's dims only), m and l in the
-            # registers of lane g (read with one shuffle).
+            # (masking by select).  The head loop is NOT unrolled by NVVM (too large), so
+            # per-head state lives where a runtime index reaches it without local memory: q and
+            # acc in shared memory (this lane's dims only), m and l in lane g's registers.
+            # Measured: latency-bound on the serial per-head chain (~3 us per page per CTA at
+            # 7 heads; docs/KERNELS_ATTN.md).  An earlier per-token variant (q/acc in
+            # registers, lazy rescale branch) was ~20% faster at 8K but had the n_tok bug.
             m_r = NEG
             l_r = float32(0.0)
             for g in range(G):
