@@ -93,8 +93,8 @@ class Engine:
                 lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w, L.gu_s, self.a, st),
                 lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st),
             ]
-        steps.append(lm_head.lm_head_launcher(c, self.x, weights.norm, weights.lm_head,
-                                              self.logits))
+        head = lm_head.make_lm_head(c)
+        steps.append(lambda st: head(self.x, weights.norm, weights.lm_head, self.logits, st))
         steps.append(argmax.argmax_launcher(self.logits, self.state, self.out_ids,
                                             argmax.argmax_workspace()))
         self._steps = steps
