@@ -32,6 +32,10 @@ from nq.kv_cache import (PAGE, STATE_LEN, STATE_POS, STATE_STEP, STATE_TOKEN, KV
 
 def memset_zero(arr, stream) -> None:
     """Zero a numba device array asynchronously (no host buffer of its size)."""
+    from numba.core import config
+    if config.ENABLE_CUDASIM:  # the simulator's arrays are host arrays
+        arr.copy_to_device(np.zeros(arr.shape, arr.dtype))
+        return
     from cuda.bindings import driver as cu
     from nq.graphs import _check, stream_handle
     ptr = arr.__cuda_array_interface__["data"][0]
