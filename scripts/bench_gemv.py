@@ -34,14 +34,13 @@ CFG = PRESETS["7b"]
 H, I, QKV = CFG.hidden_size, CFG.intermediate_size, CFG.qkv_size
 SHAPES = {"qkv": (QKV, H, QKV), "o_proj": (H, H, H), "gate_up": (I, H, 2 * I), "down": (H, I, H)}
 T = G.Tiling
-CANDIDATES = {
-    "qkv": [G.default_tiling("qkv", QKV, H), T(14, prefetch=False), T(7), T(28, min_blocks=9),
-            T(14, span=128)],
-    "o_proj": [G.default_tiling("o_proj", H, H), T(14), T(7), T(28, threads=256)],
-    "gate_up": [G.default_tiling("gate_up", I, H), T(4, min_blocks=4), T(2), T(4, span=128, prefetch=False),
-                T(7, prefetch=False, min_blocks=9)],
-    "down": [G.default_tiling("down", H, I), T(32, threads=256, min_blocks=4), T(16, threads=256),
-             T(30, threads=256, prefetch=False), T(30, threads=256, span=128, min_blocks=4)],
+CANDIDATES = {  # the default first; the others are what the last run suggested trying
+    "qkv": [G.default_tiling("qkv", QKV, H), T(14), T(14, threads=256), T(7, prefetch=False)],
+    "o_proj": [G.default_tiling("o_proj", H, H), T(14), T(7), T(14, threads=256)],
+    "gate_up": [G.default_tiling("gate_up", I, H), T(4, span=128, prefetch=False),
+                T(4, threads=256, prefetch=False), T(2, prefetch=False)],
+    "down": [G.default_tiling("down", H, I), T(30, threads=256), T(8, threads=256),
+             T(16, threads=512), T(16, threads=256, span=128)],
 }
 
 

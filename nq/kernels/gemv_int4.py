@@ -162,10 +162,10 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     """
     g = k // GROUP_SIZE
     measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=128),
-        ("o_proj", 3584, 3584): Tiling(ks=28, threads=128),
+        ("qkv", 4608, 3584): Tiling(ks=7, threads=128),
+        ("o_proj", 3584, 3584): Tiling(ks=28, threads=256),
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=128, prefetch=False),
-        ("down", 3584, 18944): Tiling(ks=30, threads=256, min_blocks=4),
+        ("down", 3584, 18944): Tiling(ks=16, threads=256),
     }
     if (kind, n_out, k) in measured:
         return measured[(kind, n_out, k)]
@@ -212,6 +212,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
     PREFETCH = t.prefetch
     SPAN32 = t.span == 32
     UWORDS = S * 16 * KS * 4            # staged activations, uint32 words (fp16 pairs)
+    UG = 4 if NORM else 8               # groups a warp loads at once in the prologue
+    STAGE_ITERS = -(-G // (WARPS * UG))
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
@@ -335,41 +337,77 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
         return (mov_b32_f32_from_u32(uint32((ef + 127) << 23)),
                 mov_b32_f32_from_u32(uint32((127 - ef) << 23)))
 
+    def piece_load(xin, norm_w, g, lane):
+        # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
+        base = min(g, G - 1) * GROUP_SIZE + lane * 4
+        if NORM:
+            x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
+            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+            return x0, x1, x2, x3, w01, w23
+        a01, a23 = ld_global_nc_v2_u32(xin, base)
+        z = float32(0.0)
+        return z, z, z, z, a01, a23
+
+    def piece_put(pc, g, lane, act, invf):
+        # scale group g by its power of two, store it permuted; returns the lane's sum of x^2
+        x0, x1, x2, x3, w01, w23 = pc
+        n0, n1 = unpack_f16x2_to_f32(w01)
+        n2, n3 = unpack_f16x2_to_f32(w23)
+        ss = float32(0.0)
+        if NORM:
+            ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+        else:
+            p0, p1, p2, p3 = n0, n1, n2, n3
+        m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
+        f, fi = pow2_scale(m)
+        if g >= G:
+            return float32(0.0)
+        s = g // KS
+        u = ((s * 4 + (lane >> 3)) * 4 + ((lane >> 1) & 3)) * KS + (g - s * KS)
+        w = u * 4 + (lane & 1) * 2
+        act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+        act[w + 1] = pack_f16x2_from_f32(p2 * f, p3 * f)
+        if lane == 0:
+            invf[g] = fi
+        return ss
+
     def stage(xin, norm_w, act, invf, red):
-        """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd."""
+        """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd.
+
+        A warp owns groups warp, warp + WARPS, ...; it issues the loads of UG groups before
+        using any (one group per iteration made the prologue a chain of L2 latencies:
+        ~0.4 us each, 19 of them for down_proj, measured as 2.5x its streaming time)."""
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
         ss = float32(0.0)
-        i = lane >> 3
-        tq = (lane >> 1) & 3
-        for g in range(warp, G, WARPS):
-            base = g * GROUP_SIZE + lane * 4
-            if NORM:
-                x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
-                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-                n0, n1 = unpack_f16x2_to_f32(w01)
-                n2, n3 = unpack_f16x2_to_f32(w23)
-                ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-            else:
-                a01, a23 = ld_global_nc_v2_u32(xin, base)
-                p0, p1 = unpack_f16x2_to_f32(a01)
-                p2, p3 = unpack_f16x2_to_f32(a23)
-            m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
-            f, fi = pow2_scale(m)
-            s = g // KS
-            u = ((s * 4 + i) * 4 + tq) * KS + (g - s * KS)
-            w = u * 4 + (lane & 1) * 2
-            act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
-            act[w + 1] = pack_f16x2_from_f32(p2 * f, p3 * f)
-            if lane == 0:
-                invf[g] = fi
+        for it in range(STAGE_ITERS):
+            g0 = it * UG * WARPS + warp
+            c0 = piece_load(xin, norm_w, g0, lane)
+            c1 = piece_load(xin, norm_w, g0 + WARPS, lane)
+            c2 = piece_load(xin, norm_w, g0 + 2 * WARPS, lane)
+            c3 = piece_load(xin, norm_w, g0 + 3 * WARPS, lane)
+            c4 = c5 = c6 = c7 = c0
+            if UG == 8:
+                c4 = piece_load(xin, norm_w, g0 + 4 * WARPS, lane)
+                c5 = piece_load(xin, norm_w, g0 + 5 * WARPS, lane)
+                c6 = piece_load(xin, norm_w, g0 + 6 * WARPS, lane)
+                c7 = piece_load(xin, norm_w, g0 + 7 * WARPS, lane)
+            ss += piece_put(c0, g0, lane, act, invf)
+            ss += piece_put(c1, g0 + WARPS, lane, act, invf)
+            ss += piece_put(c2, g0 + 2 * WARPS, lane, act, invf)
+            ss += piece_put(c3, g0 + 3 * WARPS, lane, act, invf)
+            if UG == 8:
+                ss += piece_put(c4, g0 + 4 * WARPS, lane, act, invf)
+                ss += piece_put(c5, g0 + 5 * WARPS, lane, act, invf)
+                ss += piece_put(c6, g0 + 6 * WARPS, lane, act, invf)
+                ss += piece_put(c7, g0 + 7 * WARPS, lane, act, invf)
         rstd = float32(1.0)
         if NORM:
             ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 16)
@@ -421,9 +459,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
 
     dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
-        load_step, pow2_scale, stage, seg_sum, mainloop = (
+        load_step, pow2_scale, piece_load, piece_put, stage, seg_sum, mainloop = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step,
-                             weight_row, load_step, pow2_scale, stage, seg_sum, mainloop))
+                             weight_row, load_step, pow2_scale, piece_load, piece_put, stage,
+                             seg_sum, mainloop))
 
     def start(qw, sc):
         tid = cuda.threadIdx.x
