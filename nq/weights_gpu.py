@@ -43,7 +43,8 @@ class DeviceWeights:
     def nbytes_per_token(self) -> int:
         """Bytes one decode step reads: every layer's weights, the final norm and lm_head,
         plus one embedding row."""
-        per_layer = sum(a.nbytes for L in self.layers for a in dataclasses.astuple(L))
+        per_layer = sum(getattr(L, f.name).nbytes for L in self.layers
+                        for f in dataclasses.fields(L))
         return per_layer + self.norm.nbytes + self.lm_head.nbytes + self.embed.shape[1] * 2
 
 
