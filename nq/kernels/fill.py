@@ -32,17 +32,23 @@ def hash_u32_reference(seed: int, idx: np.ndarray) -> np.ndarray:
     return h
 
 
+@cuda.jit(device=True, inline=True)
+def _mix(seed, i):
+    """hash_u32_reference for one index."""
+    h = uint32(uint32(i) * uint32(0x9E3779B9) + seed)
+    h ^= h >> uint32(16)
+    h = uint32(h * uint32(0x7FEB352D))
+    h ^= h >> uint32(15)
+    h = uint32(h * uint32(0x846CA68B))
+    h ^= h >> uint32(16)
+    return h
+
+
 def _fill_u32(a, seed):
-    # a (n,) uint32; grid-stride.  The hash is hash_u32_reference, written out inline.
+    # a (n,) uint32; grid-stride.
     i = cuda.grid(1)
     while i < a.shape[0]:
-        h = uint32(uint32(i) * uint32(0x9E3779B9) + seed)
-        h ^= h >> uint32(16)
-        h = uint32(h * uint32(0x7FEB352D))
-        h ^= h >> uint32(15)
-        h = uint32(h * uint32(0x846CA68B))
-        h ^= h >> uint32(16)
-        a[i] = h
+        a[i] = _mix(seed, i)
         i += cuda.gridsize(1)
 
 
@@ -50,13 +56,7 @@ def _fill_f16(a, seed, center, radius):
     # a (n,) fp16; uniform in [center - radius, center + radius] from the top 24 hash bits.
     i = cuda.grid(1)
     while i < a.shape[0]:
-        h = uint32(uint32(i) * uint32(0x9E3779B9) + seed)
-        h ^= h >> uint32(16)
-        h = uint32(h * uint32(0x7FEB352D))
-        h ^= h >> uint32(15)
-        h = uint32(h * uint32(0x846CA68B))
-        h ^= h >> uint32(16)
-        u = float32(h >> uint32(8)) * float32(1.0 / 16777216.0)  # [0, 1)
+        u = float32(_mix(seed, i) >> uint32(8)) * float32(1.0 / 16777216.0)  # [0, 1)
         a[i] = float16(center + radius * (float32(2.0) * u - float32(1.0)))
         i += cuda.gridsize(1)
 
