@@ -106,3 +106,18 @@ def test_graph_replay_equals_eager(model):
     finally:
         eng.graph = graph
     np.testing.assert_array_equal(a, b)
+
+
+def test_fill_kernels_match_their_reference():
+    from numba import cuda
+
+    from nq.kernels.fill import fill_f16, fill_u32, hash_u32_reference
+    a = cuda.device_array(10_001, np.uint32)
+    fill_u32(a, 12345)
+    want = hash_u32_reference(12345, np.arange(10_001))
+    np.testing.assert_array_equal(a.copy_to_host(), want)
+    h = cuda.device_array((7, 13), np.float16)
+    fill_f16(h, 3, 1.0, 0.25)
+    got = h.copy_to_host().astype(np.float32)
+    u = (hash_u32_reference(3, np.arange(91)) >> 8).astype(np.float32) / 16777216.0
+    np.testing.assert_allclose(got.reshape(-1), (1.0 + 0.25 * (2 * u - 1)).astype(np.float16), rtol=0)
