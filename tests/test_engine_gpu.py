@@ -120,4 +120,5 @@ def test_fill_kernels_match_their_reference():
     fill_f16(h, 3, 1.0, 0.25)
     got = h.copy_to_host().astype(np.float32)
     u = (hash_u32_reference(3, np.arange(91)) >> 8).astype(np.float32) / 16777216.0
-    np.testing.assert_allclose(got.reshape(-1), (1.0 + 0.25 * (2 * u - 1)).astype(np.float16), rtol=0)
+    # atol one fp16 ulp at 1.0: the device may fuse the multiply-add before rounding to fp16
+    np.testing.assert_allclose(got.reshape(-1), 1.0 + 0.25 * (2 * u - 1), rtol=0, atol=1e-3)
