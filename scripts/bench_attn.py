@@ -57,8 +57,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="512,2048,8192,16384,32768")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", default="auto:4:4,auto:1:4,auto:4:8,2:4:8",
-                    help="pages_per_stage:min_pps:consumer_warps, comma-separated (auto = fit 48 KiB)")
+    ap.add_argument("--variants", default="auto:1,auto:2,2:1",
+                    help="pages_per_stage:min_pps, comma-separated (auto = fit 48 KiB)")
     args = ap.parse_args()
 
     from numba import cuda
@@ -92,16 +92,16 @@ def main():
     results = {"ceiling_TBps": ceil / 1e12, "attn": []}
 
     for variant in args.variants.split(","):
-        pps_name, min_pps, nc = variant.split(":")
-        pps, min_pps, nc = (None if pps_name == "auto" else int(pps_name)), int(min_pps), int(nc)
+        pps_name, min_pps = variant.split(":")
+        pps, min_pps = (None if pps_name == "auto" else int(pps_name)), int(min_pps)
         try:
             launchers = [attn_decode.attn_decode_launcher(cfg, q, state, table, pool[l], o, pa, pm,
-                                                          pages_per_stage=pps, min_pps=min_pps, nc=nc)
+                                                          pages_per_stage=pps, min_pps=min_pps)
                          for l in range(L)]
         except Exception as e:  # the >48 KiB opt-in variant may be refused
             log(f"variant {variant}: skipped ({type(e).__name__}: {e})")
             continue
-        real_pps = pps or attn_decode.default_pages_per_stage(cfg.gqa_ratio, cfg.head_dim, nc)
+        real_pps = pps or attn_decode.default_pages_per_stage(cfg.head_dim)
         for length in lengths:
             st = np.zeros(state.shape, np.int32)
             st[1] = length - 1
@@ -111,10 +111,10 @@ def main():
             nbytes = 2 * length * cfg.num_kv_heads * cfg.head_dim * 2
             bw = nbytes / (per_layer_us * 1e-6)
             _, n_splits = attn_decode.split_plan(length, pa.shape[0], min_pps)
-            log(f"pps={real_pps} min_pps={min_pps} nc={nc} len={length:6d}: {per_layer_us:7.2f} us/layer, 28 layers {ms * 1e3:8.1f} us, "
+            log(f"pps={real_pps} min_pps={min_pps} len={length:6d}: {per_layer_us:7.2f} us/layer, 28 layers {ms * 1e3:8.1f} us, "
                 f"{nbytes / 1e6:6.1f} MB/layer, {bw / 1e9:7.1f} GB/s = {bw / ceil * 100:5.1f}% of copy, "
                 f"splits {n_splits}")
-            results["attn"].append(dict(pps=real_pps, min_pps=min_pps, nc=nc, length=length, us_per_layer=per_layer_us,
+            results["attn"].append(dict(pps=real_pps, min_pps=min_pps, length=length, us_per_layer=per_layer_us,
                                         us_28_layers=ms * 1e3, GBps=bw / 1e9, frac=bw / ceil))
 
     # Small per-step kernels, each alone in a graph of 28 launches (per-launch time).

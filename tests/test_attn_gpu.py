@@ -14,7 +14,9 @@ from nq.kv_cache import PAGE, STATE_POS, gather_kv, make_state, pool_shape
 
 pytestmark = pytest.mark.gpu
 
-CFGS = {"7b": PRESETS["7b"], "tiny": tiny_config()}  # GQA 7:1 d128, GQA 2:1 d64
+CFGS = {"7b": PRESETS["7b"], "tiny": tiny_config(),  # GQA 7:1 d128, GQA 2:1 d64
+        "g8": tiny_config(head_dim=128, num_heads=8, num_kv_heads=1),   # GQA 8:1 d128
+        "g1": tiny_config(head_dim=64, num_heads=4, num_kv_heads=4)}    # MHA d64
 
 
 def _setup(cfg, length, seed, n_pages=None):
@@ -60,12 +62,21 @@ def test_attention_single_split_many_stage_rounds(length):
 
 
 @pytest.mark.parametrize("length", [17, 1000])
-@pytest.mark.parametrize("kw", [dict(nc=8), dict(nc=2, pages_per_stage=2), dict(min_pps=1)],
-                         ids=["nc8", "nc2_pps2", "minpps1"])
+@pytest.mark.parametrize("kw", [dict(pages_per_stage=2), dict(pages_per_stage=3, min_pps=2),
+                                dict(min_pps=4)],
+                         ids=["pps2", "pps3_minpps2", "minpps4"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
     np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("length", [1, 17, 49, 3001])
+@pytest.mark.parametrize("name", ["g8", "g1"])
+def test_attention_gqa_extremes(name, length):
+    cfg = CFGS[name]
+    d, ref = _setup(cfg, length, seed=length + 5)
+    np.testing.assert_allclose(_run(cfg, d), ref, rtol=2e-3, atol=1e-3)
 
 
 def test_attention_graph_replay_follows_device_length():
@@ -91,8 +102,11 @@ def test_attention_graph_replay_follows_device_length():
         stream.synchronize()
         k, v = gather_kv(pool, table, length)
         ref = attn_decode.attention_reference(q, k, v)
-        got = d["o"].copy_to_host().astype(np.float64).reshape(ref.shape)
-        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=1e-3)
+        got = d["o"].copy_to_host()
+        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=2e-3, atol=1e-3)
+        launch(stream)  # eager launch at the same length: bit for bit the graph's answer
+        stream.synchronize()
+        np.testing.assert_array_equal(d["o"].copy_to_host(), got)
 
 
 def test_launcher_rejects_bad_shapes():

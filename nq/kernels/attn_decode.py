@@ -2,31 +2,40 @@
 
 Two kernels, both launched with a fixed grid so one captured graph serves every step:
 
-  attn_split    grid (max_splits, n_kv), block (NC + 1) warps.  CTA (split, kv head h) takes
-                pages [split*pps, ...) of the context (length = state[STATE_POS] + 1, read on
-                device) for the G = num_heads/num_kv query heads that share h.  Warp NC is the
+  attn_split    grid (max_splits, n_kv), block G + 1 warps (G = num_heads/num_kv query heads
+                per kv head).  CTA (split, kv head h) takes pages [split*pps, ...) of the
+                context (length = state[STATE_POS] + 1, read on device).  Warp G is the
                 producer: its lane 0 issues one cp.async.bulk per (page, h) -- K and V are
                 adjacent in the pool (nq/kv_cache.py), 8 KiB at head_dim 128 -- into NSTAGE=3
                 stages of shared memory, each guarded by a full mbarrier (arrive.expect_tx +
-                the copies' complete_tx) and an empty mbarrier (one arrival per consumer warp).
-                Consumer warps 0..NC-1 take tokens t = w, w+NC, ... of each stage; a lane holds
-                head_dim/32 dims of q (all G heads, in registers), K and V; scores are reduced
-                with xor-shuffles and fed to an fp32 online softmax in the log2 domain (q is
-                pre-scaled by log2(e)/sqrt(head_dim), exp2 everywhere).  At the end the NC warps
-                merge through shared memory and write the split's partial (m, l, acc).
-  attn_combine  grid (num_heads,), block head_dim: merges the splits' partials (flash-decoding)
-                and writes o fp16 (num_heads*head_dim,), the o_proj GEMV input.
+                the copies' complete_tx) and an empty mbarrier (one arrival per consumer thread).
+                Consumer warp g owns query head h*G + g: a lane keeps head_dim/32 dims of q
+                (pre-scaled by log2(e)/sqrt(head_dim)) and of the fp32 accumulator in registers,
+                m and l in registers, so there is no head loop.  Per page a lane forms partial
+                dot products for all 16 tokens (16 independent chains), then a transposed
+                butterfly (8+4+2+1+1 shuffles instead of 16x5) leaves token lane//2's score in
+                lanes 2t and 2t+1; one online-softmax rescale per page (exp2, fp32), and the 16
+                p's are broadcast by shuffle for the V accumulation.  Each warp writes its
+                head's split partial (m, l, acc) straight from registers.
+  attn_combine  grid (num_heads,), block head_dim*CSG: merges the splits' partials
+                (flash-decoding) in a fixed order and writes o fp16 (num_heads*head_dim,), the
+                o_proj GEMV input.  CSG split groups with 4 loads in flight each keep the
+                merge from being one long chain of dependent L2 round trips.
 
 Split plan (same arithmetic in both kernels and in `split_plan`, the NumPy model):
     n_pages  = ceil(length / 16)
     pps      = max(min_pps, ceil(n_pages / max_splits))      pages per split
     n_splits = ceil(n_pages / pps)                            every split has >= 1 page
 CTAs with split >= n_splits exit at once.  max_splits defaults to ~2 CTAs per SM over the kv
-heads (66 for 4 kv heads on 132 SMs), so a single sequence fills the GPU from
-min_pps*max_splits*16 tokens on (1056 tokens for the 7B).
+heads (66 for 4 kv heads on 132 SMs).
 
-No __syncthreads inside a role branch: the CTA syncs once after mbarrier init and once after
-both roles finish (before the merge, which reuses the stage memory).
+No __syncthreads inside a role branch: the CTA syncs once, after mbarrier init; the roles then
+run to the end without meeting again (every copy issued is waited for by the consumers, so no
+bulk copy is in flight when the CTA exits).
+
+The previous kernel (NC=4 consumer warps over the tokens of a page, a runtime loop over the G
+heads with q/acc in shared memory) lost: 15.7 / 43.6 / 118.8 us per layer at 512 / 8K / 32K
+tokens (docs/KERNELS_ATTN.md); it is in git history (commit b4397d6), not kept importable.
 """
 from __future__ import annotations
 
@@ -38,8 +47,8 @@ import numpy as np
 from nq.kv_cache import PAGE, STATE_POS
 
 NSTAGE = 3       # shared-memory stages (triple buffering)
-NC = 4           # consumer warps
 MIN_PPS = 1      # fewest pages a split takes: 1 measured best (512 tokens: 15.7 vs 20.7 us at 4)
+CSG = 4          # split groups per head in attn_combine (block head_dim * CSG)
 NEG_BIG = -1e30  # finite "-inf": exp2(NEG_BIG - m) == 0 and NEG_BIG - NEG_BIG is not NaN
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 48 * 1024  # dynamic + static shared memory without the opt-in attribute
@@ -104,21 +113,35 @@ def split_combine_model(q, k, v, max_splits: int, min_pps: int = MIN_PPS):
     return num / den[:, None]
 
 
+def transposed_butterfly(partial):
+    """NumPy model of attn_split's score reduction: partial (32 lanes, 16 tokens) -> (32,),
+    lane L holding sum over lanes of token L >> 1, with the kernel's exact keep/send schedule."""
+    v = np.array(partial, np.float64).copy()
+    lanes = np.arange(32)
+    n = PAGE // 2
+    for off in (16, 8, 4, 2):
+        hi = (lanes & off) != 0
+        x, y = v[:, :n].copy(), v[:, n:2 * n].copy()
+        keep = np.where(hi[:, None], y, x)
+        send = np.where(hi[:, None], x, y)
+        v = keep + send[lanes ^ off]
+        n //= 2
+    return v[:, 0] + v[lanes ^ 1, 0]
+
+
 def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = 2) -> int:
     return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
 
 
-def smem_bytes(gqa: int, head_dim: int, pps: int, nc: int = NC) -> int:
-    """Dynamic shared memory of attn_split: the stages, then fp32 q / acc / m / l."""
-    stages = NSTAGE * pps * 2 * PAGE * head_dim * 2
-    state = 4 * (nc * gqa * head_dim + gqa * head_dim + 2 * nc * gqa)
-    return stages + state
+def smem_bytes(head_dim: int, pps: int) -> int:
+    """Dynamic shared memory of attn_split: NSTAGE stages of pps (K, V) pages, fp16."""
+    return NSTAGE * pps * 2 * PAGE * head_dim * 2
 
 
-def default_pages_per_stage(gqa: int, head_dim: int, nc: int = NC) -> int:
+def default_pages_per_stage(head_dim: int) -> int:
     """Most pages per stage that fit 48 KiB with the 48 B of static barriers (1 at d=128)."""
     pps = 1
-    while smem_bytes(gqa, head_dim, pps + 1, nc) + 64 <= SMEM_LIMIT:
+    while smem_bytes(head_dim, pps + 1) + 64 <= SMEM_LIMIT:
         pps += 1
     return pps
 
@@ -126,49 +149,38 @@ def default_pages_per_stage(gqa: int, head_dim: int, nc: int = NC) -> int:
 # ---- kernels -----------------------------------------------------------------------------------
 
 @functools.cache
-def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: int, min_pps: int,
-                  nc: int = NC):
-    """attn_split_g{gqa}_d{head_dim}_kv{num_kv}_pps{pps}_s{max_splits}_nc{nc}."""
+def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: int, min_pps: int):
+    """attn_split_g{gqa}_d{head_dim}_kv{num_kv}_pps{pps}_s{max_splits}."""
     from numba import cuda
-    from numba.cuda.types import boolean, float16, float32, uint64
+    from numba.cuda.types import float32, uint32, uint64
 
-    from nq.kernels._ptx_attn import (cp_async_bulk_g2s, fence_mbarrier_init, mbarrier_arrive,
-                                      mbarrier_arrive_expect_tx, mbarrier_init,
-                                      mbarrier_try_wait_parity, smem_addr_u32)
+    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
+                        mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+                        mbarrier_try_wait_parity, unpack_f16x2_to_f32)
 
     G, D, DPL = gqa, head_dim, head_dim // 32
-    NC = nc
-    PAGE_ELEMS = 2 * PAGE * D            # K then V of one (page, kv head), fp16
-    PAGE_BYTES = PAGE_ELEMS * 2
-    STAGE_ELEMS = pps * PAGE_ELEMS
+    W = DPL // 2                         # fp16 pairs (u32 words) of one row a lane holds
+    ROW = D // 2                         # u32 words per token row
+    PAGE_WORDS = 2 * PAGE * ROW          # K then V of one (page, kv head)
+    PAGE_BYTES = PAGE_WORDS * 4
+    STAGE_WORDS = pps * PAGE_WORDS
     STAGE_TOK = pps * PAGE
     PPS, MAXS, MINP = pps, max_splits, min_pps
     QSCALE = float32(LOG2E / math.sqrt(D))
     NEG = float32(NEG_BIG)
-    # fp32 regions after the stages: acc (NC, G, D) unnormalised sum p*v per consumer warp,
-    # q (G, D) pre-scaled, m (NC, G) and l (NC, G) per consumer warp (written at the end).
-    F_ACC = NSTAGE * pps * PAGE_BYTES // 4
-    F_Q = F_ACC + NC * G * D
-    F_M = F_Q + G * D
-    F_L = F_M + NC * G
-    NTHREADS = (NC + 1) * 32
+    FULL = 0xFFFFFFFF
     NBARS = 2 * NSTAGE
-    TPW = PAGE // NC                     # tokens of a page per consumer warp
 
     def attn_split(q, state, table, kv, part_acc, part_ml):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
-        sm = cuda.shared.array(0, float16)   # (NSTAGE, PPS, 2, 16, D) fp16 stages, then ...
-        smf = cuda.shared.array(0, float32)  # ... the fp32 regions F_ACC, F_Q, F_M, F_L
+        smu = cuda.shared.array(0, uint32)       # (NSTAGE, PPS, 2, 16, D/2) fp16 pairs
         bars = cuda.shared.array(NBARS, uint64)  # full[0..2], empty[0..2]
         # Per-lane state; declared first so the allocas sit in the entry block, where LLVM's
-        # SROA turns them into registers (declared inside a branch they stay in local memory).
+        # SROA turns them into registers (every index below is a compile-time constant).
         qv = cuda.local.array(DPL, float32)
-        kf = cuda.local.array((TPW, DPL), float32)
-        vf = cuda.local.array((TPW, DPL), float32)
-        ok = cuda.local.array(TPW, boolean)
-        scs = cuda.local.array(TPW, float32)
-        ps = cuda.local.array(TPW, float32)
+        acc = cuda.local.array(DPL, float32)
+        sc = cuda.local.array(PAGE, float32)
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
@@ -183,21 +195,18 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        bar0 = smem_addr_u32(bars, 0)  # full[s] = bar0 + 8s, empty[s] = bar0 + 8(NSTAGE+s)
+        bar0 = cvta_to_shared_u32_at(bars, 0)  # full[s] = bar0 + 8s, empty[s] = bar0 + 8(NSTAGE+s)
 
         if tid == 0:
             for s in range(NSTAGE):
                 mbarrier_init(bar0 + 8 * s, 1)
-                mbarrier_init(bar0 + 8 * (NSTAGE + s), NC * 32)
+                mbarrier_init(bar0 + 8 * (NSTAGE + s), G * 32)
             fence_mbarrier_init()
-        for idx in range(tid, G * D, NTHREADS):
-            smf[F_Q + idx] = q[kvh * G * D + idx] * QSCALE
         cuda.syncthreads()
 
-        if warp == NC:
-            # Producer.  The whole warp walks the loop (so it reaches the CTA barrier below
-            # converged: bar.sync is .aligned); lane 0 alone drives the copy engine.
-            stage0 = smem_addr_u32(sm, 0)
+        if warp == G:
+            # Producer.  The whole warp walks the loop; lane 0 alone drives the copy engine.
+            stage0 = cvta_to_shared_u32_at(smu, 0)
             for it in range(n_iters):
                 s = it % NSTAGE
                 # A fresh barrier counts its (virtual) previous phase as complete, so the
@@ -212,97 +221,91 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
                         pid = table[p0 + j]
                         cp_async_bulk_g2s(stage0 + (s * PPS + j) * PAGE_BYTES, kv, (pid, kvh, 0, 0, 0),
                                           PAGE_BYTES, bar0 + 8 * s)
-                cuda.syncwarp(0xFFFFFFFF)
+                cuda.syncwarp(FULL)
         else:
-            # Consumers: warp w takes slots w, w+NC, w+2NC, w+3NC of every page (TPW tokens).
-            # The TPW dot products and shuffle chains of a head are independent and branch-free
-            # (masking by select).  The head loop is NOT unrolled by NVVM (too large), so
-            # per-head state lives where a runtime index reaches it without local memory: q and
-            # acc in shared memory (this lane's dims only), m and l in lane g's registers.
-            # Measured: latency-bound on the serial per-head chain (~3 us per page per CTA at
-            # 7 heads; docs/KERNELS_ATTN.md).  An earlier per-token variant (q/acc in
-            # registers, lazy rescale branch) was ~20% faster at 8K but had the n_tok bug.
-            m_r = NEG
-            l_r = float32(0.0)
-            for g in range(G):
-                for j in range(DPL):
-                    smf[F_ACC + (warp * G + g) * D + lane * DPL + j] = 0.0
+            h = kvh * G + warp
+            for j in range(DPL):
+                qv[j] = q[h * D + lane * DPL + j] * QSCALE
+                acc[j] = float32(0.0)
+            m = NEG
+            l_part = float32(0.0)     # this lane's share of l (even lanes count their token)
+            even = (lane & 1) == 0
+            t_own = lane >> 1         # the token whose score this lane holds after the butterfly
             for it in range(n_iters):
                 s = it % NSTAGE
                 while mbarrier_try_wait_parity(bar0 + 8 * s, (it // NSTAGE) & 1) == 0:
                     pass
                 tok0 = (p_begin + it * PPS) * PAGE
                 n_tok = min(min(length, p_end * PAGE) - tok0, STAGE_TOK)  # valid tokens in stage
-                for pg in range((n_tok + PAGE - 1) // PAGE):
-                    pbase = s * STAGE_ELEMS + pg * PAGE_ELEMS + lane * DPL
-                    for i in range(TPW):
-                        slot = warp + NC * i
-                        ok[i] = pg * PAGE + slot < n_tok
+                for pg in range(PPS):
+                    nv = n_tok - pg * PAGE   # valid tokens of this page (warp-uniform)
+                    if nv > 0:
+                        kb = s * STAGE_WORDS + pg * PAGE_WORDS + lane * W
+                        vb = kb + PAGE * ROW
+                        # 16 independent partial dot products over this lane's dims.
+                        for t in range(PAGE):
+                            a = float32(0.0)
+                            for w in range(W):
+                                k0, k1 = unpack_f16x2_to_f32(smu[kb + t * ROW + w])
+                                a += qv[2 * w] * k0 + qv[2 * w + 1] * k1
+                            sc[t] = a
+                        # Transposed butterfly (NumPy model: transposed_butterfly): at offset
+                        # o = 16, 8, 4, 2 a lane keeps the half of its tokens selected by its
+                        # lane bit o and sends the other half to lane ^ o, so 8+4+2+1 shuffles
+                        # instead of 16 x 5; the xor-1 round sums the one value left.  Lane L
+                        # ends with token L >> 1.
+                        for i in range(8):
+                            x, y = sc[i], sc[i + 8]
+                            hi = (lane & 16) != 0
+                            sc[i] = (y if hi else x) + cuda.shfl_xor_sync(FULL, x if hi else y, 16)
+                        for i in range(4):
+                            x, y = sc[i], sc[i + 4]
+                            hi = (lane & 8) != 0
+                            sc[i] = (y if hi else x) + cuda.shfl_xor_sync(FULL, x if hi else y, 8)
+                        for i in range(2):
+                            x, y = sc[i], sc[i + 2]
+                            hi = (lane & 4) != 0
+                            sc[i] = (y if hi else x) + cuda.shfl_xor_sync(FULL, x if hi else y, 4)
+                        x, y = sc[0], sc[1]
+                        hi = (lane & 2) != 0
+                        sc[0] = (y if hi else x) + cuda.shfl_xor_sync(FULL, x if hi else y, 2)
+                        score = sc[0] + cuda.shfl_xor_sync(FULL, sc[0], 1)
+                        ok = t_own < nv
+                        score = score if ok else NEG    # tail slots hold stale K (NaN even)
+                        pm = score
+                        pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 2))
+                        pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 4))
+                        pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 8))
+                        pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 16))
+                        m_new = max(m, pm)
+                        alpha = math.exp2(m - m_new)
+                        p = math.exp2(score - m_new)
+                        p = p if ok else float32(0.0)
+                        l_part = l_part * alpha + (p if even else float32(0.0))
+                        m = m_new
                         for j in range(DPL):
-                            kf[i, j] = float32(sm[pbase + slot * D + j])
-                            # Slots past the length hold whatever the pool had (NaN possibly):
-                            # zero V so that p = 0 really contributes nothing.
-                            vv = float32(sm[pbase + (PAGE + slot) * D + j])
-                            vf[i, j] = vv if ok[i] else float32(0.0)
-                    for g in range(G):
-                        for j in range(DPL):
-                            qv[j] = smf[F_Q + g * D + lane * DPL + j]
-                        m_old = cuda.shfl_sync(0xFFFFFFFF, m_r, g)
-                        l_old = cuda.shfl_sync(0xFFFFFFFF, l_r, g)
-                        mx = m_old
-                        for i in range(TPW):
-                            sc = float32(0.0)
-                            for j in range(DPL):
-                                sc += qv[j] * kf[i, j]
-                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 16)
-                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 8)
-                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 4)
-                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 2)
-                            sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, 1)
-                            sc = sc if ok[i] else NEG
-                            scs[i] = sc
-                            mx = max(mx, sc)
-                        alpha = math.exp2(m_old - mx)
-                        psum = float32(0.0)
-                        for i in range(TPW):
-                            pi = math.exp2(scs[i] - mx)
-                            ps[i] = pi if ok[i] else float32(0.0)
-                            psum += ps[i]
-                        if lane == g:
-                            m_r = mx
-                            l_r = l_old * alpha + psum
-                        ao = F_ACC + (warp * G + g) * D + lane * DPL
-                        for j in range(DPL):
-                            a = smf[ao + j] * alpha
-                            for i in range(TPW):
-                                a += ps[i] * vf[i, j]
-                            smf[ao + j] = a
-                # Every consumer thread arrives (count NC*32): each thread's own reads of the
-                # stage are then ordered before the refill by its own release, with no reliance
-                # on __syncwarp cumulativity.
+                            acc[j] *= alpha
+                        for t in range(PAGE):
+                            pt = cuda.shfl_sync(FULL, p, 2 * t)
+                            okt = t < nv
+                            for w in range(W):
+                                v0, v1 = unpack_f16x2_to_f32(smu[vb + t * ROW + w])
+                                # Zero stale V past the length: p = 0 must contribute nothing.
+                                acc[2 * w] += pt * (v0 if okt else float32(0.0))
+                                acc[2 * w + 1] += pt * (v1 if okt else float32(0.0))
+                # Every consumer thread arrives (count G*32): each thread's own reads of the
+                # stage are ordered before the refill by its own release.
                 mbarrier_arrive(bar0 + 8 * (NSTAGE + s))
-            if lane < G:
-                smf[F_M + warp * G + lane] = m_r
-                smf[F_L + warp * G + lane] = l_r
-
-        cuda.syncthreads()  # both roles done; every consumer's acc, m, l is in shared memory
-        for idx in range(tid, G * D, NTHREADS):
-            g = idx // D
-            d = idx % D
-            mx = smf[F_M + g]
-            for w in range(1, NC):
-                mx = max(mx, smf[F_M + w * G + g])
-            a = float32(0.0)
-            lsum = float32(0.0)
-            for w in range(NC):
-                sc = math.exp2(smf[F_M + w * G + g] - mx)
-                a += smf[F_ACC + (w * G + g) * D + d] * sc
-                lsum += smf[F_L + w * G + g] * sc
-            h = kvh * G + g
-            part_acc[split, h, d] = a
-            if d == 0:
-                part_ml[split, h, 0] = mx
-                part_ml[split, h, 1] = lsum
+            l_part += cuda.shfl_xor_sync(FULL, l_part, 16)
+            l_part += cuda.shfl_xor_sync(FULL, l_part, 8)
+            l_part += cuda.shfl_xor_sync(FULL, l_part, 4)
+            l_part += cuda.shfl_xor_sync(FULL, l_part, 2)
+            l_part += cuda.shfl_xor_sync(FULL, l_part, 1)
+            for j in range(DPL):
+                part_acc[split, h, lane * DPL + j] = acc[j]
+            if lane == 0:
+                part_ml[split, h, 0] = m
+                part_ml[split, h, 1] = l_part
 
     return attn_split
 
@@ -313,26 +316,63 @@ def _combine_kernel(head_dim: int, max_splits: int, min_pps: int):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
-    MAXS, MINP = max_splits, min_pps
+    D, MAXS, MINP = head_dim, max_splits, min_pps
+    NEG = float32(NEG_BIG)
+    FULL = 0xFFFFFFFF
+    RED = CSG * head_dim
 
     def attn_combine(state, part_acc, part_ml, o):
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32; o (Hq*D,) f16
+        wts = cuda.shared.array(MAXS, float32)     # exp2(m_s - max m) per split
+        red = cuda.shared.array(RED, float32)  # per split group sums
+        inv = cuda.shared.array(1, float32)        # 1 / sum_s l_s w_s
         h = cuda.blockIdx.x
-        d = cuda.threadIdx.x
+        tid = cuda.threadIdx.x
+        d = tid % D
+        sg = tid // D
         length = state[STATE_POS] + 1
         n_pages = (length + PAGE - 1) // PAGE
         pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
         n_splits = (n_pages + pps - 1) // pps
-        mx = part_ml[0, h, 0]
-        for s in range(1, n_splits):
-            mx = max(mx, part_ml[s, h, 0])
-        num = float32(0.0)
-        den = float32(0.0)
-        for s in range(n_splits):
-            w = math.exp2(part_ml[s, h, 0] - mx)
-            num += part_acc[s, h, d] * w
-            den += part_ml[s, h, 1] * w
-        o[h * head_dim + d] = float16(num / den)
+        if tid < 32:
+            mx = NEG
+            for s in range(tid, n_splits, 32):
+                mx = max(mx, part_ml[s, h, 0])
+            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 16))
+            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 8))
+            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 4))
+            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))
+            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))
+            den = float32(0.0)
+            for s in range(tid, n_splits, 32):
+                w = math.exp2(part_ml[s, h, 0] - mx)
+                wts[s] = w
+                den += part_ml[s, h, 1] * w
+            # Fixed butterfly: every lane ends with the same sum, the same every run.
+            den += cuda.shfl_xor_sync(FULL, den, 16)
+            den += cuda.shfl_xor_sync(FULL, den, 8)
+            den += cuda.shfl_xor_sync(FULL, den, 4)
+            den += cuda.shfl_xor_sync(FULL, den, 2)
+            den += cuda.shfl_xor_sync(FULL, den, 1)
+            if tid == 0:
+                inv[0] = float32(1.0) / den
+        cuda.syncthreads()
+        # Group sg sums splits sg, sg+CSG, ...; 4 loads in flight per round.  Rows past
+        # n_splits (clamped, never written: maybe NaN) are dropped by select, not by weight.
+        a = float32(0.0)
+        for s0 in range(sg, n_splits, 4 * CSG):
+            for u in range(4):
+                s = s0 + u * CSG
+                sc = min(s, MAXS - 1)
+                x = part_acc[sc, h, d] * wts[sc]
+                a += x if s < n_splits else float32(0.0)
+        red[sg * D + d] = a
+        cuda.syncthreads()
+        if sg == 0:
+            t = red[d]
+            for g in range(1, CSG):
+                t += red[g * D + d]
+            o[h * D + d] = float16(t * inv[0])
 
     return attn_combine
 
@@ -371,7 +411,7 @@ def attn_workspace(cfg, max_splits: int | None = None):
 
 
 def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
-                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS, nc: int = NC):
+                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS):
     """Check shapes once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -382,6 +422,8 @@ def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
     G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     if not 1 <= G <= 8:
         raise ValueError(f"attention supports 1..8 query heads per kv head, got {G}")
+    if D not in (64, 128):
+        raise ValueError(f"attention supports head_dim 64 or 128, got {D}")
     ms = part_acc.shape[0]
     want = {"q": (q, (hq * D,), np.float32), "o": (o, (hq * D,), np.float16),
             "part_acc": (part_acc, (ms, hq, D), np.float32),
@@ -396,17 +438,15 @@ def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
         raise ValueError("attention: table and state must be int32")
     if kv_layer.__cuda_array_interface__["data"][0] % 128:
         raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
-    if PAGE % nc:
-        raise ValueError(f"attention: {nc} consumer warps do not divide a {PAGE}-token page")
-    pps = pages_per_stage or default_pages_per_stage(G, D, nc)
-    split = _jit("split", G, D, hkv, pps, ms, min_pps, nc)
+    pps = pages_per_stage or default_pages_per_stage(D)
+    split = _jit("split", G, D, hkv, pps, ms, min_pps)
     combine = _jit("combine", D, ms, min_pps)
-    nbytes = smem_bytes(G, D, pps, nc)
+    nbytes = smem_bytes(D, pps)
     if nbytes + 64 > SMEM_LIMIT:
         _allow_smem(split, nbytes)
 
     def launch(stream=0):
-        split[(ms, hkv), (nc + 1) * 32, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
-        combine[hq, D, stream](state, part_acc, part_ml, o)
+        split[(ms, hkv), (G + 1) * 32, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
+        combine[hq, D * CSG, stream](state, part_acc, part_ml, o)
 
     return launch
