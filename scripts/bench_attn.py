@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto:1,auto:2,2:1",
                     help="pages_per_stage:min_pps, comma-separated (auto = fit 48 KiB)")
+    ap.add_argument("--max-splits", type=int, default=None,
+                    help="grid width of attn_split (default: ~2 CTAs per SM over the kv heads)")
     args = ap.parse_args()
 
     from numba import cuda
@@ -88,7 +90,7 @@ def main():
     q = cuda.to_device(rng.standard_normal(cfg.q_size).astype(np.float32))
     o = cuda.device_array(cfg.q_size, np.float16)
     state = make_state()
-    pa, pm = attn_decode.attn_workspace(cfg)
+    pa, pm = attn_decode.attn_workspace(cfg, args.max_splits)
     results = {"ceiling_TBps": ceil / 1e12, "attn": []}
 
     for variant in args.variants.split(","):
