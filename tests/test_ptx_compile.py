@@ -230,11 +230,16 @@ def test_blocking_wait_inlines_many_times():
 def extras_set(w, h, f, out, o16):
     tile = cuda.shared.array((4, 8), dtype=np.uint32, alignment=16)
     i = cuda.threadIdx.x
+    ftile = cuda.shared.array(8, dtype=np.float32, alignment=16)
     tile[i // 8, i % 8] = w[i]
+    if i < 8:
+        ftile[i] = f[i]
     cuda.syncthreads()
     a, b, c, d = P.ld_shared_v4_u32(tile, (i // 8, 4 * (i % 2)))
     e, g = P.ld_global_nc_v2_u32(w, 2 * i)
     x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
+    y0, y1, y2, y3 = P.ld_shared_v4_f32(ftile, 4 * (i % 2))
+    x0 += y0 + y1 + y2 + y3
     hb = P.ld_global_nc_u16(h, i)
     bits = P.mov_b32_u32_from_f32(x0 + x1 + x2 + x3)
     out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2))
@@ -248,7 +253,7 @@ def extras_ptx():
 
 
 @pytest.mark.parametrize("instruction", [
-    "ld.shared.v4.u32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
+    "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
@@ -260,7 +265,7 @@ def test_extras_emit_each_instruction(extras_ptx, instruction):
 def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 36
+    assert len(names) == 37
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")

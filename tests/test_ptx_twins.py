@@ -302,6 +302,8 @@ def test_narrow_and_float_loads_and_u16_store_twins():
 def test_ld_shared_v4_twin_and_element_addresses():
     tile = (np.arange(32, dtype=np.uint32) * np.uint32(3)).reshape(4, 8)
     assert P.ld_shared_v4_u32.twin(tile, (2, 4)) == tuple(tile[2, 4:8])
+    ftile = np.linspace(-1, 1, 8, dtype=np.float32)
+    assert P.ld_shared_v4_f32.twin(ftile, 4) == tuple(ftile[4:])
     base = int(P.cvta_to_shared_u32.twin(tile))
     assert int(P.cvta_to_shared_u32_at.twin(tile, (2, 4))) == base + 4 * (2 * 8 + 4)
     flat = np.zeros(16, dtype=np.uint64)

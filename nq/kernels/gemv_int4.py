@@ -54,11 +54,10 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels._ptx_extra import (ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
-                                   ld_shared_v4_u32, mov_b32_f32_from_u32, mov_b32_u32_from_f32,
-                                   st_global_u16)
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
-                    fma_rn_f16x2, ld_global_nc_v4_u32, lop3_b32, pack_f16x2_from_f32,
+                    fma_rn_f16x2, ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                    ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mov_b32_f32_from_u32,
+                    mov_b32_u32_from_f32, pack_f16x2_from_f32, st_global_u16,
                     unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm, swiglu
 

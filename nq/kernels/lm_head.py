@@ -28,9 +28,8 @@ import numpy as np
 from numba import cuda, float32
 
 from nq.config import ModelConfig
-from nq.kernels._ptx_extra import ld_shared_v4_f32
 from nq.kernels.gemv_int4 import STATIC_SMEM_LIMIT, _need
-from nq.ptx import SIMULATOR, ld_global_nc_v4_u32, unpack_f16x2_to_f32
+from nq.ptx import SIMULATOR, ld_global_nc_v4_u32, ld_shared_v4_f32, unpack_f16x2_to_f32
 from nq.ref import linear, rms_norm
 
 _ALIGN = None if SIMULATOR else 16

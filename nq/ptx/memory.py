@@ -138,6 +138,19 @@ def ld_shared_v4_u32(arr, idx):
     return _u32x4(arr, idx)
 
 
+@ptx("{ .reg .u64 nq_sa; cvta.to.shared.u64 nq_sa, %4; "
+     "ld.shared.v4.f32 {%0, %1, %2, %3}, [nq_sa]; }",
+     out=("f32",) * 4, args=("arr", "idx"), effect="load")
+def ld_shared_v4_f32(arr, idx):
+    """`cvta.to.shared.u64 a, &arr[idx]; ld.shared.v4.f32 {f0..f3}, [a];` -- four float32 of shared.
+
+    The fp32 twin of ld_shared_v4_u32, for the lm_head, which keeps its staged activations in
+    fp32; same alignment and ordering rules.
+    """
+    w = _bytes_at(arr, idx).view(np.float32)
+    return (w[0], w[1], w[2], w[3])
+
+
 @ptx("{ .reg .u64 nq_s; cvta.to.shared.u64 nq_s, %1; cvt.u32.u64 %0, nq_s; }",
      out="u32", args=("base",))
 def cvta_to_shared_u32(arr):
