@@ -81,27 +81,30 @@ class Engine:
         part_acc, part_ml = attn_decode.attn_workspace(c)
 
         # ---- launchers: shapes checked once, here ------------------------------------------
-        steps = [feed.feed_launcher(self.prompt, self.feed_meta, self.state),
-                 embed.embed_launcher(weights.embed, self.state, self.x)]
+        # (region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
+        steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
+                 ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
         g = gemvs(c)
         for i, L in enumerate(weights.layers):
             kv_i = self.kv[i]
             steps += [
-                lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b,
-                                         self.qkv, st),
-                rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq, self.d_table,
-                                         kv_i, self.q),
-                attn_decode.attn_decode_launcher(c, self.q, self.state, self.d_table, kv_i,
-                                                 self.o, part_acc, part_ml),
-                lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st),
-                lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w, L.gu_s, self.a, st),
-                lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st),
+                ("qkv_gemv", lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s,
+                                                      L.qkv_b, self.qkv, st)),
+                ("rope_kv_append", rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq,
+                                                           self.d_table, kv_i, self.q)),
+                ("paged_attention", attn_decode.attn_decode_launcher(
+                    c, self.q, self.state, self.d_table, kv_i, self.o, part_acc, part_ml)),
+                ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
+                ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
+                                                                L.gu_s, self.a, st)),
+                ("down", lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st)),
             ]
         head = lm_head.make_lm_head(c)
-        steps.append(lambda st: head(self.x, weights.norm, weights.lm_head, self.logits, st))
-        steps.append(argmax.argmax_launcher(self.logits, self.state, self.out_ids,
-                                            argmax.argmax_workspace()))
-        self._steps = steps
+        steps.append(("lm_head", lambda st: head(self.x, weights.norm, weights.lm_head,
+                                                 self.logits, st)))
+        steps.append(("sample", argmax.argmax_launcher(self.logits, self.state, self.out_ids,
+                                                       argmax.argmax_workspace())))
+        self.steps = steps
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
         self.graph = None
@@ -124,9 +127,17 @@ class Engine:
         return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
 
     # ---- one step -----------------------------------------------------------------------------
-    def run_eager(self) -> None:
-        for launch in self._steps:
-            launch(self.stream)
+    def run_eager(self, regions=None) -> None:
+        """Launch one step's kernels (only those of `regions`, if given) without a graph."""
+        for region, launch in self.steps:
+            if regions is None or region in regions:
+                launch(self.stream)
+
+    @property
+    def regions(self) -> list[str]:
+        """The step's regions in order (RMSNorm is fused into the qkv, gate_up and lm_head
+        GEMVs, so it has no region of its own)."""
+        return list(dict.fromkeys(r for r, _ in self.steps))
 
     def step(self) -> None:
         """Enqueue one decode step (graph replay, or eager launches without a graph)."""
