@@ -57,21 +57,53 @@ def gemvs(cfg: ModelConfig):
 
 
 def upload(nf, stream=0) -> DeviceWeights:
-    """Copy a NanoqwenFile's tensors to the device, tiling the projections on the way."""
+    """Copy a NanoqwenFile's tensors to the device; the projections are re-tiled on the GPU.
+
+    Each projection group (q|k|v, o, gate|up, down) is copied from the mmapped file as it is
+    into one staging buffer, its parts stacked along the output rows, then permuted into the
+    GEMV's chunk order by nq/kernels/retile.py (the host path, `gemv.prepare`, is the
+    reference; it costs ~17 s of NumPy for the 7B on a small CPU, the GPU a few ms).
+    """
     from numba import cuda
+
+    from nq.kernels.gemv_int4 import chunk_permutation
+    from nq.kernels.retile import retile
 
     t0 = time.perf_counter()
     cfg = nf.config
     g = gemvs(cfg)
+    stage_words = max(gm.n_rows * gm.k // 8 for gm in g.values())
+    stage = cuda.device_array(stage_words, np.uint32)  # (largest group's rows * K/8,) uint32
+    perms = {}
 
     def dev(a):
         return cuda.to_device(np.ascontiguousarray(a), stream=stream)
 
     def proj(kind, i, names):
-        parts = [(nf.array(f"layers.{i}.{n}.qweight"), nf.array(f"layers.{i}.{n}.scales"))
-                 for n in names]
-        qw, sc = g[kind].prepare(parts)
-        return dev(qw), dev(sc)
+        gm = g[kind]
+        k8 = gm.k // 8
+        key = (gm.k, gm.tiling.ks)
+        if key not in perms:
+            perms[key] = dev(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32))
+        src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
+        qw = cuda.device_array((gm.n_rows, k8), np.uint32)
+        sc = cuda.device_array((gm.n_rows, gm.k // GROUP_SIZE), np.float16)
+        row = 0
+        for n in names:
+            part_q = nf.array(f"layers.{i}.{n}.qweight")
+            part_s = nf.array(f"layers.{i}.{n}.scales")
+            rows = part_q.shape[0]
+            if row + rows > gm.n_rows or part_q.shape[1] != k8:
+                raise ValueError(f"{nf.path}: layers.{i}.{n} is {part_q.shape}, the "
+                                 f"{gm.name} kernel expects rows of {k8} words")
+            src[row: row + rows].copy_to_device(part_q, stream=stream)
+            sc[row: row + rows].copy_to_device(part_s, stream=stream)
+            row += rows
+        if row != gm.n_rows:
+            raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
+                             f"{gm.n_rows}")
+        retile(src, qw, perms[key], stream)
+        return qw, sc
 
     layers = []
     for i in range(cfg.num_layers):

@@ -42,3 +42,18 @@ def test_engine_kernels_compile_for_sm90_without_local_memory():
     assert_no_local_memory(ptx)
     for fn, sig in ((fill._fill_u32, fill.FILL_U32_SIG), (fill._fill_f16, fill.FILL_F16_SIG)):
         assert_no_local_memory(compile_ptx_sm90(fn, sig))
+
+
+def test_retile_reference_is_the_gemv_tiling_and_compiles():
+    from nq.kernels import retile
+    from nq.kernels.gemv_int4 import chunk_permutation, tile_rows
+    from ptx_util import assert_uses
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 2**32, (24, 3584 // 8), dtype=np.uint32)
+    for ks in (1, 4, 14, 16):
+        perm = chunk_permutation(3584, ks)
+        np.testing.assert_array_equal(retile.retile_reference(src, perm), tile_rows(src, ks))
+    ptx = compile_ptx_sm90(retile._retile, retile.RETILE_SIG)
+    assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
+    assert_no_local_memory(ptx)

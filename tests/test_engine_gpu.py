@@ -122,3 +122,17 @@ def test_fill_kernels_match_their_reference():
     u = (hash_u32_reference(3, np.arange(91)) >> 8).astype(np.float32) / 16777216.0
     # atol one fp16 ulp at 1.0: the device may fuse the multiply-add before rounding to fp16
     np.testing.assert_allclose(got.reshape(-1), 1.0 + 0.25 * (2 * u - 1), rtol=0, atol=1e-3)
+
+
+def test_upload_retiles_on_the_gpu_exactly_as_prepare(model):
+    """weights_gpu.upload permutes on the device; gemv.prepare is the host reference."""
+    from nq.weights_gpu import gemvs
+    name, nf, eng, ref = model
+    g = gemvs(nf.config)
+    last = nf.config.num_layers - 1
+    for kind, names, dev in (("qkv", ("q_proj", "k_proj", "v_proj"), eng.w.layers[last].qkv_w),
+                             ("gate_up", ("gate_proj", "up_proj"), eng.w.layers[last].gu_w),
+                             ("down", ("down_proj",), eng.w.layers[last].down_w)):
+        qw, _ = g[kind].prepare([(nf.array(f"layers.{last}.{n}.qweight"),
+                                  nf.array(f"layers.{last}.{n}.scales")) for n in names])
+        np.testing.assert_array_equal(dev.copy_to_host(), qw, err_msg=f"{name} {kind}")
