@@ -1,0 +1,72 @@
+"""Write a valid .nanoqwen of a Qwen2.5 preset shape with random INT4 weights, fast.
+
+    python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b.nanoqwen
+
+For what needs a full-size file but not a real checkpoint: the weight-upload time of the
+engine, `nq generate -m` on the GPU at the real shape, `nq info --verify`.  The nibbles and
+fp16 values are tiled from one random block (no quantiser runs), so a 7B file takes seconds
+rather than the minutes of `scripts/make_fake_checkpoint.py` + `nq pack`.  The test tokenizer
+of nq.loader.synth is embedded, so the file is self-contained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nq.config import GROUP_SIZE, PRESETS  # noqa: E402
+from nq.loader.format import expected_tensors, write_nanoqwen  # noqa: E402
+from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E402
+                             special_token_ids, tokenizer_config)
+
+
+def random_tensors(cfg, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    block_u32 = rng.integers(0, 2**32, 1 << 22, dtype=np.uint32)  # 16 MB of random nibbles
+    block_f = rng.standard_normal(1 << 22).astype(np.float32)
+    for name, (dtype, shape) in expected_tensors(cfg).items():
+        if name.startswith("meta/"):
+            continue
+        if dtype == np.uint32:
+            yield name, np.resize(block_u32, shape)
+        elif name.endswith(".scales"):
+            k = shape[1] * GROUP_SIZE
+            yield name, np.full(shape, 1.0 / (4.6 * np.sqrt(k)), np.float16)
+        elif name.endswith("layernorm") or name == "norm":
+            yield name, (1.0 + 0.1 * np.resize(block_f, shape)).astype(np.float16)
+        elif name.endswith(".bias"):
+            yield name, (0.1 * np.resize(block_f, shape)).astype(np.float16)
+        else:  # embed_tokens, lm_head
+            scale = 0.1 if name == "embed_tokens" else 1.0 / np.sqrt(shape[1])
+            yield name, (scale * np.resize(block_f, shape)).astype(np.float16)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("size", choices=sorted(PRESETS))
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.size]
+    tj = build_tokenizer_json(min(cfg.vocab_size, 4096))
+    ids = special_token_ids(tj)
+    meta = {"tokenizer.json": tj.encode(),
+            "tokenizer_config.json": json.dumps(tokenizer_config(tj)).encode(),
+            "generation_config.json": json.dumps(
+                generation_config(ids["<|im_end|>"], ids["<|endoftext|>"])).encode(),
+            "config.json": json.dumps(cfg.to_hf()).encode()}
+    t0 = time.perf_counter()
+    out = write_nanoqwen(args.out, cfg, random_tensors(cfg, args.seed), meta, "random")
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
