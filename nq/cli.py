@@ -103,11 +103,14 @@ def make_backend(name: str, nf, ctx: int):
         from nq.ref import NumpyBackend
         return NumpyBackend.from_file(nf, max_len=ctx)
     if name == "gpu":
-        try:
-            from nq.engine import Engine
-        except ImportError as e:
-            raise RuntimeError(f"the GPU backend is unavailable ({e}); use --backend numpy") from e
-        return Engine.from_file(nf, max_len=ctx)
+        from numba import cuda
+        if not cuda.is_available():
+            raise RuntimeError("no CUDA GPU is visible (nq's kernels need an NVIDIA sm_90 GPU); "
+                               "use --backend numpy to run on the CPU")
+        from nq.engine import Engine
+        eng = Engine.from_file(nf, max_len=ctx)
+        print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
+        return eng
     raise ValueError(f"unknown backend {name!r}; choose gpu or numpy")
 
 

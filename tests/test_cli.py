@@ -128,3 +128,11 @@ def test_info_refuses_a_damaged_file(tmp_path, tiny_nanoqwen, capsys):
     assert main(["info", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.nanoqwen" in err and "nq pack" in err
+
+
+def test_gpu_backend_without_a_gpu_says_what_to_do(tiny_nanoqwen, capsys):
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("a GPU is present: tests/test_engine_gpu.py covers the GPU backend")
+    assert main(["generate", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "2"]) == 2
+    assert "--backend numpy" in capsys.readouterr().err
