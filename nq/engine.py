@@ -20,13 +20,12 @@ on the device and pages are reserved ahead, so nothing differs at a page boundar
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from nq.config import ModelConfig
 from nq.graphs import CapturedGraph
-from nq.kv_cache import (PAGE, STATE_LEN, STATE_POS, STATE_STEP, STATE_TOKEN, KVCacheFull,
+from nq.kv_cache import (STATE_LEN, STATE_POS, STATE_STEP, STATE_TOKEN, KVCacheFull,
                          PageAllocator, Sequence, pages_for, pool_shape, release, reserve)
 
 

@@ -67,7 +67,7 @@ def main():
 
     from nq.config import PRESETS
     from nq.kernels import argmax, attn_decode, embed, rmsnorm, rope_kv
-    from nq.kv_cache import PAGE, make_state, pages_for, pool_shape
+    from nq.kv_cache import make_state, pages_for, pool_shape
 
     cfg = PRESETS["7b"]
     L = cfg.num_layers
