@@ -163,6 +163,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from nq.bench import run  # lazy: numba and torch load only for `nq bench`
+    return run(args)
+
+
 # ---- argument parsing -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nq", description=__doc__.split("\n")[0])
@@ -201,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("bench", help="prefill/decode speed as a llama-bench table, with the ITL "
+                                     "breakdown, copy ceiling and torch peers (GPU)")
+    from nq.bench import add_arguments
+    add_arguments(s)
+    s.set_defaults(func=cmd_bench)
     return p
 
 

@@ -1,4 +1,7 @@
-"""Decode ITL of the GPU engine on random weights of a real shape (until `nq bench` lands).
+"""Decode ITL of the GPU engine on random weights of a real shape (the README's figures).
+
+`nq bench` is its successor (llama-bench table, ITL breakdown, torch peers); this script stays
+because the README cites it, and it also times eager launches.
 
     python3 scripts/bench_decode.py --random 7b -p 512 -n 128 -r 5 --ctx 8192,32768
 
@@ -22,32 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nq.bench import bytes_per_token, copy_ceiling_gbs  # shared with nq bench
 from nq.config import PRESETS  # noqa: E402
-
-
-def copy_ceiling_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth (read + write bytes / s), numba only."""
-    from numba import cuda
-    a = cuda.device_array(nbytes // 4, np.float32)
-    b = cuda.device_array(nbytes // 4, np.float32)
-    s = cuda.stream()
-    for _ in range(3):
-        b.copy_to_device(a, stream=s)
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(s)
-    for _ in range(reps):
-        b.copy_to_device(a, stream=s)
-    e1.record(s)
-    e1.synchronize()
-    ms = cuda.event_elapsed_time(e0, e1) / reps
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def bytes_per_token(eng, ctx: int) -> int:
-    """Weights read once per token plus the KV cache read by attention at context ctx."""
-    c = eng.cfg
-    kv = c.num_layers * 2 * ctx * c.num_kv_heads * c.head_dim * 2
-    return eng.w.nbytes_per_token + kv
 
 
 def main(argv=None) -> int:
