@@ -249,10 +249,9 @@ def bytes_per_token(eng, ctx: int) -> int:
 
 def at_context(eng, ctx: int, ahead: int) -> None:
     """Cache ctx tokens long (zeros), with pages reserved for `ahead` more steps: each timed
-    step advances state.pos, and an unreserved table entry would alias page 0.
-    (Engine._reserve is private; the engine has no public 'reserve ahead'.)"""
-    eng._reserve(ctx + ahead + 1)
+    step advances state.pos, and an unreserved table entry would alias page 0."""
     eng.fake_context(ctx)
+    eng.reserve_ahead(ahead + 1)
 
 
 def region_ms(eng, region: str, replays: int) -> float:
@@ -296,7 +295,7 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
     ttft, tg_tok_s, tg_itl = [], [], []
     for r in range(args.r + 1):  # run 0 warms up (clocks, caches) and is dropped
         eng.reset()
-        eng._reserve(args.p + args.n + 8)  # see at_context
+        eng.reserve_ahead(args.p + args.n + 8)  # see at_context
         t0 = time.perf_counter()
         eng.prefill(prompt)  # returns once the logits are on the host
         t = (time.perf_counter() - t0) * 1e3

@@ -247,6 +247,12 @@ class Engine:
         self.stream.synchronize()
         self._pos += fed
 
+    def reserve_ahead(self, n_tokens: int) -> None:
+        """Reserve pages for n_tokens more tokens after the cache, for callers that replay
+        steps directly (benchmarks): every step writes K/V at state.pos, and a block-table
+        entry that was never reserved would alias page 0."""
+        self._reserve(self._pos + n_tokens)
+
     def fake_context(self, length: int) -> None:
         """Benchmarks only: make the cache `length` tokens long without computing them (the
         pages hold zeros), so a decode step at 8K or 32K context can be timed in seconds."""
@@ -257,8 +263,10 @@ class Engine:
 
     # ---- timing -------------------------------------------------------------------------------
     def time_steps(self, n: int, warmup: int = 3) -> list[float]:
-        """Per-step GPU times (ms) of n replays at the current state, measured with events."""
+        """Per-step GPU times (ms) of n replays from the current state, measured with events.
+        The steps are real: the cache grows by warmup + n tokens (pages reserved here)."""
         from numba import cuda
+        self.reserve_ahead(warmup + n + 1)
         for _ in range(warmup):
             self.step()
         evs = [cuda.event() for _ in range(n + 1)]
@@ -267,4 +275,5 @@ class Engine:
             self.step()
             evs[i + 1].record(self.stream)
         evs[-1].synchronize()
+        self._pos += warmup + n
         return [cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(n)]

@@ -153,6 +153,9 @@ class StandIn:
         assert n <= self.max_len, "the engine would raise KVCacheFull"
         self.reserved = max(self.reserved, n)
 
+    def reserve_ahead(self, n):
+        self._reserve(self.pos + n)
+
     def fake_context(self, n):
         self._reserve(n + 1)
         self.pos = n
@@ -161,7 +164,8 @@ class StandIn:
         self._reserve(self.pos + len(ids))
         self.pos += len(ids)
 
-    def time_steps(self, n, warmup=3):
+    def time_steps(self, n, warmup=3):  # as Engine.time_steps: reserves what it will run
+        self.reserve_ahead(warmup + n + 1)
         self.pos += n + warmup
         assert self.pos <= self.reserved, f"step at pos {self.pos} beyond {self.reserved} reserved"
         return [1.0 + 0.01 * (i % 7) for i in range(n)]
