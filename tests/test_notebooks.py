@@ -1,0 +1,34 @@
+"""The notebooks run: every code cell not tagged "gpu" is executed in order, from the
+repository root, as a reader would run them; and each .ipynb matches its generator."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ holds no .ipynb"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_cells_run_on_the_cpu(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cells = json.loads(path.read_text())["cells"]
+    ns = {"__name__": "__notebook__"}
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code" or "gpu" in cell["metadata"].get("tags", []):
+            continue
+        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        exec(compile(src, f"{path.name}[{i}]", "exec"), ns)
+
+
+def test_notebooks_match_their_generator(tmp_path):
+    before = {p.name: p.read_text() for p in NOTEBOOKS}
+    subprocess.run([sys.executable, str(ROOT / "notebooks" / "make_notebooks.py")], check=True)
+    after = {p.name: p.read_text() for p in sorted((ROOT / "notebooks").glob("*.ipynb"))}
+    assert after == before, "a notebook was edited by hand: edit notebooks/make_notebooks.py and rerun it"
