@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_generate)
 
+    from nq.verify import add_parser as add_verify
+    add_verify(sub)
+
     s = sub.add_parser("bench", help="prefill/decode speed as a llama-bench table, with the ITL "
                                      "breakdown, copy ceiling and torch peers (GPU)")
     from nq.bench import add_arguments

@@ -1,6 +1,7 @@
 """Write a valid .nanoqwen of a Qwen2.5 preset shape with random INT4 weights, fast.
 
     python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b.nanoqwen
+    python3 scripts/make_random_nanoqwen.py 7b /tmp/7b-width-2l.nanoqwen --layers 2
 
 For what needs a full-size file but not a real checkpoint: the weight-upload time of the
 engine, `nq generate -m` on the GPU at the real shape, `nq info --verify`.  The nibbles and
@@ -52,8 +53,11 @@ def main(argv=None) -> int:
     ap.add_argument("size", choices=sorted(PRESETS))
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="keep the preset's width, use this many layers")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers, name=f"{cfg.name}-{args.layers}layers")
     tj = build_tokenizer_json(min(cfg.vocab_size, 4096))
     ids = special_token_ids(tj)
     meta = {"tokenizer.json": tj.encode(),
