@@ -354,8 +354,10 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     print(table(rows))
     ok = all(r.passed for r in rows)
-    print(f"nq verify: {'PASS' if ok else 'FAIL'} in {seconds:.0f} s "
-          f"({cuda.get_current_device().name.decode()}, {cfg.name})", file=sys.stderr)
+    gpu = cuda.get_current_device().name
+    gpu = gpu.decode() if isinstance(gpu, bytes) else gpu  # bytes or str across numba-cuda versions
+    print(f"nq verify: {'PASS' if ok else 'FAIL'} in {seconds:.0f} s ({gpu}, {cfg.name})",
+          file=sys.stderr)
     if args.json:
         report.update(rows=[dataclasses.asdict(r) | {"passed": r.passed} for r in rows],
                       seconds=seconds, passed=ok)
