@@ -27,10 +27,16 @@ from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E
                              special_token_ids, tokenizer_config)
 
 
+PRIME = 4_194_301  # the largest prime below 2**22
+
+
 def random_tensors(cfg, seed: int = 0):
     rng = np.random.default_rng(seed)
-    block_u32 = rng.integers(0, 2**32, 1 << 22, dtype=np.uint32)  # 16 MB of random nibbles
-    block_f = rng.standard_normal(1 << 22).astype(np.float32)
+    # Blocks of a prime length P > every row length: row r of a tensor starts at r*K mod P,
+    # so no two rows of any matrix are equal (a power-of-two block repeats rows, and an
+    # lm_head with equal rows makes exact logit ties that no greedy comparison can judge).
+    block_u32 = rng.integers(0, 2**32, PRIME, dtype=np.uint32)  # 16 MB of random nibbles
+    block_f = rng.standard_normal(PRIME).astype(np.float32)
     for name, (dtype, shape) in expected_tensors(cfg).items():
         if name.startswith("meta/"):
             continue
