@@ -56,8 +56,12 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
 def cmd_pack(args) -> int:
     from nq.loader.hf import pack, resolve_snapshot
 
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it (the new file is written "
+                              "beside it and renamed over it only once complete)")
     snapshot = resolve_snapshot(args.src, revision=args.revision)
-    out = pack(snapshot, Path(args.out))
+    out = pack(snapshot, out)
     print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return 0
 
@@ -177,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct")
     s.add_argument("out", help="output .nanoqwen path")
     s.add_argument("--revision", help="branch, tag or commit of a repo id")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("info", help="print a .nanoqwen header, config and tensor table")

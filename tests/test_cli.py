@@ -136,3 +136,25 @@ def test_gpu_backend_without_a_gpu_says_what_to_do(tiny_nanoqwen, capsys):
         pytest.skip("a GPU is present: tests/test_engine_gpu.py covers the GPU backend")
     assert main(["generate", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "2"]) == 2
     assert "--backend numpy" in capsys.readouterr().err
+
+
+def test_pack_refuses_to_overwrite_without_force(tmp_path, tiny_snapshot, capsys):
+    out = tmp_path / "m.nanoqwen"
+    out.write_bytes(b"a file the user had")
+    assert main(["pack", str(tiny_snapshot), str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert out.read_bytes() == b"a file the user had"
+    assert main(["pack", str(tiny_snapshot), str(out), "--force"]) == 0
+    assert out.read_bytes()[:8] == b"NANOQWEN"
+
+
+def test_pack_embeds_chat_template_jinja(tmp_path, tiny_snapshot):
+    import shutil
+    snap = tmp_path / "snap"
+    shutil.copytree(tiny_snapshot, snap)
+    (snap / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    out = tmp_path / "m.nanoqwen"
+    assert main(["pack", str(snap), str(out)]) == 0
+    tok = Tokenizer.from_nanoqwen(NanoqwenFile(out))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                   add_generation_prompt=False) == "[hi]"

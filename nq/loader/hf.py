@@ -25,7 +25,10 @@ from nq.loader.format import PROJECTIONS, expected_tensors, release_pages, write
 from nq.loader.quant import quantize_pack
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "merges.txt", "vocab.json"]
-META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# Embedded in the .nanoqwen so it is self-contained; recent snapshots keep the chat template in
+# chat_template.jinja rather than in tokenizer_config.json (nq.text reads either).
+META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja")
 _ST_DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
 CONVERT_ROWS = 4096      # rows per chunk when narrowing a big matrix (embed, lm_head) to fp16
 
