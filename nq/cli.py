@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,9 +42,16 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         return path
     if model.endswith(".nanoqwen"):
         raise FileNotFoundError(f"{model}: no such file; pack one with `nq pack SRC {model}`")
-    snapshot = resolve_snapshot(str(path) if path.is_dir() else model, revision=revision)
     # A snapshot folder in the HF cache is named after its commit, so a new revision packs anew.
     key = (str(path.resolve()) if path.is_dir() else model).strip("/").replace("/", "--")
+    if not path.is_dir() and (revision is None or re.fullmatch(r"[0-9a-f]{40}", revision)):
+        # A repo id packed before is used without asking the hub (the HF copy may be pruned,
+        # or the machine offline); `--revision` or `nq pack` fetches another revision.
+        packed = sorted(cache_dir().glob(f"{key}--{revision or '*'}.nanoqwen"),
+                        key=lambda p: p.stat().st_mtime)
+        if packed:
+            return packed[-1]
+    snapshot = resolve_snapshot(str(path) if path.is_dir() else model, revision=revision)
     out = cache_dir() / f"{key}--{snapshot.name}.nanoqwen"
     if not out.exists():
         print(f"nq: packing {snapshot} into {out} (once)", file=sys.stderr)
@@ -111,6 +119,11 @@ def make_backend(name: str, nf, ctx: int):
         if not cuda.is_available():
             raise RuntimeError("no CUDA GPU is visible (nq's kernels need an NVIDIA sm_90 GPU); "
                                "use --backend numpy to run on the CPU")
+        cc = cuda.get_current_device().compute_capability
+        if tuple(cc) < (9, 0):
+            raise RuntimeError(f"this GPU is sm_{cc[0]}{cc[1]}; nq's kernels use Hopper (sm_90) "
+                               "instructions (cp.async.bulk, mbarrier): use an H100/H200, or "
+                               "--backend numpy")
         from nq.engine import Engine
         eng = Engine.from_file(nf, max_len=ctx)
         print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
@@ -118,28 +131,49 @@ def make_backend(name: str, nf, ctx: int):
     raise ValueError(f"unknown backend {name!r}; choose gpu or numpy")
 
 
+def sampling_params(args, d: dict):
+    """Flags over generation_config.json's defaults (transformers' names and semantics).
+
+    `--temp 0` is plain greedy: the config's repetition_penalty then applies only if
+    `--repeat-penalty` is given, so greedy runs on the device at full speed.  A penalty taken
+    from the config covers the whole context, as in transformers (repeat_last_n = -1); a
+    `--repeat-penalty` flag covers the last 64 tokens, as in llama.cpp.
+    """
+    from nq.sample import SamplingParams
+
+    if args.temp is not None:
+        temperature = args.temp
+    else:
+        temperature = d.get("temperature", 1.0) if d.get("do_sample", False) else 0.0
+    if args.repeat_penalty is not None:
+        penalty, last_n = args.repeat_penalty, 64
+    elif temperature == 0:
+        penalty, last_n = 1.0, 64
+    else:
+        penalty, last_n = d.get("repetition_penalty", 1.0), -1
+    return SamplingParams(
+        temperature=temperature,
+        top_k=args.top_k if args.top_k is not None else d.get("top_k", 0) or 0,
+        top_p=args.top_p if args.top_p is not None else d.get("top_p", 1.0),
+        min_p=args.min_p if args.min_p is not None else 0.0,
+        repeat_penalty=penalty, repeat_last_n=last_n,
+        seed=None if args.seed < 0 else args.seed,
+    )
+
+
 def cmd_generate(args) -> int:
     from nq.generate import generate
     from nq.loader.format import NanoqwenFile
-    from nq.sample import SamplingParams
     from nq.text import Tokenizer
 
     path = resolve_model(args.model, args.revision)
     nf = NanoqwenFile(path)
     tok = Tokenizer.from_nanoqwen(nf)
     ids = build_prompt_ids(tok, args)
-    d = tok.generation_defaults
-    params = SamplingParams(
-        temperature=args.temp if args.temp is not None else
-        (d.get("temperature", 1.0) if d.get("do_sample", False) else 0.0),
-        top_k=args.top_k if args.top_k is not None else d.get("top_k", 0) or 0,
-        top_p=args.top_p if args.top_p is not None else d.get("top_p", 1.0),
-        min_p=args.min_p if args.min_p is not None else 0.0,
-        repeat_penalty=args.repeat_penalty if args.repeat_penalty is not None
-        else d.get("repetition_penalty", 1.0),
-        seed=args.seed,
-    )
+    params = sampling_params(args, tok.generation_defaults)
     ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
+    if args.n < 0:  # llama.cpp's -n -1: until an end-of-sequence token or the context is full
+        args.n = ctx - len(ids)
     if len(ids) + args.n > ctx:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
@@ -194,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--revision", help="revision of a repo id given to -m")
     s.add_argument("-p", "--prompt")
     s.add_argument("-f", "--file", help="read the prompt from a file")
-    s.add_argument("-n", "--n-predict", dest="n", type=int, default=128, help="tokens to generate")
+    s.add_argument("-n", "--n-predict", dest="n", type=int, default=128,
+                   help="tokens to generate; -1: until end of sequence or the context is full")
     s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
                    help="context length in tokens (default: min(model max, 4096))")
     s.add_argument("--temp", type=float, help="temperature; 0 = greedy (default: generation_config)")
@@ -202,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float)
     s.add_argument("--min-p", type=float)
     s.add_argument("--repeat-penalty", type=float)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 (default): random")
     s.add_argument("--system", help="system message (implies --chat)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("--fim-prefix", help="fill-in-the-middle: code before the cursor")
@@ -231,6 +266,11 @@ def main(argv=None) -> int:
         return 130
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         return _err(str(e))
+    except Exception as e:  # CUDA driver/compiler and template errors: say what, not a traceback
+        kind = type(e).__module__.split(".")[0]
+        if kind in ("numba", "jinja2", "cuda"):
+            return _err(f"{type(e).__name__}: {e}")
+        raise
 
 
 if __name__ == "__main__":

@@ -156,6 +156,8 @@ class Engine:
         release(self.alloc, self.seq)
         self._pos = 0
         self._write_state(token=0, pos=0, step=0)
+        # no prompt: `feed` must not put an old prompt's token over a decode(token)
+        self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
 
     def _write_state(self, token: int, pos: int, step: int) -> None:
         h = self._h_state
@@ -215,20 +217,27 @@ class Engine:
         for _ in range(p - 1):
             self.step()
         # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
-        # read after step k is queued, so the GPU never waits for the host.
-        prev = None
-        for k in range(n):
-            self.step()
-            reader = self._enqueue_read(p - 1 + k, k % 2)
-            if prev is not None:
-                tok = prev()
-                yield tok
-                if tok in stop_ids:
-                    self._finish(p + k - 1)
-                    return
-            prev = reader
-        yield prev()
-        self._finish(p + n - 1)
+        # read after step k is queued, so the GPU never waits for the host.  The consumer may
+        # stop at any yield (a stop id): `finally` then books what the cache holds.
+        produced = 0
+        try:
+            prev = None
+            for k in range(n):
+                self.step()
+                reader = self._enqueue_read(p - 1 + k, k % 2)
+                if prev is not None:
+                    tok = prev()
+                    produced += 1
+                    yield tok
+                    if tok in stop_ids:
+                        return
+                prev = reader
+            tok = prev()
+            produced += 1
+            yield tok
+        finally:
+            # the prompt and every generated token but the last were fed to the cache
+            self._finish(p + max(produced - 1, 0))
 
     def _enqueue_read(self, index: int, slot: int):
         """Copy out_ids[index] into pinned slot after the work queued so far; return a reader."""

@@ -328,6 +328,11 @@ def run(args) -> int:
     from nq.cli import resolve_model
     from nq.loader.format import NanoqwenFile
 
+    tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
+    if not tiers or tiers - {"unit", "layer", "graph"}:
+        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, graph "
+              "(comma-separated)", file=sys.stderr)
+        return 2
     if not cuda.is_available():
         print("nq verify needs an NVIDIA GPU (numba.cuda.is_available() is False); it checks "
               "this GPU's kernels against the references", file=sys.stderr)
@@ -338,7 +343,6 @@ def run(args) -> int:
     nf = NanoqwenFile(resolve_model(args.model))
     cfg = nf.config
     eng = Engine.from_file(nf, max_len=max(4096, args.prompt_len + args.tokens + 8))
-    tiers = set(args.tiers.split(","))
     rows, report = [], {"model": str(nf.path), "config": cfg.to_json()}
     if "unit" in tiers:
         rows += unit_tier(eng, nf)
@@ -353,7 +357,7 @@ def run(args) -> int:
         rows.append(row)
     seconds = time.perf_counter() - t0
     print(table(rows))
-    ok = all(r.passed for r in rows)
+    ok = bool(rows) and all(r.passed for r in rows)
     gpu = cuda.get_current_device().name
     gpu = gpu.decode() if isinstance(gpu, bytes) else gpu  # bytes or str across numba-cuda versions
     print(f"nq verify: {'PASS' if ok else 'FAIL'} in {seconds:.0f} s ({gpu}, {cfg.name})",

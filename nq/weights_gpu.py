@@ -81,6 +81,12 @@ def upload(nf, stream=0) -> DeviceWeights:
     def dev(a):
         return cuda.to_device(np.ascontiguousarray(a), stream=stream)
 
+    def dev_named(name):
+        """Copy a file tensor (synchronously from pageable memory), then drop its pages."""
+        d = dev(nf.array(name))
+        nf.release(name)
+        return d
+
     def proj(kind, i, names):
         gm = g[kind]
         k8 = gm.k // 8
@@ -100,6 +106,8 @@ def upload(nf, stream=0) -> DeviceWeights:
                                  f"{gm.name} kernel expects rows of {k8} words")
             src[row: row + rows].copy_to_device(part_q, stream=stream)
             sc[row: row + rows].copy_to_device(part_s, stream=stream)
+            nf.release(f"layers.{i}.{n}.qweight")
+            nf.release(f"layers.{i}.{n}.scales")
             row += rows
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
@@ -115,13 +123,13 @@ def upload(nf, stream=0) -> DeviceWeights:
         d_w, d_s = proj("down", i, ("down_proj",))
         bias = np.concatenate([nf.array(f"layers.{i}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")])
         layers.append(DeviceLayer(
-            input_norm=dev(nf.array(f"layers.{i}.input_layernorm")),
-            post_norm=dev(nf.array(f"layers.{i}.post_attention_layernorm")),
+            input_norm=dev_named(f"layers.{i}.input_layernorm"),
+            post_norm=dev_named(f"layers.{i}.post_attention_layernorm"),
             qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=dev(bias), o_w=o_w, o_s=o_s,
             gu_w=gu_w, gu_s=gu_s, down_w=d_w, down_s=d_s))
-    embed = dev(nf.array("embed_tokens"))
-    lm_head = embed if cfg.tie_word_embeddings else dev(nf.array("lm_head"))
-    w = DeviceWeights(cfg, embed=embed, norm=dev(nf.array("norm")), lm_head=lm_head, layers=layers)
+    embed = dev_named("embed_tokens")
+    lm_head = embed if cfg.tie_word_embeddings else dev_named("lm_head")
+    w = DeviceWeights(cfg, embed=embed, norm=dev_named("norm"), lm_head=lm_head, layers=layers)
     cuda.synchronize()
     w.load_s = time.perf_counter() - t0
     return w

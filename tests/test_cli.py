@@ -158,3 +158,45 @@ def test_pack_embeds_chat_template_jinja(tmp_path, tiny_snapshot):
     tok = Tokenizer.from_nanoqwen(NanoqwenFile(out))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                    add_generation_prompt=False) == "[hi]"
+
+
+def _args(**kw):
+    import argparse
+    base = dict(temp=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None, seed=-1)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+QWEN_GEN = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+            "repetition_penalty": 1.05}
+
+
+def test_sampling_defaults_follow_generation_config_and_temp0_is_plain_greedy():
+    from nq.cli import sampling_params
+    p = sampling_params(_args(), QWEN_GEN)
+    assert (p.temperature, p.top_k, p.top_p, p.repeat_penalty) == (0.7, 20, 0.8, 1.05)
+    assert p.repeat_last_n == -1 and p.seed is None  # transformers' penalty span; random seed
+    g = sampling_params(_args(temp=0.0, seed=4), QWEN_GEN)
+    assert g.temperature == 0 and g.repeat_penalty == 1.0 and g.seed == 4  # the device path
+    e = sampling_params(_args(temp=0.0, repeat_penalty=1.1), QWEN_GEN)
+    assert e.repeat_penalty == 1.1 and e.repeat_last_n == 64  # an explicit flag: llama.cpp's
+    assert sampling_params(_args(), {}).temperature == 0.0  # no do_sample: greedy
+
+
+def test_n_minus_one_generates_until_the_context_is_full(tiny_nanoqwen, capsys):
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "-p", "Hello", "-n", "-1", "-c", "12",
+                   "--temp", "0", "--ignore-eos")
+    assert len(res["prompt_ids"]) + len(res["ids"]) == 12
+
+
+def test_a_repo_id_packed_before_needs_no_hub(tmp_path, monkeypatch, tiny_nanoqwen):
+    import shutil
+
+    from nq import cli
+    monkeypatch.setenv("NQ_CACHE", str(tmp_path))
+    key = "Org--Model"
+    shutil.copy(tiny_nanoqwen, tmp_path / f"{key}--{'a' * 40}.nanoqwen")
+    monkeypatch.setattr("nq.loader.hf.resolve_snapshot",
+                        lambda *a, **k: pytest.fail("the hub was asked for a packed model"))
+    assert cli.resolve_model("Org/Model") == tmp_path / f"{key}--{'a' * 40}.nanoqwen"
+    assert cli.resolve_model("Org/Model", "a" * 40).name.endswith("a" * 40 + ".nanoqwen")

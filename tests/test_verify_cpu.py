@@ -45,3 +45,9 @@ def test_verify_without_a_gpu_says_so(tiny_nanoqwen, capsys):
         pytest.skip("a GPU is present: nq verify runs for real there")
     assert main(["verify", "-m", str(tiny_nanoqwen)]) == 2
     assert "nq verify needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tiers", ["unit,grpah", " ", "foo"])
+def test_verify_refuses_unknown_tiers(tiny_nanoqwen, capsys, tiers):
+    assert main(["verify", "-m", str(tiny_nanoqwen), "--tiers", tiers]) == 2
+    assert "choose from unit, layer, graph" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from nq.config import ModelConfig
 from nq.loader.format import PROJECTIONS, expected_tensors, release_pages, write_nanoqwen
 from nq.loader.quant import quantize_pack
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "merges.txt", "vocab.json"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "merges.txt", "vocab.json", "*.jinja"]
 # Embedded in the .nanoqwen so it is self-contained; recent snapshots keep the chat template in
 # chat_template.jinja rather than in tokenizer_config.json (nq.text reads either).
 META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
