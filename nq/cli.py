@@ -207,6 +207,37 @@ def cmd_bench(args) -> int:
 
 
 # ---- argument parsing -----------------------------------------------------------------------
+def _model_args(s) -> None:
+    s.add_argument("-m", "--model", help=f".nanoqwen file, HF folder or repo id (default {DEFAULT_REPO})")
+    s.add_argument("--revision", help="revision of a repo id given to -m")
+    s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
+                   help="context length in tokens (default: min(model max, 4096))")
+    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu")
+
+
+def _sampling_args(s) -> None:
+    s.add_argument("--temp", type=float, help="temperature; 0 = greedy (default: generation_config)")
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--repeat-penalty", type=float)
+    s.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 (default): random")
+    s.add_argument("--system", help="system message (implies --chat for generate)")
+
+
+def cmd_chat(args) -> int:
+    from nq.chat import ChatSession, repl
+    from nq.loader.format import NanoqwenFile
+    from nq.text import Tokenizer
+
+    nf = NanoqwenFile(resolve_model(args.model, args.revision))
+    tok = Tokenizer.from_nanoqwen(nf)
+    params = sampling_params(args, tok.generation_defaults)
+    ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
+    session = ChatSession(make_backend(args.backend, nf, ctx), tok, params, ctx, system=args.system)
+    return repl(session, args.n)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nq", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -224,28 +255,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("generate", help="generate text")
-    s.add_argument("-m", "--model", help=f".nanoqwen file, HF folder or repo id (default {DEFAULT_REPO})")
-    s.add_argument("--revision", help="revision of a repo id given to -m")
+    _model_args(s)
     s.add_argument("-p", "--prompt")
     s.add_argument("-f", "--file", help="read the prompt from a file")
     s.add_argument("-n", "--n-predict", dest="n", type=int, default=128,
                    help="tokens to generate; -1: until end of sequence or the context is full")
-    s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
-                   help="context length in tokens (default: min(model max, 4096))")
-    s.add_argument("--temp", type=float, help="temperature; 0 = greedy (default: generation_config)")
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--repeat-penalty", type=float)
-    s.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 (default): random")
-    s.add_argument("--system", help="system message (implies --chat)")
+    _sampling_args(s)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("--fim-prefix", help="fill-in-the-middle: code before the cursor")
     s.add_argument("--fim-suffix", help="fill-in-the-middle: code after the cursor")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("chat", help="multi-turn chat on stdin/stdout; the KV cache is kept "
+                                    "between turns (/reset, /exit)")
+    _model_args(s)
+    s.add_argument("-n", "--n-predict", dest="n", type=int, default=1024,
+                   help="most tokens per reply")
+    _sampling_args(s)
+    s.set_defaults(func=cmd_chat)
 
     from nq.verify import add_parser as add_verify
     add_verify(sub)

@@ -151,6 +151,12 @@ class Engine:
         """Tokens in the KV cache (host view; valid after a synchronize)."""
         return self._pos
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens (a chat turn that re-tokenised differently): later
+        positions stay reserved and are overwritten by the next prefill."""
+        self.stream.synchronize()
+        self._pos = min(int(n), self._pos)
+
     def reset(self) -> None:
         self.stream.synchronize()
         release(self.alloc, self.seq)

@@ -58,17 +58,20 @@ def _sampled_ids(backend, prompt_ids: list[int], n: int, sampler: Sampler,
 
 def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
              stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
-             ) -> tuple[list[int], GenerationStats]:
+             keep_context: bool = False) -> tuple[list[int], GenerationStats]:
     """Generate up to `n` tokens after `prompt_ids`; stop early on any id in `stop_ids`.
 
     `on_token` sees every generated id as soon as the host knows it (stop ids included, so the
-    caller decides what to print).  Returns the generated ids and the timing statistics.
+    caller decides what to print).  With `keep_context` the backend's cache is kept and
+    `prompt_ids` continue it (a chat turn); afterwards the cache holds the prompt and every
+    generated id but the last.  Returns the generated ids and the timing statistics.
     """
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token (-p TEXT or -f FILE)")
     stop = frozenset(int(s) for s in stop_ids)
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
-    backend.reset()
+    if not keep_context:
+        backend.reset()
     if n <= 0:
         return [], stats
     if hasattr(backend, "generate_ids"):

@@ -285,6 +285,15 @@ class NumpyBackend:
     def reset(self) -> None:
         self.model.reset()
 
+    @property
+    def length(self) -> int:
+        """Tokens in the cache."""
+        return self.model.cache.length
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens (later rows are overwritten by the next forward)."""
+        self.model.cache.length = min(int(n), self.model.cache.length)
+
     def prefill(self, ids) -> np.ndarray:
         """Append ids (T,) to the context -> logits (vocab,) fp32 of the last position."""
         ids = np.asarray(ids).reshape(-1)
