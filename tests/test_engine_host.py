@@ -125,3 +125,12 @@ def test_reset_forgets_the_last_prompt(engine):
     engine.reset()
     engine.decode(9)
     assert engine.cache[0] == 9
+
+
+def test_truncate_then_continue(engine):
+    first = list(engine.generate_ids([3, 4, 5, 6, 7], 3, GREEDY))
+    assert engine.length == 5 + 3 - 1
+    engine.truncate(4)  # keep [3, 4, 5, 6]; position 4 onwards is rewritten
+    got = list(engine.generate_ids([8, 9], 3, GREEDY))
+    assert got == reference([3, 4, 5, 6, 8, 9], 3) and first
+    assert [engine.cache[p] for p in range(6)] == [3, 4, 5, 6, 8, 9]
