@@ -174,7 +174,7 @@ def cmd_generate(args) -> int:
     ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
     if args.n < 0:  # llama.cpp's -n -1: until an end-of-sequence token or the context is full
         args.n = ctx - len(ids)
-    if len(ids) + args.n > ctx:
+    if len(ids) + max(args.n, 1) > ctx:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
     backend = make_backend(args.backend, nf, ctx)

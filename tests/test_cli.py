@@ -200,3 +200,9 @@ def test_a_repo_id_packed_before_needs_no_hub(tmp_path, monkeypatch, tiny_nanoqw
                         lambda *a, **k: pytest.fail("the hub was asked for a packed model"))
     assert cli.resolve_model("Org/Model") == tmp_path / f"{key}--{'a' * 40}.nanoqwen"
     assert cli.resolve_model("Org/Model", "a" * 40).name.endswith("a" * 40 + ".nanoqwen")
+
+
+def test_a_prompt_that_fills_the_context_is_refused(tiny_nanoqwen, capsys):
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p",
+                 "Hello, world! " * 10, "-n", "-1", "-c", "8"]) == 2
+    assert "exceeds the context -c 8" in capsys.readouterr().err
