@@ -135,6 +135,74 @@ if cuda.is_available():
 ]
 
 
+FLOOR = [
+    md("""
+# The 7B decode step against its byte floor
+
+Batch-1 decode is a stream of weights: every token reads each weight once. This notebook
+computes, from `ModelConfig` alone, the bytes each region of the step must move and the time
+that takes at the copy ceiling, then reads the figures `nq bench` measured on an H200
+(`docs/figures/bench_7b.json`, written by `nq bench --random 7b ... --json`) and sets them side
+by side. Re-run it on your own JSON to see where your GPU spends the step.
+"""),
+    code("""
+import json, os, sys
+sys.path.insert(0, os.getcwd())  # run from the repository root
+from nq.config import GROUP_SIZE, PRESETS
+
+cfg = PRESETS["7b"]
+run = json.load(open("docs/figures/bench_7b.json"))
+ceiling = run["copy_ceiling_GBs"] * 1e9           # bytes/s, device-to-device copy, same run
+
+def int4_bytes(n, k):                             # nibbles + one fp16 scale per 128 weights
+    return n * k // 2 + n * (k // GROUP_SIZE) * 2
+
+L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+ctx = run["breakdown"][0]["ctx"]
+bytes_per_region = {
+    "qkv_gemv": L * int4_bytes(cfg.qkv_size, H),
+    "o_proj": L * int4_bytes(H, cfg.q_size),
+    "gate_up_swiglu": L * 2 * int4_bytes(I, H),
+    "down": L * int4_bytes(H, I),
+    "lm_head": cfg.vocab_size * H * 2,
+    "paged_attention": L * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 2,
+}
+print(f"context {ctx}; ceiling {ceiling / 1e12:.2f} TB/s")
+"""),
+    code("""
+measured = run["breakdown"][0]["regions_ms"]
+print(f"{'region':18s} {'GB':>6s} {'floor ms':>9s} {'measured':>9s} {'of floor':>9s}")
+total_floor = 0.0
+for region, b in bytes_per_region.items():
+    floor = b / ceiling * 1e3
+    total_floor += floor
+    print(f"{region:18s} {b / 1e9:6.3f} {floor:9.3f} {measured[region]:9.3f} {100 * floor / measured[region]:8.0f} %")
+itl = run["breakdown"][0]["itl_ms"]
+print(f"{'step':18s} {'':6s} {total_floor:9.3f} {itl:9.3f} {100 * total_floor / itl:8.0f} %")
+print("kernel_gap (launch and host overhead inside the graph):", round(run["breakdown"][0]["kernel_gap_ms"], 3), "ms")
+"""),
+    md("""
+The GEMVs that read most (gate_up, down) run closest to the floor; the small ones (qkv,
+o_proj) and attention at short context are dominated by fixed per-launch costs, which is
+where `docs/PERF.md` expects the next 0.3 ms to come from.
+"""),
+    code("""
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
+if plt is not None:
+    regions = list(bytes_per_region)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(regions, [measured[r] for r in regions], label="measured")
+    ax.barh(regions, [bytes_per_region[r] / ceiling * 1e3 for r in regions], label="byte floor")
+    ax.set_xlabel("ms per token"); ax.legend(); fig.tight_layout()
+"""),
+]
+
+
 def write(name, cells):
     nb = {"nbformat": 4, "nbformat_minor": 5,
           "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -147,3 +215,4 @@ def write(name, cells):
 
 if __name__ == "__main__":
     write("01_int4_valueshuffle.ipynb", INT4)
+    write("02_decode_step_floor.ipynb", FLOOR)
