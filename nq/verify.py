@@ -49,16 +49,10 @@ def rel(got, ref) -> float:
 
 def layer_weights(nf, i: int) -> dict:
     """Host fp32 weights of layer i (ARCHITECTURE.md names), projections dequantised."""
-    from nq.loader.quant import dequantize_packed
-    from nq.ref import PROJECTIONS
+    from nq.loader.hf import host_names
+    from nq.loader.weights import host_tensor
     p = f"layers.{i}."
-    w = {p + f"{n}.weight": dequantize_packed(nf.array(p + f"{n}.qweight"), nf.array(p + f"{n}.scales"))
-         for n in PROJECTIONS}
-    for n in ("q_proj", "k_proj", "v_proj"):
-        w[p + f"{n}.bias"] = np.asarray(nf.array(p + f"{n}.bias"), np.float32)
-    for n in ("input_layernorm", "post_attention_layernorm"):
-        w[p + n] = np.asarray(nf.array(p + n), np.float32)
-    return w
+    return {n: host_tensor(nf, n) for n in host_names(nf.config) if n.startswith(p)}
 
 
 # ---- unit tier --------------------------------------------------------------------------------
@@ -219,7 +213,7 @@ class TorchReference:
         import transformers
 
         from nq.loader.hf import hf_name, host_names
-        from nq.loader.quant import dequantize_packed
+        from nq.loader.weights import host_tensor
 
         cfg = nf.config
         hcfg = transformers.Qwen2Config(**cfg.to_hf())
@@ -229,12 +223,7 @@ class TorchReference:
             self.model = transformers.Qwen2ForCausalLM(hcfg).to(torch.float32).eval()
         params = dict(self.model.named_parameters())
         for name in host_names(cfg):  # one tensor at a time: host memory stays one tensor
-            if name.endswith(".weight") and name.startswith("layers."):
-                a = dequantize_packed(nf.array(name[:-len("weight")] + "qweight"),
-                                      nf.array(name[:-len("weight")] + "scales"))
-            else:
-                a = np.asarray(nf.array(name), np.float32)
-            params[hf_name(name)].data.copy_(torch.from_numpy(np.ascontiguousarray(a)))
+            params[hf_name(name)].data.copy_(torch.from_numpy(host_tensor(nf, name)))
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"

@@ -1,7 +1,7 @@
-"""Decode ITL of the GPU engine on random weights of a real shape (the README's figures).
+"""Decode ITL of the GPU engine on random weights of a real shape, graph against eager.
 
 `nq bench` is its successor (llama-bench table, ITL breakdown, torch peers); this script stays
-because the README cites it, and it also times eager launches.
+for what nq bench does not time: the same decode step as eager launches, without the graph.
 
     python3 scripts/bench_decode.py --random 7b -p 512 -n 128 -r 5 --ctx 8192,32768
 

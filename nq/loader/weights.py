@@ -20,16 +20,18 @@ from nq.loader.quant import dequantize_packed, fake_quantize_matrix
 _PROJ_WEIGHT = re.compile(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
+def host_tensor(nf: NanoqwenFile, name: str) -> np.ndarray:
+    """One fp32 host weight by its host name: a projection dequantised, anything else widened."""
+    if name.endswith("_proj.weight"):
+        base = name[:-len(".weight")]
+        return dequantize_packed(nf.array(base + ".qweight"), nf.array(base + ".scales"))
+    return nf.array(name).astype(np.float32)
+
+
 def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
     """fp32 host weights under our names (docs/ARCHITECTURE.md); `lm_head` is the same array
     as `embed_tokens` when the embeddings are tied."""
-    out: dict[str, np.ndarray] = {}
-    for name in host_names(nf.config):
-        if name.endswith("_proj.weight"):
-            base = name[:-len(".weight")]
-            out[name] = dequantize_packed(nf.array(base + ".qweight"), nf.array(base + ".scales"))
-        else:
-            out[name] = nf.array(name).astype(np.float32)
+    out = {name: host_tensor(nf, name) for name in host_names(nf.config)}
     if nf.config.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"]
     return out
