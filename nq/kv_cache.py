@@ -177,6 +177,18 @@ def gather_kv(pool_layer: np.ndarray, table: np.ndarray, length: int) -> tuple[n
     return k, v
 
 
+def check_paged_args(who: str, cfg: ModelConfig, kv_layer, table, state) -> None:
+    """The paged-KV arguments every kernel that reads or writes pages takes (rope_kv,
+    attention), checked once at launcher build: kv_layer (n_pages, n_kv, 2, PAGE, head_dim)
+    fp16, table and state int32."""
+    want = (cfg.num_kv_heads, 2, PAGE, cfg.head_dim)
+    if kv_layer.dtype != np.float16 or tuple(kv_layer.shape[1:]) != want:
+        raise ValueError(f"{who}: kv_layer is {kv_layer.dtype}{tuple(kv_layer.shape)}, "
+                         f"want float16(n_pages, {', '.join(map(str, want))})")
+    if table.dtype != np.int32 or state.dtype != np.int32:
+        raise ValueError(f"{who}: table and state must be int32")
+
+
 # ---- device mirrors ---------------------------------------------------------------------------
 
 class DeviceBlockTable:

@@ -64,3 +64,16 @@ def test_write_then_gather_scattered_pages():
     kk, vv = gather_kv(pool, table, length)
     np.testing.assert_array_equal(kk, k)
     np.testing.assert_array_equal(vv, v)
+
+
+def test_check_paged_args_names_the_caller_and_the_fault():
+    from nq.config import tiny_config
+    from nq.kv_cache import check_paged_args, pool_shape
+    cfg = tiny_config()
+    kv = np.zeros(pool_shape(cfg, 3)[1:], np.float16)
+    ok = np.zeros(4, np.int32)
+    check_paged_args("rope_kv", cfg, kv, ok, ok)
+    with pytest.raises(ValueError, match=r"attention: kv_layer is float32"):
+        check_paged_args("attention", cfg, kv.astype(np.float32), ok, ok)
+    with pytest.raises(ValueError, match=r"rope_kv: table and state must be int32"):
+        check_paged_args("rope_kv", cfg, kv, ok.astype(np.int64), ok)

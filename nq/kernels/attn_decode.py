@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from nq.kv_cache import PAGE, STATE_POS
+from nq.kv_cache import PAGE, STATE_POS, check_paged_args
 
 NSTAGE = 3       # shared-memory stages (triple buffering)
 MIN_PPS = 1      # fewest pages a split takes: 1 measured best (512 tokens: 15.7 vs 20.7 us at 4)
@@ -431,11 +431,7 @@ def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
     for name, (a, shape, dt) in want.items():
         if tuple(a.shape) != shape or a.dtype != dt:
             raise ValueError(f"attention: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
-    if kv_layer.dtype != np.float16 or tuple(kv_layer.shape[1:]) != (hkv, 2, PAGE, D):
-        raise ValueError(f"attention: kv_layer is {kv_layer.dtype}{tuple(kv_layer.shape)}, "
-                         f"want float16(n_pages, {hkv}, 2, {PAGE}, {D})")
-    if table.dtype != np.int32 or state.dtype != np.int32:
-        raise ValueError("attention: table and state must be int32")
+    check_paged_args("attention", cfg, kv_layer, table, state)
     if kv_layer.__cuda_array_interface__["data"][0] % 128:
         raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
     pps = pages_per_stage or default_pages_per_stage(D)

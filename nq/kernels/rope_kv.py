@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from nq.kv_cache import PAGE, STATE_POS
+from nq.kv_cache import PAGE, STATE_POS, check_paged_args
 
 
 # ---- NumPy reference ---------------------------------------------------------------------------
@@ -114,11 +114,7 @@ def rope_kv_launcher(cfg, qkv, state, inv_freq, table, kv_layer, q_out):
     for name, a, shape, dt in checks:
         if tuple(a.shape) != shape or a.dtype != dt:
             raise ValueError(f"rope_kv: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
-    if kv_layer.dtype != np.float16 or tuple(kv_layer.shape[1:]) != (hkv, 2, PAGE, d):
-        raise ValueError(f"rope_kv: kv_layer is {kv_layer.dtype}{tuple(kv_layer.shape)}, "
-                         f"want float16(n_pages, {hkv}, 2, {PAGE}, {d})")
-    if table.dtype != np.int32 or state.dtype != np.int32:
-        raise ValueError("rope_kv: table and state must be int32")
+    check_paged_args("rope_kv", cfg, kv_layer, table, state)
     kern = _jit(hq, hkv, d)
     grid = hq + 2 * hkv
 
