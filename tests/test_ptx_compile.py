@@ -228,7 +228,9 @@ def test_blocking_wait_inlines_many_times():
 
 
 def extras_set(w, h, f, out, o16):
+    P.griddepcontrol_launch_dependents()
     tile = cuda.shared.array((4, 8), dtype=np.uint32, alignment=16)
+    P.griddepcontrol_wait()
     i = cuda.threadIdx.x
     ftile = cuda.shared.array(8, dtype=np.float32, alignment=16)
     tile[i // 8, i % 8] = w[i]
@@ -254,7 +256,8 @@ def extras_ptx():
 
 @pytest.mark.parametrize("instruction", [
     "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
-    "st.global.u16", "mov.b32", "cvta.to.shared.u64",
+    "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
+    "griddepcontrol.launch_dependents",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -265,7 +268,7 @@ def test_extras_emit_each_instruction(extras_ptx, instruction):
 def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 37
+    assert len(names) == 39
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")
