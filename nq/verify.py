@@ -17,6 +17,7 @@ The tiers print a pass/fail table; the exit code is 0 only when all pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 
@@ -47,6 +48,7 @@ def rel(got, ref) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+@functools.lru_cache(maxsize=1)  # the unit and layer tiers both read layer 0
 def layer_weights(nf, i: int) -> dict:
     """Host fp32 weights of layer i (ARCHITECTURE.md names), projections dequantised."""
     from nq.loader.hf import host_names
@@ -223,7 +225,13 @@ class TorchReference:
             self.model = transformers.Qwen2ForCausalLM(hcfg).to(torch.float32).eval()
         params = dict(self.model.named_parameters())
         for name in host_names(cfg):  # one tensor at a time: host memory stays one tensor
-            params[hf_name(name)].data.copy_(torch.from_numpy(host_tensor(nf, name)))
+            dst = params[hf_name(name)].data
+            if name.endswith("_proj.weight"):  # dequantised where it lands (the host is slow)
+                base = name[:-len(".weight")]
+                dst.copy_(dequantize_packed_torch(torch, nf.array(base + ".qweight"),
+                                                  nf.array(base + ".scales"), device))
+            else:
+                dst.copy_(torch.from_numpy(host_tensor(nf, name)))
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
@@ -246,6 +254,22 @@ class TorchReference:
                                  **{self.cache_kw: getattr(out, self.cache_kw)})
                 logits = out.logits[:, -1].float()
         return runs
+
+
+def dequantize_packed_torch(torch, packed, scales, device):
+    """nq.loader.quant.dequantize_packed in torch on `device`: ValueShuffle uint32 (N, K/8) +
+    fp16 scales (N, K/128) -> fp32 (N, K).  On the GPU a 7B dequantises in about a second;
+    NumPy on the host took ~100 s of `nq verify`'s 142 s."""
+    from nq.loader.quant import SHUFFLE
+    q = torch.from_numpy(np.ascontiguousarray(packed).view(np.int32)).to(device)  # (N, K/8)
+    n, k8 = q.shape
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
+    nib = (q[:, :, None] >> shifts) & 0xF                 # (N, K/8, 8 slots)
+    nib = nib - ((nib & 0x8) << 1)                        # sign-extend 4 bits
+    w = torch.empty_like(nib)
+    w[:, :, list(SHUFFLE)] = nib                          # slot s holds column SHUFFLE[s]
+    sc = torch.from_numpy(np.asarray(scales)).to(device).float()                # (N, K/128)
+    return (w.reshape(n, -1, 128).float() * sc[:, :, None]).reshape(n, k8 * 8)
 
 
 def engine_greedy(backend, prompt, n) -> list[int]:
@@ -333,19 +357,29 @@ def run(args) -> int:
     cfg = nf.config
     eng = Engine.from_file(nf, max_len=max(4096, args.prompt_len + args.tokens + 8))
     rows, report = [], {"model": str(nf.path), "config": cfg.to_json()}
+    secs = {"load": time.perf_counter() - t0}  # upload + kernel compilation
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        secs[name] = time.perf_counter() - t
+        return out
+
     if "unit" in tiers:
-        rows += unit_tier(eng, nf)
+        rows += timed("unit", lambda: unit_tier(eng, nf))
     if "layer" in tiers:
-        rows.append(layer_tier(eng, nf))
+        rows.append(timed("layer", lambda: layer_tier(eng, nf)))
     if "graph" in tiers:
         rng = np.random.default_rng(args.seed)
         hi = min(cfg.vocab_size, 32000)
         prompts = rng.integers(0, hi, (args.prompts, args.prompt_len)).tolist()
-        ref = make_reference(nf, args.reference)
-        row, report["graph"] = graph_tier(eng, ref, prompts, args.tokens)
+        ref = timed("reference load", lambda: make_reference(nf, args.reference))
+        row, report["graph"] = timed("graph", lambda: graph_tier(eng, ref, prompts, args.tokens))
         rows.append(row)
     seconds = time.perf_counter() - t0
+    report["seconds_by_part"] = secs
     print(table(rows))
+    print("nq verify: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()), file=sys.stderr)
     ok = bool(rows) and all(r.passed for r in rows)
     gpu = cuda.get_current_device().name
     gpu = gpu.decode() if isinstance(gpu, bytes) else gpu  # bytes or str across numba-cuda versions

@@ -51,3 +51,12 @@ def test_verify_without_a_gpu_says_so(tiny_nanoqwen, capsys):
 def test_verify_refuses_unknown_tiers(tiny_nanoqwen, capsys, tiers):
     assert main(["verify", "-m", str(tiny_nanoqwen), "--tiers", tiers]) == 2
     assert "choose from unit, layer, graph" in capsys.readouterr().err
+
+
+def test_torch_dequantize_matches_numpy():
+    torch = pytest.importorskip("torch")
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    w = np.random.default_rng(3).standard_normal((24, 256)).astype(np.float32)
+    qw, sc = quantize_pack(w)
+    got = verify.dequantize_packed_torch(torch, qw, sc, "cpu").numpy()
+    np.testing.assert_array_equal(got, dequantize_packed(qw, sc))
