@@ -260,7 +260,8 @@ def region_ms(eng, region: str, replays: int) -> float:
 
     from nq.graphs import CapturedGraph
     eng.stream.synchronize()
-    g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions={region}), name=region)
+    g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions={region}), name=region,
+                      programmatic=eng.pdl)
     for _ in range(3):
         g.replay()
     e0, e1 = cuda.event(), cuda.event()
@@ -447,6 +448,13 @@ def run(args) -> int:
         bds.append(measure_breakdown(eng, c, replays=args.replays))
         log(f"nq bench: breakdown @ {c}: ITL {bds[-1]['itl_ms']:.3f} ms, "
             f"kernel_gap {bds[-1]['kernel_gap_ms']:.3f} ms")
+    # The same step without programmatic dependent launch: what PDL buys (docs/PERF.md).
+    at_context(eng, args.p, ahead=48)
+    eng.capture(pdl=False)
+    no_pdl = statistics.median(eng.time_steps(32))
+    eng.capture(pdl=True)
+    log(f"nq bench: ITL @ {args.p} without programmatic dependent launch: {no_pdl:.3f} ms "
+        f"(with: {bds[0]['itl_ms']:.3f} ms)")
     peers = {}
     if not args.no_peers:
         from nq.bench_peers import run_peers
@@ -459,6 +467,8 @@ def run(args) -> int:
     print()
     print("ITL breakdown (each region alone in its own graph; kernel_gap = ITL - sum of regions):")
     print(format_breakdown(bds))
+    print(f"\nITL @ {args.p} with programmatic dependent launch {bds[0]['itl_ms']:.3f} ms, "
+          f"without {no_pdl:.3f} ms (same graph, plain kernel edges)")
     if peers:
         from nq.bench_peers import format_peers
         print()
@@ -476,7 +486,7 @@ def run(args) -> int:
                "args": {k: v for k, v in vars(args).items() if k != "func"},
                "env": env, "build_s": build_s, "load_s": eng.w.load_s,
                "weights_bytes_per_token": eng.w.nbytes_per_token, "copy_ceiling_GBs": ceiling,
-               "tests": rows, "breakdown": bds, "peers": peers}
+               "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         out["plots"] = write_plots(path.with_suffix(""), rows, bds)

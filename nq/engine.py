@@ -49,7 +49,8 @@ class Engine:
     the host reading each token one step late).
     """
 
-    def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True):
+    def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True,
+                 pdl: bool = True):
         from numba import cuda
 
         from nq.kernels import argmax, attn_decode, embed, feed, lm_head, rope_kv
@@ -107,10 +108,10 @@ class Engine:
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
         self.graph = None
+        self.pdl = pdl
         if use_graph:
             self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
-            self.stream.synchronize()
-            self.graph = CapturedGraph(self.stream, self.run_eager, name="decode")
+            self.capture(pdl)
         self.reset()
 
     # ---- construction -------------------------------------------------------------------------
@@ -124,6 +125,13 @@ class Engine:
         """Random weights of cfg's shape made on the GPU (benchmarks: no download, no host copy)."""
         from nq.weights_gpu import random_device_weights
         return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
+
+    def capture(self, pdl: bool = True) -> None:
+        """(Re)capture the step graph; with pdl its kernel edges are programmatic (each kernel's
+        weight prefetch overlaps the previous kernel's tail: nq/graphs.py, nq/ptx/griddep.py)."""
+        self.stream.synchronize()
+        self.pdl = pdl
+        self.graph = CapturedGraph(self.stream, self.run_eager, name="decode", programmatic=pdl)
 
     # ---- one step -----------------------------------------------------------------------------
     def run_eager(self, regions=None) -> None:

@@ -8,6 +8,15 @@ in device memory that the captured kernels read, never in launch arguments.
 Rules for what runs under `capture`: every kernel is compiled and launched once before
 (compilation or a host→device argument copy inside a capture invalidates it), no host numpy
 array is passed to a kernel, and nothing allocates.
+
+`programmatic=True` turns every kernel-to-kernel edge of the captured chain into a
+programmatic dependency (programmatic dependent launch, PDL): the next kernel may be
+scheduled once every CTA of the previous one has executed `griddepcontrol.launch_dependents`,
+and runs its independent prologue (weight loads, L2 prefetch, barrier set-up) while the
+previous kernel finishes.  numba's launcher cannot pass cuLaunchKernelEx's launch attribute,
+so the edges are rewritten after capture, before instantiation.  Only for graphs whose every
+kernel executes `griddepcontrol.wait` (nq/ptx/griddep.py) before it touches data another
+kernel of the graph writes or reads -- every kernel of the decode step does.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ class CapturedGraph:
     >>> g.replay()                                          # ~µs of host time
     """
 
-    def __init__(self, stream, fn, name: str = "graph"):
+    def __init__(self, stream, fn, name: str = "graph", programmatic: bool = False):
         self.name = name
         self.stream = stream
         h = stream_handle(stream)
@@ -54,6 +63,7 @@ class CapturedGraph:
             raise
         self._graph = _check(cu.cuStreamEndCapture(h))
         self.num_nodes = _check(cu.cuGraphGetNodes(self._graph, 0))[1]
+        self.programmatic_edges = make_programmatic(self._graph) if programmatic else 0
         self._exec = _check(cu.cuGraphInstantiate(self._graph, 0))
         _check(cu.cuGraphUpload(self._exec, h))
 
@@ -71,3 +81,28 @@ class CapturedGraph:
 
     def __repr__(self):
         return f"<CapturedGraph {self.name}: {self.num_nodes} nodes>"
+
+
+def make_programmatic(graph) -> int:
+    """Rewrite each kernel -> kernel edge of `graph` as a programmatic one; returns how many.
+
+    A programmatic edge leaves the dependent kernel's port open once every CTA of the upstream
+    kernel has triggered (griddepcontrol.launch_dependents) or exited; memory visibility is
+    then the dependent's griddepcontrol.wait's job (CUDA programming guide, "Programmatic
+    Dependent Launch and Synchronization", graph edges with port PROGRAMMATIC).
+    """
+    n = _check(cu.cuGraphGetEdges(graph, 0))[-1]
+    if not n:
+        return 0
+    src, dst, _, n = _check(cu.cuGraphGetEdges(graph, n))
+    kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    pairs = [(a, b) for a, b in zip(src[:n], dst[:n])
+             if _check(cu.cuGraphNodeGetType(a)) == kernel and _check(cu.cuGraphNodeGetType(b)) == kernel]
+    for a, b in pairs:
+        data = cu.CUgraphEdgeData()
+        data.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        data.to_port = 0
+        data.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        _check(cu.cuGraphRemoveDependencies(graph, [a], [b], None, 1))
+        _check(cu.cuGraphAddDependencies(graph, [a], [b], [data], 1))
+    return len(pairs)

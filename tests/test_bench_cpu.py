@@ -145,6 +145,10 @@ class StandIn:
         self.cfg, self.max_len = cfg, max_len
         self.w = types.SimpleNamespace(nbytes_per_token=10**9, load_s=0.1)
         self.pos = self.reserved = 0
+        self.pdl = True
+
+    def capture(self, pdl=True):
+        self.pdl = pdl
 
     def reset(self):
         self.pos = self.reserved = 0
@@ -201,3 +205,4 @@ def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys)
         assert list(b["regions_ms"]) == REGIONS
         assert sum(b["regions_ms"].values()) + b["kernel_gap_ms"] == pytest.approx(b["itl_ms"])
     assert res["copy_ceiling_GBs"] == 4000.0 and res["peers"] == {}
+    assert res["itl_no_pdl_ms"] > 0 and made[0].pdl  # measured without PDL, then restored

@@ -97,6 +97,8 @@ def test_prefill_logits_match_reference(model):
 def test_graph_replay_equals_eager(model):
     name, nf, eng, ref = model
     prompt = [7, 8, 9, 10, 11]
+    # every kernel-to-kernel edge is programmatic (PDL): embed..argmax is one chain
+    assert eng.pdl and eng.graph.programmatic_edges == eng.graph.num_nodes - 1
     eng.reset()
     a = eng.prefill(prompt)
     graph, eng.graph = eng.graph, None  # eager launches of the same steps
@@ -106,6 +108,25 @@ def test_graph_replay_equals_eager(model):
     finally:
         eng.graph = graph
     np.testing.assert_array_equal(a, b)
+
+
+def test_pdl_graph_equals_plain_graph_over_many_steps(model):
+    """Programmatic edges let each kernel start before the previous one ends; a missing
+    griddepcontrol.wait would read stale activations now and then.  96 greedy steps with and
+    without PDL must give the same ids and the same final logits, bit for bit."""
+    name, nf, eng, ref = model
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = []
+    try:
+        for pdl in (True, False):
+            eng.capture(pdl)
+            eng.reset()
+            ids = list(eng.generate_ids(prompt, 96, GREEDY))
+            runs.append((ids, eng.logits.copy_to_host()))
+    finally:
+        eng.capture(True)
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
 def test_fill_kernels_match_their_reference():

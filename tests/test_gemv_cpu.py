@@ -164,13 +164,13 @@ SIM_SCRIPT = textwrap.dedent('''
     x = (rng.standard_normal(640) * 3).astype(np.float32); x[5] = 400.0
     nw = (1 + 0.1 * rng.standard_normal(640)).astype(np.float16)
     # qkv: K=640 (5 groups over ks=2: a short last step), N=40 (not a multiple of the 16-row block)
-    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, rows=2, threads=64))
+    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, rows=2, threads=64, l2_steps=1))
     qw, sc, wd = mk(40, 640); b = (0.1 * rng.standard_normal(40)).astype(np.float16)
     pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
     g(D(x), D(nw), D(pq), D(ps), D(b), out)
     print("qkv", rel(out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, b)))
     # gate_up: ks=3 (non-power-of-two lanes), fp16 output
-    g = G.GateUpGemv(cfg, 24, 640, 48, G.Tiling(ks=3, threads=64, prefetch=False))
+    g = G.GateUpGemv(cfg, 24, 640, 48, G.Tiling(ks=3, threads=64, prefetch=False, l2_steps=9))
     (q1, s1, w1), (q2, s2, w2) = mk(24, 640), mk(24, 640)
     pq, ps = g.prepare([(q1, s1), (q2, s2)]); out = D(np.full(24, np.nan, np.float16))
     g(D(x), D(nw), D(pq), D(ps), out)

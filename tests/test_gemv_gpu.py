@@ -46,7 +46,8 @@ SHAPES = [  # (kind, n_out, k)
     ("qkv", 1000, 128), ("down", 200, 4864), ("gate_up", 1000, 640), ("o_proj", 8, 128),
 ]
 TILINGS = [None, G.Tiling(ks=3, rows=2, threads=64), G.Tiling(ks=8, span=128, prefetch=False),
-           G.Tiling(ks=5, threads=256, min_blocks=2)]
+           G.Tiling(ks=5, threads=256, min_blocks=2),
+           G.Tiling(ks=3, rows=2, threads=64, l2_steps=2)]
 
 
 def run_case(kind, n, k, tiling, seed):

@@ -230,6 +230,7 @@ def test_blocking_wait_inlines_many_times():
 def extras_set(w, h, f, out, o16):
     P.griddepcontrol_launch_dependents()
     tile = cuda.shared.array((4, 8), dtype=np.uint32, alignment=16)
+    P.cp_async_bulk_prefetch_l2(w, 0, 64)
     P.griddepcontrol_wait()
     i = cuda.threadIdx.x
     ftile = cuda.shared.array(8, dtype=np.float32, alignment=16)
@@ -257,7 +258,7 @@ def extras_ptx():
 @pytest.mark.parametrize("instruction", [
     "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
-    "griddepcontrol.launch_dependents",
+    "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -268,7 +269,7 @@ def test_extras_emit_each_instruction(extras_ptx, instruction):
 def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 39
+    assert len(names) == 40
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")

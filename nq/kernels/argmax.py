@@ -40,6 +40,8 @@ def _argmax_kernel(vocab: int):
     from numba import cuda
     from numba.cuda.types import float32, int32
 
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+
     V, NW = vocab, THREADS // 32
     NEG = float32(-3.4e38)
 
@@ -49,6 +51,8 @@ def _argmax_kernel(vocab: int):
         sv = cuda.shared.array(NW, float32)
         si = cuda.shared.array(NW, int32)
         last = cuda.shared.array(1, int32)
+        griddepcontrol_wait()  # PDL: logits come from lm_head
+        griddepcontrol_launch_dependents()
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         bv = NEG

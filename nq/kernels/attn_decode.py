@@ -155,7 +155,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
     from numba.cuda.types import float32, uint32, uint64
 
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
-                        mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+                        griddepcontrol_launch_dependents, griddepcontrol_wait, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
                         mbarrier_try_wait_parity, unpack_f16x2_to_f32)
 
     G, D, DPL = gqa, head_dim, head_dim // 32
@@ -181,6 +181,8 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
         qv = cuda.local.array(DPL, float32)
         acc = cuda.local.array(DPL, float32)
         sc = cuda.local.array(PAGE, float32)
+        griddepcontrol_wait()  # PDL: q and this step's K/V come from rope_kv
+        griddepcontrol_launch_dependents()
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
@@ -316,6 +318,8 @@ def _combine_kernel(head_dim: int, max_splits: int, min_pps: int):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+
     D, MAXS, MINP = head_dim, max_splits, min_pps
     NEG = float32(NEG_BIG)
     FULL = 0xFFFFFFFF
@@ -326,6 +330,10 @@ def _combine_kernel(head_dim: int, max_splits: int, min_pps: int):
         wts = cuda.shared.array(MAXS, float32)     # exp2(m_s - max m) per split
         red = cuda.shared.array(RED, float32)  # per split group sums
         inv = cuda.shared.array(1, float32)        # 1 / sum_s l_s w_s
+        # PDL: trigger *before* waiting, so o_proj (next) is scheduled while attn_split still
+        # runs and streams its weights into L2 then (this kernel holds few resources).
+        griddepcontrol_launch_dependents()
+        griddepcontrol_wait()
         h = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         d = tid % D

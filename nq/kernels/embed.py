@@ -26,10 +26,14 @@ def _embed_kernel(hidden: int):
     from numba import cuda
     from numba.cuda.types import float32
 
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+
     H = hidden
 
     def embed(emb, state, x):
         # emb (vocab, H) f16; state int32; x (H,) f32
+        griddepcontrol_wait()  # PDL: state.token comes from feed / the last argmax
+        griddepcontrol_launch_dependents()
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if i < H:
             x[i] = float32(emb[state[STATE_TOKEN], i])

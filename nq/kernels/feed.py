@@ -15,6 +15,7 @@ import functools
 import numpy as np
 
 from nq.kv_cache import STATE_POS, STATE_TOKEN
+from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
 
 def feed_reference(prompt: np.ndarray, feed_meta: np.ndarray, state: np.ndarray) -> None:
@@ -25,6 +26,8 @@ def feed_reference(prompt: np.ndarray, feed_meta: np.ndarray, state: np.ndarray)
 
 def _feed(prompt, feed_meta, state):
     # prompt (max_len,) int32; feed_meta (2,) int32; state (STATE_LEN,) int32. One thread.
+    griddepcontrol_wait()  # PDL (nq/ptx/griddep.py): every kernel of the step waits first
+    griddepcontrol_launch_dependents()
     p = state[STATE_POS] - feed_meta[0]
     if p >= 0 and p < feed_meta[1]:
         state[STATE_TOKEN] = prompt[p]

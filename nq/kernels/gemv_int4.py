@@ -54,8 +54,9 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
-                    fma_rn_f16x2, ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
+                    cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, griddepcontrol_launch_dependents,
+                    griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
                     ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mov_b32_f32_from_u32,
                     mov_b32_u32_from_f32, pack_f16x2_from_f32, st_global_u16,
                     unpack_f16x2_to_f32)
@@ -97,6 +98,8 @@ class Tiling:
     prefetch: bool = True  # issue step s+1's loads before step s's math
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+    l2_steps: int = 0    # steps of each row a block asks L2 to prefetch before it waits on the
+    #                      kernel before it (PDL); 0: none, >= the step count: the whole row
 
     @property
     def lanes(self) -> int:
@@ -105,7 +108,8 @@ class Tiling:
     def tag(self) -> str:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
-                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
+                + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+                + (f"_l2p{self.l2_steps}" if self.l2_steps else ""))
 
 
 def chunk_permutation(k: int, ks: int) -> np.ndarray:
@@ -161,8 +165,8 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     """
     g = k // GROUP_SIZE
     measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=256),               # 8.3 us
-        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),            # 6.8 us
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 8.3 us (no PDL)
+        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 6.8 us (no PDL)
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=128, prefetch=False, span=128),  # 25.7 us
         ("down", 3584, 18944): Tiling(ks=16, threads=512),             # 18.9 us
     }
@@ -213,6 +217,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
     UWORDS = S * 16 * KS * 4            # staged activations, uint32 words (fp16 pairs)
     UG = 4 if NORM else 8               # groups a warp loads at once in the prologue
     STAGE_ITERS = -(-G // (WARPS * UG))
+    PF_BYTES = min(t.l2_steps * KS * 16, k // 8) * 4   # per row; steps are row prefixes
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
@@ -463,6 +468,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
                              weight_row, load_step, pow2_scale, piece_load, piece_put, stage,
                              seg_sum, mainloop))
 
+    def early(qw, row0, j):
+        """Programmatic dependent launch (nq/ptx/griddep.py): what a block may do before the
+        kernel before it has finished -- ask L2 for the first l2_steps steps of its weight rows
+        (one bulk prefetch per row, by lane 0 of the row's segment) -- then wait for it.  The
+        caller has already issued its step-0 weight loads, which depend on nothing either."""
+        if PF_BYTES > 0 and j == 0:
+            for m in range(RLW):
+                if row0 + (m % RL) < n_out:
+                    cp_async_bulk_prefetch_l2(qw, (weight_row(row0, m), 0), PF_BYTES)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+
     def start(qw, sc):
         tid = cuda.threadIdx.x
         j = tid % P
@@ -482,8 +499,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
         if row < n_out:
             x[row] += v
 
-    start, put_qkv, put_swiglu, put_residual = (dev(f) for f in (start, put_qkv, put_swiglu,
-                                                                 put_residual))
+    early, start, put_qkv, put_swiglu, put_residual = (
+        dev(f) for f in (early, start, put_qkv, put_swiglu, put_residual))
 
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):
@@ -492,6 +509,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            early(qw, row0, j)
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
@@ -511,6 +529,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            early(qw, row0, j)
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
@@ -528,6 +547,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            early(qw, row0, j)
             stage(a, a, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:

@@ -29,7 +29,9 @@ from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.gemv_int4 import STATIC_SMEM_LIMIT, _need
-from nq.ptx import SIMULATOR, ld_global_nc_v4_u32, ld_shared_v4_f32, unpack_f16x2_to_f32
+from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
+                    griddepcontrol_wait, ld_global_nc_v4_u32, ld_shared_v4_f32,
+                    unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm
 
 _ALIGN = None if SIMULATOR else 16
@@ -74,6 +76,13 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
+        # PDL: the block's first WARPS rows (contiguous) go to L2 while the last down GEMV
+        # finishes; x is read only after the wait.
+        first = cuda.blockIdx.x * WARPS
+        if tid == 0 and first < vocab:
+            cp_async_bulk_prefetch_l2(weight, (first, 0), min(WARPS, vocab - first) * k * 2)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
         ss = float32(0.0)
         for e in range(tid, k, threads):
             v = x[e]

@@ -32,6 +32,8 @@ def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+
     H, EPS, RES = hidden, float32(eps), with_residual
     NW = THREADS // 32
 
@@ -39,6 +41,8 @@ def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
         # x (T, H) f32 (updated in place when RES); r (T, H) f32 (ignored unless RES)
         # w (H,) f16; h (T, H) f16
         red = cuda.shared.array(NW, float32)
+        griddepcontrol_wait()  # PDL (nq/ptx/griddep.py)
+        griddepcontrol_launch_dependents()
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         ss = float32(0.0)

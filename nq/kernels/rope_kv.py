@@ -59,11 +59,15 @@ def _rope_kv_kernel(num_heads: int, num_kv: int, head_dim: int):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+
     HQ, HKV, D, HALF = num_heads, num_kv, head_dim, head_dim // 2
 
     def rope_kv(qkv, state, inv_freq, table, kv, q_out):
         # qkv (qkv_size,) f32; state int32; inv_freq (D/2,) f32; table (max_pages,) int32
         # kv (n_pages, HKV, 2, 16, D) f16; q_out (HQ*D,) f32
+        griddepcontrol_wait()  # PDL: qkv comes from the GEMV before
+        griddepcontrol_launch_dependents()
         b = cuda.blockIdx.x
         i = cuda.threadIdx.x  # pair (i, i + D/2)
         pos = state[STATE_POS]

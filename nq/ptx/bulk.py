@@ -36,6 +36,18 @@ def cp_async_bulk_g2s(dst, src, src_idx, nbytes, bar):
     _copy_and_signal(dst, src, src_idx, nbytes, bar)
 
 
+@ptx("cp.async.bulk.prefetch.L2.global [%0], %2;", args=("arr", "idx", "u32"), effect="memory")
+def cp_async_bulk_prefetch_l2(src, src_idx, nbytes):
+    """`cp.async.bulk.prefetch.L2.global [&src[src_idx]], nbytes;` -- start pulling nbytes into
+    L2 and go on; nothing waits for it.  One thread asks for a whole block's weight slice, so a
+    GEMV launched early (programmatic dependent launch) streams its weights into L2 while the
+    kernel before it still runs.  Volatile so it is not deleted (it has no result); the twin
+    only checks the rules (16-byte aligned, a multiple of 16 bytes)."""
+    from nq.ptx.memory import _bytes_at
+    assert int(nbytes) % 16 == 0 and int(nbytes) > 0, "bulk prefetch size: a multiple of 16"
+    _bytes_at(src, src_idx, int(nbytes), align=16)
+
+
 @ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
      "[%0], [%1], %3, [%4], %5;",
      args=("u32", "arr", "idx", "u32", "u32", "u64"), effect="memory")
