@@ -449,7 +449,7 @@ def run(args) -> int:
         log(f"nq bench: breakdown @ {c}: ITL {bds[-1]['itl_ms']:.3f} ms, "
             f"kernel_gap {bds[-1]['kernel_gap_ms']:.3f} ms")
     # The same step without programmatic dependent launch: what PDL buys (docs/PERF.md).
-    at_context(eng, args.p, ahead=48)
+    at_context(eng, args.p, ahead=40)  # time_steps(32) runs 36 steps; max_len allows p + 48
     eng.capture(pdl=False)
     no_pdl = statistics.median(eng.time_steps(32))
     eng.capture(pdl=True)
