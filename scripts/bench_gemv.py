@@ -34,13 +34,14 @@ CFG = PRESETS["7b"]
 H, I, QKV = CFG.hidden_size, CFG.intermediate_size, CFG.qkv_size
 SHAPES = {"qkv": (QKV, H, QKV), "o_proj": (H, H, H), "gate_up": (I, H, 2 * I), "down": (H, I, H)}
 T = G.Tiling
-CANDIDATES = {  # the default first; the others are what the last run suggested trying
-    "qkv": [G.default_tiling("qkv", QKV, H), T(14), T(14, threads=256), T(7, prefetch=False)],
-    "o_proj": [G.default_tiling("o_proj", H, H), T(14), T(7), T(14, threads=256)],
-    "gate_up": [G.default_tiling("gate_up", I, H), T(4, span=128, prefetch=False),
-                T(4, threads=256, prefetch=False), T(2, prefetch=False)],
-    "down": [G.default_tiling("down", H, I), T(30, threads=256), T(8, threads=256),
-             T(16, threads=512), T(16, threads=256, span=128)],
+CANDIDATES = {  # the default first; then block sizes that make the grid a whole number of
+    # waves over 132 SMs (288 blocks of qkv's 16 rows put 3 blocks on some SMs, 2 on others)
+    "qkv": [G.default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
+            T(7, threads=288)],
+    "o_proj": [G.default_tiling("o_proj", H, H), T(14, threads=448), T(7, threads=224)],
+    "gate_up": [G.default_tiling("gate_up", I, H), T(4, threads=576, prefetch=False, span=128),
+                T(4, threads=288, prefetch=False, span=128)],
+    "down": [G.default_tiling("down", H, I), T(16, threads=448), T(16, threads=448, span=128)],
 }
 
 
