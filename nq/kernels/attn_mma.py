@@ -1,0 +1,437 @@
+"""Paged-attention decode split kernel on tensor cores: one K/V page shared by all G query heads.
+
+attn_decode's attn_split is compute-bound: each of its G consumer warps re-reads and converts
+every page in fp32 (30.6 us/layer at 8K context against a 4 us byte floor, docs/KERNELS_ATTN.md
+"Diagnosis").  Here one consumer warp multiplies a page against all G heads of its kv head with
+`mma.sync.m16n8k16` (fp16 in, fp32 accumulate), so a page costs D/16 + D/8 + 1 mma and D/8
+ldmatrix per warp instead of G x (64 ld.shared + 128 cvt + 128 FMA) per lane.  Same pool
+layout, split plan, log2-domain partials and launcher contract as attn_decode; the partials are
+merged by attn_decode's attn_combine, unchanged.
+
+CTA (split, kv head h): warp 0..NC-1 consumers, warp NC the producer.  A stage holds NC pages;
+consumer c takes page c of every stage and keeps its own (m, l, acc) for the G heads.  The
+producer's lanes each issue one `cp.async.bulk` of `rows_per_copy` token rows (K rows 0-15 then
+V rows 16-31 of the page) into PADDED shared rows: row r of a page slot sits at
+r*2D + (r // rows_per_copy)*16 bytes, so at rows_per_copy=1 the 8 rows an ldmatrix phase reads
+fall in 8 different 16-byte bank groups (no conflict; 2**k rows per copy = 2**k-way conflict,
+fewer copies).  Full mbarriers (one arrive.expect_tx per stage + the copies' complete_tx) and
+empty mbarriers (every consumer thread arrives) as in attn_decode: no __syncthreads inside a
+role branch.
+
+Fragments (nq/ptx/mma.py; g = lane // 4, t = lane % 4, h = kv head * G + g):
+
+  S = Q K^T, per k-step ks (16 dims) and token n-tile nt (8 tokens):
+    A (16 x 16) rows 0-7 = q_hi of head g, rows 8-15 = q_lo of head g (zero for g >= G), where
+      q_hi = fp16(q * log2e/sqrt(D)), q_lo = fp16(that - q_hi): the otherwise empty rows 8-15
+      carry the low half, so scores are ~fp32-accurate at no extra mma.  a0..a3 live in
+      registers for the whole CTA (D/4 words).
+    B (16 dims x 8 tokens) = K^T: ldmatrix.x4 (non-trans) of K rows, lane i at token row
+      (i % 8) + 8(i // 16), dims ks*16 + 8((i // 8) % 2): (b0, b1) of both token n-tiles.
+    C: c0, c1 = S_hi[g, nt*8 + 2t + {0, 1}], c2, c3 = S_lo[same]; score = c0 + c2 (c1 + c3).
+    Even and odd k-steps accumulate separately (4 independent mma chains, not 2).
+  Online softmax on those 4 scores a lane holds (row g's 16 tokens live in lanes 4g..4g+3:
+  shfl_xor 1, 2), exp2, masked to NEG_BIG past the context (stale K may be NaN).
+  O += P V, per dim n-tile j (8 dims):
+    A = P (fp16): a0 = pack(p of tokens 2t, 2t+1), a2 = tokens 8+2t, 9+2t (the C fragments of
+      S, repacked in registers: FlashAttention-2's reuse), a1 = a3 = 0 (rows 8-15).
+    B = V (16 tokens x 8 dims): ldmatrix.x4.trans of V rows, lane i at token row
+      16 + (i % 8) + 8((i // 8) % 2), dims 16*db + 8(i // 16): (b0, b1) of n-tiles 2db, 2db+1.
+    C: c0, c1 = acc[g, 8j + 2t + {0, 1}]; c2, c3 (rows 8-15) are passed as 0 and dropped.
+  l = P . ones by one more mma, so the denominator sums the same fp16 p as the numerator.
+  Stale V rows of the tail page are zeroed in shared memory before ldmatrix: p = 0 there, but
+  0 * NaN is NaN in the tensor core too.
+
+End of CTA: consumers 1..NC-1 leave (m, l, acc) in their own page slot of the last stage (no
+copy writes it again) and arrive on a merge mbarrier (count (NC-1)*32); consumer 0 waits on it,
+merges and writes one partial per split in attn_decode's layout (part_ml (m, l), part_acc).
+
+ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory.
+
+Tolerance (tests/test_attn_mma_gpu.py): scores as fp32 (hi+lo q, exact fp16 K, fp32
+accumulate); P in fp16 puts a relative error <= 2^-11 on each weight, and l sums the same
+rounded weights, so o is a convex combination with weights off by <= 2 * 2^-11 relative:
+|err| <= 9.8e-4 * max|v| in the worst case, ~sqrt(sum w^2 v^2) * 2.8e-4 for random rounding.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda  # a module global: the simulator swaps it for its fake module
+from numba.cuda.types import float32, uint32, uint64
+
+from nq.kernels.attn_decode import (CSG, LOG2E, MIN_PPS, NEG_BIG, SMEM_LIMIT, SPLIT_SIG,
+                                    _allow_smem, _jit as _decode_jit)
+from nq.kv_cache import PAGE, STATE_POS, check_paged_args
+from nq.ptx import SIMULATOR
+
+# Defaults chosen on paper, not yet measured (sweep: scripts/bench_attn.py --kernel mma).
+# In flight per CTA: NSTAGE x CONSUMERS pages x 8 KiB = 48 KiB at d128, above the ~35 KB per SM
+# that ~4.5 TB/s x ~1 us DRAM latency / 132 SMs asks for, in 52 KiB of shared memory (opt-in).
+# A page is ~50 mma/ldmatrix + ~60 ALU instructions for one warp, so 2 consumers keep up with
+# the copies; CTAS_PER_SM=1 gives max_splits 33 for the 7B: 128 CTAs at 8K (16 pages each) and
+# half the partials of attn_decode's 66 for attn_combine to read (33 x 28 x 128 x 4 = 473 KB).
+CONSUMERS = 2       # consumer warps = pages per stage
+NSTAGE = 3          # stages of CONSUMERS pages each
+ROWS_PER_COPY = 1   # token rows per cp.async.bulk: 1 = padded rows, conflict-free ldmatrix
+CTAS_PER_SM = 1     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads)
+PAD = 16            # bytes between padded row groups (one bank group)
+ALIGN = 16          # ldmatrix rows and bulk copies need 16-byte shared addresses
+
+
+# ---- NumPy models --------------------------------------------------------------------------------
+
+def row_offset(r: int, head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
+    """Byte offset of token row r (0-15 K, 16-31 V) in a page slot of shared memory."""
+    return r * 2 * head_dim + (r // rows_per_copy) * PAD
+
+
+def page_slot_bytes(head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
+    return 2 * PAGE * 2 * head_dim + (2 * PAGE // rows_per_copy) * PAD
+
+
+def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
+               rows_per_copy: int = ROWS_PER_COPY) -> int:
+    """Dynamic shared memory of the split kernel: nstage x consumers padded page slots, plus
+    slack to align them (numba declares the dynamic array `.align 4`)."""
+    return nstage * consumers * page_slot_bytes(head_dim, rows_per_copy) + ALIGN
+
+
+def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = CTAS_PER_SM) -> int:
+    return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
+
+
+def split_q_hi_lo(x):
+    """x float32 -> (hi, lo) fp16 with hi + lo = x to ~2^-22 relative (the kernel's q split)."""
+    x = np.asarray(x, np.float32)
+    hi = x.astype(np.float16)
+    lo = (x - hi.astype(np.float32)).astype(np.float16)
+    return hi, lo
+
+
+def page_scores_model(q_scaled, k_page):
+    """One consumer warp's S = Q K^T for a page through the warp models of nq/ptx/mma.py, with
+    the kernel's fragment mapping: q_scaled (G, D) float32, k_page (16, D) fp16 -> (G, 16).
+
+    Checks the mapping (q_hi rows 0-7, q_lo rows 8-15, ldmatrix lane addressing, c0 + c2), not
+    the hardware; tests/test_attn_mma_cpu.py compares it with q K^T in float64.
+    """
+    from nq.ptx.mma import ldmatrix_x4_warp, mma_m16n8k16_f16_f32_warp
+    G, D = q_scaled.shape
+    hi, lo = split_q_hi_lo(q_scaled)
+    hi_bits, lo_bits = hi.view(np.uint16), lo.view(np.uint16)
+    kb = np.asarray(k_page, np.float16).view(np.uint16)
+    s = np.zeros((G, PAGE))
+    for ks in range(D // 16):
+        a = np.zeros((32, 4), np.uint32)
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            if g < G:
+                for reg, (src, col) in enumerate(((hi_bits, 2 * t), (lo_bits, 2 * t),
+                                                  (hi_bits, 2 * t + 8), (lo_bits, 2 * t + 8))):
+                    d = ks * 16 + col
+                    a[lane, reg] = int(src[g, d]) | (int(src[g, d + 1]) << 16)
+        rows = [kb[(i % 8) + 8 * (i // 16), ks * 16 + 8 * ((i // 8) % 2):][:8] for i in range(32)]
+        b = ldmatrix_x4_warp(rows)
+        for nt in range(2):
+            c = mma_m16n8k16_f16_f32_warp(a, b[:, 2 * nt:2 * nt + 2], np.zeros((32, 4), np.float32))
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                if g < G:
+                    for e in range(2):
+                        s[g, nt * 8 + 2 * t + e] += float(c[lane, e]) + float(c[lane, 2 + e])
+    return s
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+@functools.cache
+def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
+                  rows_per_copy: int, max_splits: int, min_pps: int):
+    """attn_mma_g{gqa}_d{head_dim}_kv{num_kv}_c{consumers}_st{nstage}_r{rows_per_copy}_s{max_splits}."""
+    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
+                        fence_proxy_async_shared, griddepcontrol_launch_dependents,
+                        griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
+                        mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+                        mbarrier_try_wait_parity, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
+                        pack_f16x2_from_f32, unpack_f16x2_to_f32)
+
+    G, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
+    MAXS, MINP = max_splits, min_pps
+    KS = D // 16                       # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
+    NT = D // 8                        # dim n-tiles of the accumulator
+    QW, AW = 4 * KS, 2 * NT            # local array sizes (compile-time constants)
+    RB = 2 * D                         # bytes of one token row
+    SLOT = page_slot_bytes(D, RPC)     # bytes of one padded page slot
+    PAGE_TX = 2 * PAGE * RB            # bytes the copies of one page deliver
+    NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
+    COPY_BYTES = RPC * RB
+    ROW_WORDS = D // 2
+    QSCALE = float32(LOG2E / math.sqrt(D))
+    NEG = float32(NEG_BIG)
+    ZERO = float32(0.0)
+    ONES = uint32(0x3C003C00)          # two fp16 1.0: the B fragment of l = P . 1
+    Z = uint32(0)
+    FULL = 0xFFFFFFFF
+    NBARS = 2 * NST + 2                # full, empty, merge; even, so 16-byte static size
+    MERGE = 2 * NST
+    SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
+
+    def attn_mma_split(q, state, table, kv, part_acc, part_ml):
+        # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
+        # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
+        griddepcontrol_launch_dependents()
+        smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, see row_offset
+        smf = cuda.shared.array(0, float32)      # the same bytes: merge scratch at the end
+        bars = cuda.shared.array(NBARS, uint64)  # full[NST], empty[NST], merge
+        # Per-lane state first, in the entry block, so SROA keeps it in registers.
+        qf = cuda.local.array(QW, uint32)        # A fragments of (q_hi; q_lo), per k-step
+        acc = cuda.local.array(AW, float32)      # O[g, 8j + 2t + e], n-tile j
+        sc = cuda.local.array(16, float32)       # S C fragments: [parity][n-tile][c0..c3]
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        bar0 = cvta_to_shared_u32_at(bars, 0)    # full[s] = bar0 + 8s, empty[s] = bar0 + 8(NST + s)
+        if tid == 0:
+            for s in range(NST):
+                mbarrier_init(bar0 + 8 * s, 1)
+                mbarrier_init(bar0 + 8 * (NST + s), NC * 32)
+            if NC > 1:
+                mbarrier_init(bar0 + 8 * MERGE, (NC - 1) * 32)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+        griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
+
+        split = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        length = state[STATE_POS] + 1
+        n_pages = (length + PAGE - 1) // PAGE
+        pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
+        n_splits = (n_pages + pps - 1) // pps
+        if split >= n_splits:
+            return  # uniform for the CTA; no barrier is used after this point by anyone
+        p_begin = split * pps
+        p_end = min(p_begin + pps, n_pages)
+        n_iters = (p_end - p_begin + NC - 1) // NC
+        sm0 = cvta_to_shared_u32_at(smu, 0)
+        skip = (ALIGN - sm0 % ALIGN) % ALIGN
+        stage0 = sm0 + skip                  # 16-byte aligned; slot (s, j) at + (s*NC + j)*SLOT
+        w0 = skip // 4                       # the same place as a smu / smf index
+
+        if warp == NC:
+            # Producer.  The whole warp walks the loop; lanes < NCOPY each copy RPC rows a page.
+            for it in range(n_iters):
+                s = it % NST
+                # A fresh barrier counts its (virtual) previous phase as complete, so the
+                # first NST waits with parity 1 pass at once.
+                while mbarrier_try_wait_parity(bar0 + 8 * (NST + s), ((it // NST) & 1) ^ 1) == 0:
+                    pass
+                p0 = p_begin + it * NC
+                npg = min(NC, p_end - p0)
+                if lane == 0:
+                    mbarrier_arrive_expect_tx(bar0 + 8 * s, npg * PAGE_TX)
+                cuda.syncwarp(FULL)
+                if lane < NCOPY:
+                    r0 = lane * RPC
+                    for j in range(npg):
+                        pid = table[p0 + j]
+                        cp_async_bulk_g2s(stage0 + (s * NC + j) * SLOT + r0 * RB + lane * PAD,
+                                          kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0), COPY_BYTES,
+                                          bar0 + 8 * s)
+                cuda.syncwarp(FULL)
+        else:
+            c = warp
+            g = lane // 4
+            t = lane % 4
+            row_ok = g < G
+            h = kvh * G + g
+            for ks in range(KS):
+                for half in range(2):                 # a0/a1 (dims 2t..), a2/a3 (dims 2t+8..)
+                    if row_ok:
+                        d = h * D + ks * 16 + 2 * t + 8 * half
+                        x0 = q[d] * QSCALE
+                        x1 = q[d + 1] * QSCALE
+                        hi = pack_f16x2_from_f32(x0, x1)
+                        h0, h1 = unpack_f16x2_to_f32(hi)
+                        qf[4 * ks + 2 * half] = hi
+                        qf[4 * ks + 2 * half + 1] = pack_f16x2_from_f32(x0 - h0, x1 - h1)
+                    else:
+                        qf[4 * ks + 2 * half] = Z
+                        qf[4 * ks + 2 * half + 1] = Z
+            for j in range(2 * NT):
+                acc[j] = ZERO
+            m = NEG
+            l = ZERO
+            # This lane's ldmatrix rows (see the module doc), as byte offsets in a page slot.
+            kr = (lane % 8) + 8 * (lane // 16)
+            koff = kr * RB + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
+            vr = PAGE + (lane % 8) + 8 * ((lane // 8) % 2)
+            voff = vr * RB + (vr // RPC) * PAD + 16 * (lane // 16)
+            for it in range(n_iters):
+                s = it % NST
+                mbarrier_wait_parity(bar0 + 8 * s, (it // NST) & 1)
+                cuda.syncwarp(FULL)  # converged for the .aligned ldmatrix / mma.sync below
+                pg = p_begin + it * NC + c
+                if pg < p_end:                          # warp-uniform
+                    nv = min(PAGE, length - pg * PAGE)  # valid tokens of this page
+                    slot = (s * NC + c) * SLOT
+                    base = stage0 + slot
+                    if nv < PAGE:
+                        # Zero the stale V rows nv..15 (tail page only): 0 * NaN = NaN in P V.
+                        for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
+                            r = PAGE + nv + i // ROW_WORDS
+                            smu[w0 + (slot + r * RB + (r // RPC) * PAD) // 4 + i % ROW_WORDS] = Z
+                        cuda.syncwarp(FULL)
+                    for j in range(16):
+                        sc[j] = ZERO
+                    for ks in range(KS):
+                        k0, k1, k2, k3 = ldmatrix_x4(base + koff + ks * 32)
+                        par = 8 * (ks % 2)
+                        a0, a1, a2, a3 = qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3]
+                        d0, d1, d2, d3 = mma_sync_m16n8k16_f16_f32(
+                            a0, a1, a2, a3, k0, k1, sc[par], sc[par + 1], sc[par + 2], sc[par + 3])
+                        sc[par], sc[par + 1], sc[par + 2], sc[par + 3] = d0, d1, d2, d3
+                        d0, d1, d2, d3 = mma_sync_m16n8k16_f16_f32(
+                            a0, a1, a2, a3, k2, k3, sc[par + 4], sc[par + 5], sc[par + 6],
+                            sc[par + 7])
+                        sc[par + 4], sc[par + 5], sc[par + 6], sc[par + 7] = d0, d1, d2, d3
+                    # Scores of tokens nt*8 + 2t + e: hi + lo rows, even + odd k-steps.
+                    pm = NEG
+                    for nt in range(2):
+                        for e in range(2):
+                            i = 4 * nt + e
+                            x = (sc[i] + sc[i + 2]) + (sc[8 + i] + sc[8 + i + 2])
+                            ok = row_ok and nt * 8 + 2 * t + e < nv
+                            x = x if ok else NEG        # stale K past the length may be NaN
+                            sc[i] = x
+                            pm = max(pm, x)
+                    pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 1))
+                    pm = max(pm, cuda.shfl_xor_sync(FULL, pm, 2))
+                    m_new = max(m, pm)
+                    alpha = math.exp2(m - m_new)
+                    for nt in range(2):
+                        for e in range(2):
+                            i = 4 * nt + e
+                            ok = row_ok and nt * 8 + 2 * t + e < nv
+                            p = math.exp2(sc[i] - m_new)
+                            sc[i] = p if ok else ZERO   # a masked row has m = NEG: exp2(0) = 1
+                    m = m_new
+                    pa0 = pack_f16x2_from_f32(sc[0], sc[1])   # P[g, 2t, 2t+1]
+                    pa2 = pack_f16x2_from_f32(sc[4], sc[5])   # P[g, 8+2t, 9+2t]
+                    l, _, _, _ = mma_sync_m16n8k16_f16_f32(pa0, Z, pa2, Z, ONES, ONES,
+                                                           l * alpha, ZERO, ZERO, ZERO)
+                    for db in range(KS):
+                        v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
+                        j = 4 * db
+                        d0, d1, _, _ = mma_sync_m16n8k16_f16_f32(
+                            pa0, Z, pa2, Z, v0, v1, acc[j] * alpha, acc[j + 1] * alpha, ZERO, ZERO)
+                        acc[j], acc[j + 1] = d0, d1
+                        d0, d1, _, _ = mma_sync_m16n8k16_f16_f32(
+                            pa0, Z, pa2, Z, v2, v3, acc[j + 2] * alpha, acc[j + 3] * alpha,
+                            ZERO, ZERO)
+                        acc[j + 2], acc[j + 3] = d0, d1
+                    if nv < PAGE:
+                        # The zeroing stores were generic-proxy writes; order them before any
+                        # later bulk copy into this slot.
+                        fence_proxy_async_shared()
+                # Every consumer thread arrives (count NC*32): each thread's own reads of the
+                # stage are ordered before the refill by its own release.
+                mbarrier_arrive(bar0 + 8 * (NST + s))
+            if NC > 1:
+                s_last = (n_iters - 1) % NST
+                if c > 0:
+                    # Merge scratch (8 x D acc, then 8 x (m, l)) in this warp's own slot of the
+                    # last stage: every copy into it has landed and none is issued again.
+                    fo = w0 + (s_last * NC + c) * SLOT // 4
+                    cuda.syncwarp(FULL)  # the warp's last ldmatrix of this slot is done
+                    if row_ok:
+                        for j in range(NT):
+                            smf[fo + g * D + 8 * j + 2 * t] = acc[2 * j]
+                            smf[fo + g * D + 8 * j + 2 * t + 1] = acc[2 * j + 1]
+                        if t == 0:
+                            smf[fo + SCR_ML + 2 * g] = m
+                            smf[fo + SCR_ML + 2 * g + 1] = l
+                    mbarrier_arrive(bar0 + 8 * MERGE)
+                    return
+                mbarrier_wait_parity(bar0 + 8 * MERGE, 0)
+                if row_ok:
+                    mx = m
+                    for cc in range(1, NC):
+                        fo = w0 + (s_last * NC + cc) * SLOT // 4
+                        mx = max(mx, smf[fo + SCR_ML + 2 * g])
+                    w = math.exp2(m - mx)
+                    l *= w
+                    for j in range(2 * NT):
+                        acc[j] *= w
+                    for cc in range(1, NC):
+                        fo = w0 + (s_last * NC + cc) * SLOT // 4
+                        w = math.exp2(smf[fo + SCR_ML + 2 * g] - mx)
+                        l += smf[fo + SCR_ML + 2 * g + 1] * w
+                        for j in range(NT):
+                            acc[2 * j] += smf[fo + g * D + 8 * j + 2 * t] * w
+                            acc[2 * j + 1] += smf[fo + g * D + 8 * j + 2 * t + 1] * w
+                    m = mx
+            if row_ok:
+                for j in range(NT):
+                    part_acc[split, h, 8 * j + 2 * t] = acc[2 * j]
+                    part_acc[split, h, 8 * j + 2 * t + 1] = acc[2 * j + 1]
+                if t == 0:
+                    part_ml[split, h, 0] = m
+                    part_ml[split, h, 1] = l
+
+    return attn_mma_split
+
+
+@functools.cache
+def _jit(*key):
+    return cuda.jit(SPLIT_SIG, fastmath=True)(_split_kernel(*key))
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+def attn_mma_workspace(cfg, max_splits: int | None = None):
+    """Device partial buffers for one attention call site (reusable across layers)."""
+    ms = max_splits or default_max_splits(cfg.num_kv_heads)
+    part_acc = cuda.device_array((ms, cfg.num_heads, cfg.head_dim), np.float32)  # (max_splits, Hq, D)
+    part_ml = cuda.device_array((ms, cfg.num_heads, 2), np.float32)              # (max_splits, Hq, (m, l))
+    return part_acc, part_ml
+
+
+def attn_mma_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
+                      consumers: int = CONSUMERS, nstage: int = NSTAGE,
+                      rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS):
+    """Check shapes once; return `launch(stream=0)` running the mma split kernel then
+    attn_decode's attn_combine.  Arguments as attn_decode_launcher; max_splits is
+    part_acc.shape[0] (attn_mma_workspace).  consumers: warps = pages per stage; nstage:
+    stages; rows_per_copy: token rows per bulk copy (1, 2, 4, 8, 16 or 32)."""
+    G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if not 1 <= G <= 8:
+        raise ValueError(f"attention supports 1..8 query heads per kv head, got {G}")
+    if D not in (64, 128):
+        raise ValueError(f"attention supports head_dim 64 or 128, got {D}")
+    if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"attention (mma): unsupported consumers={consumers}, nstage={nstage}, "
+                         f"rows_per_copy={rows_per_copy}")
+    ms = part_acc.shape[0]
+    want = {"q": (q, (hq * D,), np.float32), "o": (o, (hq * D,), np.float16),
+            "part_acc": (part_acc, (ms, hq, D), np.float32),
+            "part_ml": (part_ml, (ms, hq, 2), np.float32)}
+    for name, (a, shape, dt) in want.items():
+        if tuple(a.shape) != shape or a.dtype != dt:
+            raise ValueError(f"attention: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
+    check_paged_args("attention", cfg, kv_layer, table, state)
+    if not SIMULATOR and kv_layer.__cuda_array_interface__["data"][0] % 128:
+        raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
+    split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps)
+    combine = _decode_jit("combine", D, ms, min_pps)
+    nbytes = smem_bytes(D, consumers, nstage, rows_per_copy)
+    if nbytes + 8 * (2 * nstage + 2) > SMEM_LIMIT and not SIMULATOR:
+        _allow_smem(split, nbytes)
+    threads = (consumers + 1) * 32
+
+    def launch(stream=0):
+        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
+        combine[hq, D * CSG, stream](state, part_acc, part_ml, o)
+
+    return launch

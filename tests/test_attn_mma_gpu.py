@@ -1,0 +1,146 @@
+"""Tensor-core paged attention (nq/kernels/attn_mma.py) on the GPU against the float64 reference
+from the same fp16 K/V; mirrors tests/test_attn_gpu.py.
+
+Tolerance, rtol 2e-3 / atol 1e-3 as for the fp32 kernel: scores are ~fp32 (q split hi + lo in
+fp16, K exact, fp32 accumulation); P enters P.V in fp16, a relative error <= 2^-11 per weight,
+and l sums the same rounded weights, so o stays a convex combination of the V rows with weights
+off by <= 2 x 2^-11 relative.  The bound is 9.8e-4 x max|v| for adversarial rounding, but the
+rounding errors are independent, so the error is ~2.8e-4 x sqrt(sum w^2 (v - o)^2) <= 3e-4 for
+|v| ~ 1 here (2.5e-4 measured under the simulator), plus o's own fp16 rounding (2.4e-4 relative).
+A wrong tail, page, split or merge gives errors of order 1e-1.
+"""
+import numpy as np
+import pytest
+
+from nq.kernels import attn_decode, attn_mma
+from nq.kv_cache import PAGE, STATE_POS, gather_kv
+
+from test_attn_gpu import CFGS, _setup  # 7b, tiny, g8, g1; random pool, scattered pages
+
+pytestmark = pytest.mark.gpu
+
+RTOL, ATOL = 2e-3, 1e-3
+
+
+def _poison_tail(d, length, value):
+    """Overwrite the slots past `length` in the last page (K and V, every kv head) with value:
+    NaN or inf there must not reach o (0 * NaN = NaN in the tensor core too)."""
+    from numba import cuda
+    need = -(-length // PAGE)
+    pool, table = d["kv"].copy_to_host(), d["table"].copy_to_host()
+    pool[table[need - 1], :, :, length - (need - 1) * PAGE:] = value
+    d["kv"] = cuda.to_device(pool)
+
+
+def _run(cfg, d, max_splits=None, **kw):
+    pa, pm = attn_mma.attn_mma_workspace(cfg, max_splits)
+    launch = attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"],
+                                        pa, pm, **kw)
+    launch()
+    return d["o"].copy_to_host().astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 49, 1000, 9000])
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+def test_attention_matches_reference(name, length):
+    cfg = CFGS[name]
+    d, ref = _setup(cfg, length, seed=length)
+    np.testing.assert_allclose(_run(cfg, d), ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("length", [17, 49, 1000])
+@pytest.mark.parametrize("stale", [np.nan, np.inf, 6e4], ids=["nan", "inf", "big"])
+def test_stale_tail_is_ignored(length, stale):
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=length + 1)
+    _poison_tail(d, length, stale)
+    got = _run(cfg, d)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("length", [49, 1000, 3001])
+def test_attention_single_split_many_stage_rounds(length):
+    """max_splits=1: one CTA per kv head walks every page, wrapping the stages many times."""
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=7)
+    np.testing.assert_allclose(_run(cfg, d, max_splits=1), ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("length", [17, 49, 1000, 9000])
+@pytest.mark.parametrize("kw", [dict(consumers=1), dict(consumers=4), dict(consumers=4, nstage=2),
+                                dict(nstage=2), dict(consumers=1, nstage=4),
+                                dict(rows_per_copy=2), dict(rows_per_copy=32),
+                                dict(max_splits=66), dict(max_splits=132), dict(max_splits=3)],
+                         ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
+                              "s3"])
+def test_attention_variants(length, kw):
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=11)
+    np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("length", [1, 17, 49, 3001])
+@pytest.mark.parametrize("name", ["g8", "g1"])
+@pytest.mark.parametrize("consumers", [1, 2, 4])
+def test_attention_gqa_extremes(name, length, consumers):
+    cfg = CFGS[name]
+    d, ref = _setup(cfg, length, seed=length + 5)
+    np.testing.assert_allclose(_run(cfg, d, consumers=consumers), ref, rtol=RTOL, atol=ATOL)
+
+
+def test_matches_fp32_kernel():
+    """Same inputs through attn_decode: the two kernels agree to the tolerance of either."""
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, 2000, seed=13)
+    got = _run(cfg, d)
+    pa, pm = attn_decode.attn_workspace(cfg)
+    attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)()
+    fp32 = d["o"].copy_to_host().astype(np.float64).reshape(ref.shape)
+    np.testing.assert_allclose(got, fp32, rtol=RTOL, atol=ATOL)
+
+
+def test_attention_graph_replay_follows_device_length():
+    """One captured graph, replayed after the length in `state` changes, gives each answer."""
+    from numba import cuda
+    from nq.graphs import CapturedGraph
+    cfg = CFGS["7b"]
+    d, _ = _setup(cfg, 700, seed=3)
+    pa, pm = attn_mma.attn_mma_workspace(cfg)
+    launch = attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
+    stream = cuda.stream()
+    launch(stream)
+    stream.synchronize()
+    g = CapturedGraph(stream, lambda: launch(stream))
+    pool = d["kv"].copy_to_host()
+    table = d["table"].copy_to_host()
+    q = d["q"].copy_to_host().reshape(cfg.num_heads, cfg.head_dim)
+    for length in (700, 33, 350):
+        st = np.zeros(d["state"].shape, np.int32)
+        st[STATE_POS] = length - 1
+        d["state"].copy_to_device(st, stream=stream)
+        g.replay(stream)
+        stream.synchronize()
+        k, v = gather_kv(pool, table, length)
+        ref = attn_decode.attention_reference(q, k, v)
+        got = d["o"].copy_to_host()
+        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=RTOL, atol=ATOL)
+        launch(stream)  # eager launch at the same length: bit for bit the graph's answer
+        stream.synchronize()
+        np.testing.assert_array_equal(d["o"].copy_to_host(), got)
+
+
+def test_launcher_rejects_bad_shapes():
+    from numba import cuda
+    cfg = CFGS["tiny"]
+    d, _ = _setup(cfg, 20, seed=0)
+    pa, pm = attn_mma.attn_mma_workspace(cfg)
+    with pytest.raises(ValueError, match="q is"):
+        attn_mma.attn_mma_launcher(cfg, cuda.device_array(3, np.float32), d["state"],
+                                   d["table"], d["kv"], d["o"], pa, pm)
+    with pytest.raises(ValueError, match="part_ml is"):
+        attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa,
+                                   cuda.device_array((pa.shape[0] + 1, cfg.num_heads, 2), np.float32))
+    with pytest.raises(ValueError, match="unsupported consumers"):
+        attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm,
+                                   rows_per_copy=3)
