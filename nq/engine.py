@@ -6,7 +6,7 @@ One decode step (this file never holds a kernel body; nq/kernels does):
     embed      x = emb[state.token]                                   x: (hidden,) fp32
     per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
                q, KV page[pos] = rope(qkv)                            rope_kv
-               o    = paged_attention(q, pages[0..pos])               attn_split + combine
+               o    = paged_attention(q, pages[0..pos])               attn_mma split + combine
                x   += o @ Wo                                          GEMV, residual epilogue
                a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
                x   += a @ Wd                                          GEMV, residual epilogue
@@ -53,7 +53,7 @@ class Engine:
                  pdl: bool = True):
         from numba import cuda
 
-        from nq.kernels import argmax, attn_decode, embed, feed, lm_head, rope_kv
+        from nq.kernels import argmax, attn_mma, embed, feed, lm_head, rope_kv
         from nq.weights_gpu import gemvs
 
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
@@ -78,7 +78,7 @@ class Engine:
         self.a = cuda.device_array(c.intermediate_size, np.float16)           # SwiGLU output
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
-        part_acc, part_ml = attn_decode.attn_workspace(c)
+        part_acc, part_ml = attn_mma.attn_mma_workspace(c)
 
         # ---- launchers: shapes checked once, here ------------------------------------------
         # (region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
@@ -92,7 +92,7 @@ class Engine:
                                                       L.qkv_b, self.qkv, st)),
                 ("rope_kv_append", rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq,
                                                            self.d_table, kv_i, self.q)),
-                ("paged_attention", attn_decode.attn_decode_launcher(
+                ("paged_attention", attn_mma.attn_mma_launcher(
                     c, self.q, self.state, self.d_table, kv_i, self.o, part_acc, part_ml)),
                 ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
                 ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,

@@ -61,7 +61,7 @@ def layer_weights(nf, i: int) -> dict:
 def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
     from numba import cuda
 
-    from nq.kernels import argmax, attn_decode, embed, lm_head, rope_kv
+    from nq.kernels import argmax, attn_decode, attn_mma, embed, lm_head, rope_kv
     from nq.kernels import gemv_int4 as G
     from nq.kv_cache import PAGE, gather_kv, make_state, pool_shape
     from nq.weights_gpu import gemvs
@@ -131,9 +131,9 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
         table[:need] = rng.permutation(need + 3)[:need]
         q = (2.0 * rng.standard_normal(cfg.q_size)).astype(np.float32)
         o = cuda.device_array(cfg.q_size, np.float16)
-        pa, pm = attn_decode.attn_workspace(cfg)
-        attn_decode.attn_decode_launcher(cfg, cuda.to_device(q), make_state(pos=length - 1),
-                                         cuda.to_device(table), cuda.to_device(pool_h), o, pa, pm)(s)
+        pa, pm = attn_mma.attn_mma_workspace(cfg)  # the engine's kernel
+        attn_mma.attn_mma_launcher(cfg, cuda.to_device(q), make_state(pos=length - 1),
+                                   cuda.to_device(table), cuda.to_device(pool_h), o, pa, pm)(s)
         k, v = gather_kv(pool_h, table, length)
         ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
         got = o.copy_to_host(stream=s).astype(np.float64).reshape(ref.shape)

@@ -420,16 +420,9 @@ def attn_workspace(cfg, max_splits: int | None = None):
     return part_acc, part_ml
 
 
-def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
-                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS):
-    """Check shapes once; return `launch(stream=0)` running attn_split then attn_combine.
-
-    q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
-    (max_pages,), kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) f16 (nq/kv_cache.py),
-    o (num_heads*head_dim,) f16, part_acc/part_ml from attn_workspace.  The context length is
-    state[STATE_POS] + 1 at run time; the caller guarantees table covers it.
-    """
-    G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+def check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml) -> None:
+    """The launchers' shared argument check (this kernel's and nq/kernels/attn_mma.py's)."""
+    G, D, hq = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads
     if not 1 <= G <= 8:
         raise ValueError(f"attention supports 1..8 query heads per kv head, got {G}")
     if D not in (64, 128):
@@ -442,8 +435,23 @@ def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
         if tuple(a.shape) != shape or a.dtype != dt:
             raise ValueError(f"attention: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
     check_paged_args("attention", cfg, kv_layer, table, state)
-    if kv_layer.__cuda_array_interface__["data"][0] % 128:
+    from nq.ptx import SIMULATOR  # the simulator's arrays are host arrays, aligned as numpy likes
+    if not SIMULATOR and kv_layer.__cuda_array_interface__["data"][0] % 128:
         raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
+
+
+def attn_decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml,
+                         pages_per_stage: int | None = None, min_pps: int = MIN_PPS):
+    """Check shapes once; return `launch(stream=0)` running attn_split then attn_combine.
+
+    q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
+    (max_pages,), kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) f16 (nq/kv_cache.py),
+    o (num_heads*head_dim,) f16, part_acc/part_ml from attn_workspace.  The context length is
+    state[STATE_POS] + 1 at run time; the caller guarantees table covers it.
+    """
+    G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
+    ms = part_acc.shape[0]
     pps = pages_per_stage or default_pages_per_stage(D)
     split = _jit("split", G, D, hkv, pps, ms, min_pps)
     combine = _jit("combine", D, ms, min_pps)

@@ -62,20 +62,25 @@ from numba import cuda  # a module global: the simulator swaps it for its fake m
 from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attn_decode import (CSG, LOG2E, MIN_PPS, NEG_BIG, SMEM_LIMIT, SPLIT_SIG,
-                                    _allow_smem, _jit as _decode_jit)
-from nq.kv_cache import PAGE, STATE_POS, check_paged_args
+                                    _allow_smem, _jit as _decode_jit, check_attention_args)
+from nq.kv_cache import PAGE, STATE_POS
 from nq.ptx import SIMULATOR
 
-# Defaults chosen on paper, not yet measured (sweep: scripts/bench_attn.py --kernel mma).
-# In flight per CTA: NSTAGE x CONSUMERS pages x 8 KiB = 48 KiB at d128, above the ~35 KB per SM
-# that ~4.5 TB/s x ~1 us DRAM latency / 132 SMs asks for, in 52 KiB of shared memory (opt-in).
-# A page is ~50 mma/ldmatrix + ~60 ALU instructions for one warp, so 2 consumers keep up with
-# the copies; CTAS_PER_SM=1 gives max_splits 33 for the 7B: 128 CTAs at 8K (16 pages each) and
-# half the partials of attn_decode's 66 for attn_combine to read (33 x 28 x 128 x 4 = 473 KB).
-CONSUMERS = 2       # consumer warps = pages per stage
+# Defaults measured on the H200 (scripts/bench_attn.py --kernel mma, 28 layers of the 7B,
+# us per layer at 512 / 8K / 32K; docs/KERNELS_ATTN.md has the whole sweep):
+#   1 consumer, 3 stages, 4 rows a copy, 66 splits    9.8 / 16.5 / 33.4   <- the defaults
+#   2 consumers, 3 stages, 1 row a copy, 66 splits   10.6 / 18.2 / 48.2   (512 bulk copies a
+#       page-pair: the copy engine's issue rate, not bandwidth, bounded it at long contexts)
+#   2 consumers, 3 stages, 32 rows (one copy a page)  11.0 / 19.6 / 37.0   (8-way ldmatrix conflicts)
+#   max_splits 33 (1 CTA an SM)                       ~10 / 25.6 / 82.9
+#   max_splits 132: 10.5 / 18.2 / 33.0; 4 consumers x 2 stages: 11.6-12.4 / 18.7-21.2 / 39-45
+#   attn_decode's fp32 kernel (one warp a head):      9.0 / 30.6 / 97.8
+# One consumer warp computes a page for all G heads in ~50 tensor-core instructions, so more
+# consumers only add merge work; short contexts stay launch- and latency-bound (~10 us).
+CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
-ROWS_PER_COPY = 1   # token rows per cp.async.bulk: 1 = padded rows, conflict-free ldmatrix
-CTAS_PER_SM = 1     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads)
+ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
+CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads): 66 for the 7B
 PAD = 16            # bytes between padded row groups (one bank group)
 ALIGN = 16          # ldmatrix rows and bulk copies need 16-byte shared addresses
 
@@ -151,8 +156,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                   rows_per_copy: int, max_splits: int, min_pps: int):
     """attn_mma_g{gqa}_d{head_dim}_kv{num_kv}_c{consumers}_st{nstage}_r{rows_per_copy}_s{max_splits}."""
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
-                        fence_proxy_async_shared, griddepcontrol_launch_dependents,
-                        griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
+                        fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
                         mbarrier_try_wait_parity, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
                         pack_f16x2_from_f32, unpack_f16x2_to_f32)
@@ -181,7 +185,9 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
     def attn_mma_split(q, state, table, kv, part_acc, part_ml):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
-        griddepcontrol_launch_dependents()
+        # PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing before
+        # this kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at
+        # 8K (attn_decode measured it); the implicit trigger at exit is the right one.
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, see row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: merge scratch at the end
         bars = cuda.shared.array(NBARS, uint64)  # full[NST], empty[NST], merge
@@ -406,23 +412,11 @@ def attn_mma_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     part_acc.shape[0] (attn_mma_workspace).  consumers: warps = pages per stage; nstage:
     stages; rows_per_copy: token rows per bulk copy (1, 2, 4, 8, 16 or 32)."""
     G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    if not 1 <= G <= 8:
-        raise ValueError(f"attention supports 1..8 query heads per kv head, got {G}")
-    if D not in (64, 128):
-        raise ValueError(f"attention supports head_dim 64 or 128, got {D}")
+    check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention (mma): unsupported consumers={consumers}, nstage={nstage}, "
                          f"rows_per_copy={rows_per_copy}")
     ms = part_acc.shape[0]
-    want = {"q": (q, (hq * D,), np.float32), "o": (o, (hq * D,), np.float16),
-            "part_acc": (part_acc, (ms, hq, D), np.float32),
-            "part_ml": (part_ml, (ms, hq, 2), np.float32)}
-    for name, (a, shape, dt) in want.items():
-        if tuple(a.shape) != shape or a.dtype != dt:
-            raise ValueError(f"attention: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
-    check_paged_args("attention", cfg, kv_layer, table, state)
-    if not SIMULATOR and kv_layer.__cuda_array_interface__["data"][0] % 128:
-        raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies)")
     split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps)
     combine = _decode_jit("combine", D, ms, min_pps)
     nbytes = smem_bytes(D, consumers, nstage, rows_per_copy)
