@@ -2,12 +2,10 @@
 from the same fp16 K/V; mirrors tests/test_attn_gpu.py.
 
 Tolerance, rtol 2e-3 / atol 1e-3 as for the fp32 kernel: scores are ~fp32 (q split hi + lo in
-fp16, K exact, fp32 accumulation); P enters P.V in fp16, a relative error <= 2^-11 per weight,
-and l sums the same rounded weights, so o stays a convex combination of the V rows with weights
-off by <= 2 x 2^-11 relative.  The bound is 9.8e-4 x max|v| for adversarial rounding, but the
-rounding errors are independent, so the error is ~2.8e-4 x sqrt(sum w^2 (v - o)^2) <= 3e-4 for
-|v| ~ 1 here (2.5e-4 measured under the simulator), plus o's own fp16 rounding (2.4e-4 relative).
-A wrong tail, page, split or merge gives errors of order 1e-1.
+fp16, K exact, fp32 accumulation) and so are the weights (P split hi + lo in fp16, ~2^-22
+relative; P in fp16 alone would allow up to 9.8e-4 x max|v|), so what is left is fp32
+accumulation, ex2.approx and o's own fp16 rounding (2.4e-4 relative).  A wrong tail, page,
+split or merge gives errors of order 1e-1.
 """
 import numpy as np
 import pytest

@@ -32,12 +32,13 @@ Fragments (nq/ptx/mma.py; g = lane // 4, t = lane % 4, h = kv head * G + g):
   Online softmax on those 4 scores a lane holds (row g's 16 tokens live in lanes 4g..4g+3:
   shfl_xor 1, 2), exp2, masked to NEG_BIG past the context (stale K may be NaN).
   O += P V, per dim n-tile j (8 dims):
-    A = P (fp16): a0 = pack(p of tokens 2t, 2t+1), a2 = tokens 8+2t, 9+2t (the C fragments of
-      S, repacked in registers: FlashAttention-2's reuse), a1 = a3 = 0 (rows 8-15).
+    A = P as hi + lo fp16: a0 = pack(p_hi of tokens 2t, 2t+1), a2 = tokens 8+2t, 9+2t (the C
+      fragments of S, repacked in registers: FlashAttention-2's reuse); rows 8-15 carry p_lo =
+      fp16(p - p_hi) of the same tokens (a1, a3), so the weights are ~fp32-accurate.
     B = V (16 tokens x 8 dims): ldmatrix.x4.trans of V rows, lane i at token row
       16 + (i % 8) + 8((i // 8) % 2), dims 16*db + 8(i // 16): (b0, b1) of n-tiles 2db, 2db+1.
-    C: c0, c1 = acc[g, 8j + 2t + {0, 1}]; c2, c3 (rows 8-15) are passed as 0 and dropped.
-  l = P . ones by one more mma, so the denominator sums the same fp16 p as the numerator.
+    C: c0, c1 = acc[g, 8j + 2t + {0, 1}] in, c2, c3 = 0 in; acc = d0 + d2 (hi + lo rows) out.
+  l = P . ones by one more mma (d0 + d2), the same split weights as the numerator.
   Stale V rows of the tail page are zeroed in shared memory before ldmatrix: p = 0 there, but
   0 * NaN is NaN in the tensor core too.
 
@@ -48,9 +49,9 @@ merges and writes one partial per split in attn_decode's layout (part_ml (m, l),
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory.
 
 Tolerance (tests/test_attn_mma_gpu.py): scores as fp32 (hi+lo q, exact fp16 K, fp32
-accumulate); P in fp16 puts a relative error <= 2^-11 on each weight, and l sums the same
-rounded weights, so o is a convex combination with weights off by <= 2 * 2^-11 relative:
-|err| <= 9.8e-4 * max|v| in the worst case, ~sqrt(sum w^2 v^2) * 2.8e-4 for random rounding.
+accumulate); P as hi+lo fp16 leaves ~2^-22 relative on each weight (P in fp16 alone: <= 2^-11,
+|err| up to 9.8e-4 * max|v|), so what is left is fp32 accumulation and ex2.approx, as in
+attn_decode, and the fp16 rounding of o.
 """
 from __future__ import annotations
 
@@ -323,20 +324,30 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                             p = math.exp2(sc[i] - m_new)
                             sc[i] = p if ok else ZERO   # a masked row has m = NEG: exp2(0) = 1
                     m = m_new
-                    pa0 = pack_f16x2_from_f32(sc[0], sc[1])   # P[g, 2t, 2t+1]
-                    pa2 = pack_f16x2_from_f32(sc[4], sc[5])   # P[g, 8+2t, 9+2t]
-                    l, _, _, _ = mma_sync_m16n8k16_f16_f32(pa0, Z, pa2, Z, ONES, ONES,
-                                                           l * alpha, ZERO, ZERO, ZERO)
+                    # P as hi + lo fp16 (rows g and g+8 of the A fragment, as q): rows g+8 of
+                    # the product are P_lo V, added in fp32 after each mma, so the weights are
+                    # ~fp32-accurate (fp16 P alone flipped a near-tie greedy choice of the
+                    # 2-layer 7B-width test that the fp32 kernel had matched).
+                    pa0 = pack_f16x2_from_f32(sc[0], sc[1])   # P_hi[g, 2t, 2t+1]
+                    pa2 = pack_f16x2_from_f32(sc[4], sc[5])   # P_hi[g, 8+2t, 9+2t]
+                    h0, h1 = unpack_f16x2_to_f32(pa0)
+                    h4, h5 = unpack_f16x2_to_f32(pa2)
+                    pa1 = pack_f16x2_from_f32(sc[0] - h0, sc[1] - h1)   # P_lo, same tokens
+                    pa3 = pack_f16x2_from_f32(sc[4] - h4, sc[5] - h5)
+                    d0, _, d2, _ = mma_sync_m16n8k16_f16_f32(pa0, pa1, pa2, pa3, ONES, ONES,
+                                                             l * alpha, ZERO, ZERO, ZERO)
+                    l = d0 + d2
                     for db in range(KS):
                         v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
                         j = 4 * db
-                        d0, d1, _, _ = mma_sync_m16n8k16_f16_f32(
-                            pa0, Z, pa2, Z, v0, v1, acc[j] * alpha, acc[j + 1] * alpha, ZERO, ZERO)
-                        acc[j], acc[j + 1] = d0, d1
-                        d0, d1, _, _ = mma_sync_m16n8k16_f16_f32(
-                            pa0, Z, pa2, Z, v2, v3, acc[j + 2] * alpha, acc[j + 3] * alpha,
+                        d0, d1, d2, d3 = mma_sync_m16n8k16_f16_f32(
+                            pa0, pa1, pa2, pa3, v0, v1, acc[j] * alpha, acc[j + 1] * alpha,
                             ZERO, ZERO)
-                        acc[j + 2], acc[j + 3] = d0, d1
+                        acc[j], acc[j + 1] = d0 + d2, d1 + d3
+                        d0, d1, d2, d3 = mma_sync_m16n8k16_f16_f32(
+                            pa0, pa1, pa2, pa3, v2, v3, acc[j + 2] * alpha, acc[j + 3] * alpha,
+                            ZERO, ZERO)
+                        acc[j + 2], acc[j + 3] = d0 + d2, d1 + d3
                     if nv < PAGE:
                         # The zeroing stores were generic-proxy writes; order them before any
                         # later bulk copy into this slot.
