@@ -165,12 +165,14 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     """
     g = k // GROUP_SIZE
     measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
-        # block sizes that make the grid one whole wave over 132 SMs (128-132 blocks); the
-        # 16-row blocks before put 3 blocks on some SMs and 2 on others (qkv 8.9 -> 7.3 us)
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=576, l2_steps=64),   # 7.25 us (no PDL)
-        ("o_proj", 3584, 3584): Tiling(ks=14, threads=448, l2_steps=64),  # 6.62 us (no PDL)
-        ("gate_up", 18944, 3584): Tiling(ks=4, threads=576, prefetch=False, span=128),  # 25.2 us
-        ("down", 3584, 18944): Tiling(ks=16, threads=448),              # 19.0 us
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 8.3 us alone
+        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 6.8 us alone
+        ("gate_up", 18944, 3584): Tiling(ks=4, threads=128, prefetch=False, span=128),  # 25.7 us
+        ("down", 3584, 18944): Tiling(ks=16, threads=512),             # 18.9 us
+        # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
+        # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
+        # 25.2 / 19.0 us; regions -0.19 ms) but the whole step went 2.17 -> 2.38 ms (kernel_gap
+        # 0.02 -> 0.32 ms): a next kernel's blocks no longer fit beside the running one.
     }
     if (kind, n_out, k) in measured:
         return measured[(kind, n_out, k)]
