@@ -184,7 +184,7 @@ print("kernel_gap (launch and host overhead inside the graph):", round(run["brea
     md("""
 The GEMVs that read most (gate_up, down) run closest to the floor; the small ones (qkv,
 o_proj) and attention at short context are dominated by fixed per-launch costs, which is
-where `docs/PERF.md` expects the next 0.3 ms to come from.
+where `docs/PERF.md` expects the next 0.25 ms to come from.
 """),
     code("""
 try:
