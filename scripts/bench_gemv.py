@@ -39,13 +39,12 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
     "qkv": [G.default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
             T(7, threads=288)],
     "o_proj": [G.default_tiling("o_proj", H, H), T(14, threads=448), T(7, threads=224)],
-    "gate_up": [G.default_tiling("gate_up", I, H), T(4, threads=576, prefetch=False, span=128,
-                                                      l2_steps=2),
-                T(4, threads=576, prefetch=False, span=128, l2_steps=4)],
-    # down with its whole 34 MB in L2 before the loop (one bulk prefetch per row): each thread
-    # has one step in flight, so at 14 warps an SM the loop waits on DRAM latency, not bytes
-    "down": [G.default_tiling("down", H, I), T(16, threads=448, l2_steps=64),
-             T(16, threads=448, l2_steps=4)],
+    # two steps in flight a thread (prefetch=2): down has one step in flight at 16 warps an SM
+    # (91 registers at pf2, still one 512-thread block an SM); gate_up's pf2 costs 157
+    "gate_up": [G.default_tiling("gate_up", I, H), T(4, threads=128, prefetch=2, span=128),
+                T(4, threads=64, prefetch=2, span=128)],
+    "down": [G.default_tiling("down", H, I), T(16, threads=512, prefetch=2),
+             T(8, threads=256, prefetch=2)],
 }
 
 

@@ -84,10 +84,11 @@ ptx_util = pytest.importorskip("ptx_util")
 SEVEN_B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (18944, 3584), "down": (3584, 18944)}
 
 
-@pytest.mark.parametrize("kind", G.KINDS)
-def test_gemv_ptx_sm90(kind):
+@pytest.mark.parametrize("kind,tiling", [(k, None) for k in G.KINDS]
+                         + [("down", G.Tiling(ks=16, threads=512, prefetch=2))])
+def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
-    t = G.default_tiling(kind, n, k)
+    t = tiling or G.default_tiling(kind, n, k)
     fn, sig = G.build_kernel(kind, n, k, t, 1e-6)
     ptx = ptx_util.compile_ptx_sm90(fn, sig)
     ptx_util.assert_uses(ptx, "lop3.b32", "ld.global.nc.v4.u32", "fma.rn.f16x2", "ld.shared.v4.u32",
@@ -163,8 +164,9 @@ SIM_SCRIPT = textwrap.dedent('''
 
     x = (rng.standard_normal(640) * 3).astype(np.float32); x[5] = 400.0
     nw = (1 + 0.1 * rng.standard_normal(640)).astype(np.float16)
-    # qkv: K=640 (5 groups over ks=2: a short last step), N=40 (not a multiple of the 16-row block)
-    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, rows=2, threads=64, l2_steps=1))
+    # qkv: K=640 (5 groups over ks=2: a short last step, 3 steps: two in flight), N=40 (not a
+    # multiple of the 16-row block)
+    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, rows=2, threads=64, l2_steps=1, prefetch=2))
     qw, sc, wd = mk(40, 640); b = (0.1 * rng.standard_normal(40)).astype(np.float16)
     pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
     g(D(x), D(nw), D(pq), D(ps), D(b), out)

@@ -47,7 +47,7 @@ SHAPES = [  # (kind, n_out, k)
 ]
 TILINGS = [None, G.Tiling(ks=3, rows=2, threads=64), G.Tiling(ks=8, span=128, prefetch=False),
            G.Tiling(ks=5, threads=256, min_blocks=2),
-           G.Tiling(ks=3, rows=2, threads=64, l2_steps=2)]
+           G.Tiling(ks=3, rows=2, threads=64, l2_steps=2), G.Tiling(ks=2, threads=128, prefetch=2)]
 
 
 def run_case(kind, n, k, tiling, seed):

@@ -24,7 +24,8 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
   * A row's G = K/128 groups are split over `ks` lanes of a segment of P = pow2(ks) lanes;
     lane j owns groups j, j+ks, j+2ks, ... ("steps").  Per step it issues four 16-byte loads
     per weight row (one group: 128 nibbles) and one 2-byte scale load, all before any math;
-    with `prefetch` the next step's loads are issued before this step's math.
+    with `prefetch` (1) the next step's loads are issued before this step's math, with
+    prefetch=2 the next two steps' (17 more registers a row, more bytes in flight).
   * The step-0 loads are issued first of all: weights do not depend on the activations, so
     the DRAM latency overlaps the prologue (RMSNorm, staging).
   * Prologue: every block stages the whole activation vector in shared memory as fp16, each
@@ -95,7 +96,7 @@ class Tiling:
     ks: int              # lanes a row's groups are spread over (1..32); lane j owns j + ks*s
     rows: int = 1        # output rows per thread (gate_up: gate/up pairs)
     threads: int = 128   # threads per block
-    prefetch: bool = True  # issue step s+1's loads before step s's math
+    prefetch: int = 1    # steps whose loads are in flight ahead of the math: 0, 1 or 2
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     l2_steps: int = 0    # steps of each row a block asks L2 to prefetch before it waits on the
@@ -106,7 +107,8 @@ class Tiling:
         return 1 << (self.ks - 1).bit_length()
 
     def tag(self) -> str:
-        return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
+        return (f"ks{self.ks}_r{self.rows}_t{self.threads}"
+                + ("_pf" if self.prefetch == 1 else f"_pf{int(self.prefetch)}" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_l2p{self.l2_steps}" if self.l2_steps else ""))
@@ -216,7 +218,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
     SEGS = TPB // P
     WARPS = TPB // 32
     NORM = kind in ("qkv", "gate_up")
-    PREFETCH = t.prefetch
+    PREFETCH = int(t.prefetch) >= 1
+    PF2 = int(t.prefetch) == 2 and S > 2   # two steps ahead (a no-op with fewer steps)
     SPAN32 = t.span == 32
     UWORDS = S * 16 * KS * 4            # staged activations, uint32 words (fp16 pairs)
     UG = 4 if NORM else 8               # groups a warp loads at once in the prologue
@@ -226,6 +229,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
     if not (1 <= KS <= 32 and t.span in (32, 128) and RLW <= 4 and TPB % 32 == 0
+            and int(t.prefetch) in (0, 1, 2)
             and (NMAT == 1 or RL <= 2)
             and TPB % P == 0 and TPB <= 1024):
         raise ValueError(f"unsupported tiling {t} for {kind}")
@@ -441,15 +445,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             off >>= 1
         return v
 
-    def mainloop(qw, sc, act, invf, row0, j, cur):
-        """fp32 dot products of the thread's RLW weight rows over its groups, lane-partial."""
+    def mainloop(qw, sc, act, invf, row0, j, cur, nxt):
+        """fp32 dot products of the thread's RLW weight rows over its groups, lane-partial.
+        cur: step 0's loads; nxt: step 1's when PF2 (issued before the prologue too)."""
         acc0 = float32(0.0)
         acc1 = float32(0.0)
         acc2 = float32(0.0)
         acc3 = float32(0.0)
-        nxt = cur
+        nxt2 = nxt
         for s in range(S):
-            if PREFETCH and s + 1 < S:
+            if PF2:
+                if s + 2 < S:
+                    nxt2 = load_step(qw, sc, row0, s + 2, j)
+            elif PREFETCH and s + 1 < S:
                 nxt = load_step(qw, sc, row0, s + 1, j)
             g = s * KS + j
             if g < G and j < KS:
@@ -459,7 +467,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
                 acc2 += d2
                 acc3 += d3
             if s + 1 < S:
-                if PREFETCH:
+                if PF2:
+                    cur = nxt
+                    nxt = nxt2
+                elif PREFETCH:
                     cur = nxt
                 else:
                     cur = load_step(qw, sc, row0, s + 1, j)
@@ -513,9 +524,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            nxt = load_step(qw, sc, row0, 1, j) if PF2 else cur
             early(qw, row0, j)
             rstd = stage(x, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_qkv(out, bias, row0, a0 * rstd)
@@ -533,9 +545,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            nxt = load_step(qw, sc, row0, 1, j) if PF2 else cur
             early(qw, row0, j)
             rstd = stage(x, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 if RL == 1:
@@ -551,9 +564,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
             red = cuda.shared.array(WARPS, float32)
             row0, j = start(qw, sc)
             cur = load_step(qw, sc, row0, 0, j)
+            nxt = load_step(qw, sc, row0, 1, j) if PF2 else cur
             early(qw, row0, j)
             stage(a, a, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_residual(x, row0, a0)
