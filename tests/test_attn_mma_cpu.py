@@ -66,9 +66,9 @@ def test_defaults_for_the_7b():
 
 # ---- compiled code -------------------------------------------------------------------------------
 
-def _ptx(gqa, d, hkv, nc, nstage=attn_mma.NSTAGE, rpc=attn_mma.ROWS_PER_COPY):
+def _ptx(gqa, d, hkv, nc, nstage=attn_mma.NSTAGE, rpc=attn_mma.ROWS_PER_COPY, early=False):
     return compile_ptx_sm90(attn_mma._split_kernel(gqa, d, hkv, nc, nstage, rpc, 33,
-                                                   attn_decode.MIN_PPS),
+                                                   attn_decode.MIN_PPS, early),
                             attn_decode.SPLIT_SIG, fastmath=True)
 
 
@@ -99,6 +99,14 @@ def test_attn_mma_split_ptx(gqa, d, hkv, nc):
 @pytest.mark.parametrize("nstage,rpc", [(2, 32), (4, 2)])
 def test_attn_mma_split_ptx_copy_variants(nstage, rpc):
     ptx = _ptx(7, 128, 4, 2, nstage, rpc)
+    assert_no_local_memory(ptx)
+
+
+def test_attn_mma_split_ptx_early():
+    # early: one wait in the consumer branch, one before the last page's copies
+    ptx = _ptx(7, 128, 4, 1, early=True)
+    assert count(ptx, "griddepcontrol.wait") == 2
+    assert count(_ptx(7, 128, 4, 1), "griddepcontrol.wait") == 1
     assert_no_local_memory(ptx)
 
 
@@ -139,7 +147,7 @@ SIM_SCRIPT = textwrap.dedent('''
         def __getattr__(self, name):
             return getattr(simk._kernel_context, name)
 
-    def case(cfg, length, ms, nc, nst, rpc, seed):
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False):
         fn = attn_decode._combine_kernel(cfg.head_dim, ms, attn_decode.MIN_PPS)
         fn.__closure__[fn.__code__.co_freevars.index("cuda")].cell_contents = LaunchCuda()
         rng = np.random.default_rng(seed)
@@ -158,12 +166,13 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attn_mma.attn_mma_launcher(
             cfg, cuda.to_device(q), make_state(pos=length - 1), cuda.to_device(table),
-            cuda.to_device(pool), o, pa, pm, consumers=nc, nstage=nst, rows_per_copy=rpc)
+            cuda.to_device(pool), o, pa, pm, consumers=nc, nstage=nst, rows_per_copy=rpc,
+            early=early)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
         ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
-        print(f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}",
+        print(f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}_e{int(early)}",
               float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -175,9 +184,11 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g2, 49, 3, 4, 2, 2, 3)    # NC=4, 2 pages a split (2 idle consumers), tail of 1 token
     case(g7, 17, 1, 2, 2, 1, 4)    # odd G (rows 7-15 padding), kv head 1
     case(g8, 20, 1, 2, 3, 1, 5)    # G=8 fills the 8 rows, d128: one page per consumer, tail 4
+    case(g2, 72, 2, 1, 2, 4, 6, early=True)  # the engine's 1:3:4 shape, early copies: 5 pages,
+    #                                          3 + 2 a split, the last page's stage waits first
 ''')
 
-SIM_CASES = 6
+SIM_CASES = 7
 
 
 @pytest.mark.slow

@@ -69,7 +69,8 @@ def test_attention_single_split_many_stage_rounds(length):
 @pytest.mark.parametrize("kw", [dict(consumers=1), dict(consumers=4), dict(consumers=4, nstage=2),
                                 dict(nstage=2), dict(consumers=1, nstage=4),
                                 dict(rows_per_copy=2), dict(rows_per_copy=32),
-                                dict(max_splits=66), dict(max_splits=132), dict(max_splits=3)],
+                                dict(max_splits=66), dict(max_splits=132), dict(max_splits=3),
+                                dict(early=True), dict(early=True, max_splits=3)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3"])
 def test_attention_variants(length, kw):

@@ -154,7 +154,7 @@ def page_scores_model(q_scaled, k_page):
 
 @functools.cache
 def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
-                  rows_per_copy: int, max_splits: int, min_pps: int):
+                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool = False):
     """attn_mma_g{gqa}_d{head_dim}_kv{num_kv}_c{consumers}_st{nstage}_r{rows_per_copy}_s{max_splits}."""
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
@@ -162,6 +162,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                         mbarrier_try_wait_parity, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
                         pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
+    EARLY = bool(early)
     G, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KS = D // 16                       # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -208,7 +209,13 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                 mbarrier_init(bar0 + 8 * MERGE, (NC - 1) * 32)
             fence_mbarrier_init()
         cuda.syncthreads()
-        griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
+        if not EARLY:
+            griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
+        # EARLY (PDL): state, the block table and every page but the one rope_kv writes this
+        # step (the last page of the context) are written by nothing in the step -- only by
+        # the previous replay's argmax and by host copies between replays -- so the split plan
+        # and those pages' copies go ahead of the wait; the consumers wait before reading q,
+        # the producer before copying the last page.
 
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
@@ -236,6 +243,8 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                     pass
                 p0 = p_begin + it * NC
                 npg = min(NC, p_end - p0)
+                if EARLY and p0 + npg >= n_pages:
+                    griddepcontrol_wait()  # this stage holds the page rope_kv writes
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * s, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
@@ -249,6 +258,8 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                 cuda.syncwarp(FULL)
         else:
             c = warp
+            if EARLY:
+                griddepcontrol_wait()  # q comes from rope_kv
             g = lane // 4
             t = lane % 4
             row_ok = g < G
@@ -417,18 +428,21 @@ def attn_mma_workspace(cfg, max_splits: int | None = None):
 
 def attn_mma_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                       consumers: int = CONSUMERS, nstage: int = NSTAGE,
-                      rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS):
+                      rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
+                      early: bool = False):
     """Check shapes once; return `launch(stream=0)` running the mma split kernel then
     attn_decode's attn_combine.  Arguments as attn_decode_launcher; max_splits is
     part_acc.shape[0] (attn_mma_workspace).  consumers: warps = pages per stage; nstage:
-    stages; rows_per_copy: token rows per bulk copy (1, 2, 4, 8, 16 or 32)."""
+    stages; rows_per_copy: token rows per bulk copy (1, 2, 4, 8, 16 or 32); early: read the
+    split plan and copy every page but the last before griddepcontrol.wait (matters only in a
+    graph with programmatic edges; not yet measured on the GPU, so off)."""
     G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention (mma): unsupported consumers={consumers}, nstage={nstage}, "
                          f"rows_per_copy={rows_per_copy}")
     ms = part_acc.shape[0]
-    split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps)
+    split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
     combine = _decode_jit("combine", D, ms, min_pps)
     nbytes = smem_bytes(D, consumers, nstage, rows_per_copy)
     if nbytes + 8 * (2 * nstage + 2) > SMEM_LIMIT and not SIMULATOR:
