@@ -72,7 +72,7 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(max_splits=66), dict(max_splits=132), dict(max_splits=3),
                                 dict(early=True), dict(early=True, max_splits=3)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
-                              "s3"])
+                              "s3", "early", "early-s3"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
