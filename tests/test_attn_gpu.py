@@ -79,14 +79,15 @@ def test_attention_gqa_extremes(name, length):
     np.testing.assert_allclose(_run(cfg, d), ref, rtol=2e-3, atol=1e-3)
 
 
-def test_attention_graph_replay_follows_device_length():
-    """One captured graph, replayed after the length in `state` changes, gives each answer."""
+def check_graph_follows_device_length(make_launch, rtol, atol):
+    """One captured graph, replayed after the length in `state` changes, gives each answer,
+    and an eager launch at the same length gives it bit for bit.  make_launch(cfg, d) returns
+    the launcher under test (attn_decode's here, attn_mma's in test_attn_mma_gpu.py)."""
     from numba import cuda
     from nq.graphs import CapturedGraph
     cfg = CFGS["7b"]
     d, _ = _setup(cfg, 700, seed=3)
-    pa, pm = attn_decode.attn_workspace(cfg)
-    launch = attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
+    launch = make_launch(cfg, d)
     stream = cuda.stream()
     launch(stream)
     stream.synchronize()
@@ -103,10 +104,18 @@ def test_attention_graph_replay_follows_device_length():
         k, v = gather_kv(pool, table, length)
         ref = attn_decode.attention_reference(q, k, v)
         got = d["o"].copy_to_host()
-        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=2e-3, atol=1e-3)
+        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=rtol, atol=atol)
         launch(stream)  # eager launch at the same length: bit for bit the graph's answer
         stream.synchronize()
         np.testing.assert_array_equal(d["o"].copy_to_host(), got)
+
+
+def test_attention_graph_replay_follows_device_length():
+    def make_launch(cfg, d):
+        pa, pm = attn_decode.attn_workspace(cfg)
+        return attn_decode.attn_decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"],
+                                                d["o"], pa, pm)
+    check_graph_follows_device_length(make_launch, rtol=2e-3, atol=1e-3)
 
 
 def test_launcher_rejects_bad_shapes():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from nq.kernels import attn_decode, attn_mma
-from nq.kv_cache import PAGE, STATE_POS, gather_kv
+from nq.kv_cache import PAGE
 
-from test_attn_gpu import CFGS, _setup  # 7b, tiny, g8, g1; random pool, scattered pages
+from test_attn_gpu import CFGS, _setup, check_graph_follows_device_length  # 7b, tiny, g8, g1
 
 pytestmark = pytest.mark.gpu
 
@@ -100,33 +100,11 @@ def test_matches_fp32_kernel():
 
 
 def test_attention_graph_replay_follows_device_length():
-    """One captured graph, replayed after the length in `state` changes, gives each answer."""
-    from numba import cuda
-    from nq.graphs import CapturedGraph
-    cfg = CFGS["7b"]
-    d, _ = _setup(cfg, 700, seed=3)
-    pa, pm = attn_mma.attn_mma_workspace(cfg)
-    launch = attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm)
-    stream = cuda.stream()
-    launch(stream)
-    stream.synchronize()
-    g = CapturedGraph(stream, lambda: launch(stream))
-    pool = d["kv"].copy_to_host()
-    table = d["table"].copy_to_host()
-    q = d["q"].copy_to_host().reshape(cfg.num_heads, cfg.head_dim)
-    for length in (700, 33, 350):
-        st = np.zeros(d["state"].shape, np.int32)
-        st[STATE_POS] = length - 1
-        d["state"].copy_to_device(st, stream=stream)
-        g.replay(stream)
-        stream.synchronize()
-        k, v = gather_kv(pool, table, length)
-        ref = attn_decode.attention_reference(q, k, v)
-        got = d["o"].copy_to_host()
-        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=RTOL, atol=ATOL)
-        launch(stream)  # eager launch at the same length: bit for bit the graph's answer
-        stream.synchronize()
-        np.testing.assert_array_equal(d["o"].copy_to_host(), got)
+    def make_launch(cfg, d):
+        pa, pm = attn_mma.attn_mma_workspace(cfg)
+        return attn_mma.attn_mma_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"],
+                                          pa, pm)
+    check_graph_follows_device_length(make_launch, rtol=RTOL, atol=ATOL)
 
 
 def test_launcher_rejects_bad_shapes():
