@@ -113,3 +113,18 @@ def ptxas_report(ptx: str) -> tuple[int, int]:
     if not regs:
         raise RuntimeError(f"no register count in the ptxas report:\n{log}")
     return max(regs), sum(spills)
+
+
+def run_under_simulator(script: str, timeout: int) -> tuple[dict, str]:
+    """Run `script` in a fresh Python under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1 must be
+    set before numba is imported, hence the subprocess), from the repository root.  The script
+    prints one `name value` line per case; returns ({name: float(value)}, stdout)."""
+    import os
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(root))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=timeout, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    values = dict((name, float(v)) for name, v in (line.split() for line in res.stdout.split("\n") if line))
+    return values, res.stdout

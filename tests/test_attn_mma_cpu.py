@@ -1,11 +1,7 @@
 """CPU tier for the tensor-core attention split kernel (nq/kernels/attn_mma.py): the fragment
 mapping on the nq/ptx/mma.py warp models, the shared-memory layout, sm_90 PTX compiled offline,
 and split + combine run end to end under the CUDA simulator against the float64 reference."""
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +10,8 @@ from nq.config import PRESETS
 from nq.kernels import attn_decode, attn_mma
 from nq.kv_cache import PAGE
 
-from ptx_util import assert_no_local_memory, assert_uses, compile_ptx_sm90, count, ptxas_report
-
-ROOT = Path(__file__).resolve().parent.parent
+from ptx_util import (assert_no_local_memory, assert_uses, compile_ptx_sm90, count, ptxas_report,
+                      run_under_simulator)
 
 
 # ---- models and layout ---------------------------------------------------------------------------
@@ -194,11 +189,7 @@ SIM_CASES = 7
 @pytest.mark.slow
 def test_split_and_combine_under_the_simulator():
     """~20 s: the simulator runs each mma/ldmatrix as a 32-thread rendezvous in Python."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", SIM_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    errs = dict((name, float(v)) for name, v in (line.split() for line in res.stdout.split("\n") if line))
-    assert len(errs) == SIM_CASES, res.stdout
+    errs, stdout = run_under_simulator(SIM_SCRIPT, timeout=600)
+    assert len(errs) == SIM_CASES, stdout
     bad = {name: e for name, e in errs.items() if not e <= 1.0}  # err / (atol + rtol |ref|)
     assert not bad, bad

@@ -1,10 +1,6 @@
 """CPU tests of the INT4 GEMVs and the lm_head: layout model, dequant arithmetic, sm_90 PTX,
 launcher refusals, and the kernels themselves under the CUDA simulator (tiny shapes)."""
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +10,6 @@ from nq.kernels import gemv_int4 as G
 from nq.loader.quant import pack_value_shuffle, unpack_value_shuffle
 from nq.ptx import LUT_AND_XOR, add_rn_f16x2, fma_rn_f16x2, lop3_b32
 from nq.ptx.half import f16_value
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- the tile layout ---------------------------------------------------------------------------
@@ -194,12 +188,8 @@ SIM_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_kernels_under_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", SIM_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    errs = dict((name, float(v)) for name, v in (line.split() for line in res.stdout.split("\n") if line))
-    assert set(errs) == {"qkv", "gate_up", "down", "lm_head"}, res.stdout
+    errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
+    assert set(errs) == {"qkv", "gate_up", "down", "lm_head"}, stdout
     tol = {"qkv": 2e-3, "gate_up": 3e-3, "down": 2e-3, "lm_head": 1e-6}  # see test_gemv_gpu.py
     for name, e in errs.items():
         assert e < tol[name], (name, e)
