@@ -53,8 +53,7 @@ class Engine:
                  pdl: bool = True):
         from numba import cuda
 
-        from nq.kernels import argmax, attn_mma, embed, feed, lm_head, rope_kv
-        from nq.weights_gpu import gemvs
+        from nq.kernels import attn_mma, rope_kv
 
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
         self.stream = cuda.stream()
@@ -78,13 +77,27 @@ class Engine:
         self.a = cuda.device_array(c.intermediate_size, np.float16)           # SwiGLU output
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
-        part_acc, part_ml = attn_mma.attn_mma_workspace(c)
+        self.part_acc, self.part_ml = attn_mma.attn_mma_workspace(c)
+        self.steps = self._build_steps()
+        self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
+        self._h_tok = cuda.pinned_array(2, np.int32)
+        self.graph = None
+        self.pdl = pdl
+        if use_graph:
+            self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
+            self.capture(pdl)
+        self.reset()
 
-        # ---- launchers: shapes checked once, here ------------------------------------------
-        # (region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
+    def _build_steps(self, tilings=None, attn=None) -> list:
+        """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
+        Shapes are checked here, once.  tilings / attn: see `variant`."""
+        from nq.kernels import argmax, attn_mma, embed, feed, lm_head, rope_kv
+        from nq.weights_gpu import gemvs
+
+        c, weights = self.cfg, self.w
         steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
                  ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
-        g = gemvs(c)
+        g = gemvs(c, tilings)
         for i, L in enumerate(weights.layers):
             kv_i = self.kv[i]
             steps += [
@@ -93,7 +106,8 @@ class Engine:
                 ("rope_kv_append", rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq,
                                                            self.d_table, kv_i, self.q)),
                 ("paged_attention", attn_mma.attn_mma_launcher(
-                    c, self.q, self.state, self.d_table, kv_i, self.o, part_acc, part_ml)),
+                    c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
+                    self.part_ml, **(attn or {}))),
                 ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
                 ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
                                                                 L.gu_s, self.a, st)),
@@ -104,15 +118,18 @@ class Engine:
                                                  self.logits, st)))
         steps.append(("sample", argmax.argmax_launcher(self.logits, self.state, self.out_ids,
                                                        argmax.argmax_workspace())))
-        self.steps = steps
-        self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
-        self._h_tok = cuda.pinned_array(2, np.int32)
-        self.graph = None
-        self.pdl = pdl
-        if use_graph:
-            self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
-            self.capture(pdl)
-        self.reset()
+        return steps
+
+    def variant(self, tilings=None, attn=None) -> None:
+        """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
+        ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
+        and attention launcher options (attn_mma_launcher keywords), warm it up and recapture.
+        The decode state is kept; `variant()` restores the defaults."""
+        self.steps = self._build_steps(tilings, attn)
+        self.run_eager()
+        self.stream.synchronize()
+        if self.graph is not None:
+            self.capture(self.pdl)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

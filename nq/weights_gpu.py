@@ -48,12 +48,23 @@ class DeviceWeights:
         return per_layer + self.norm.nbytes + self.lm_head.nbytes + self.embed.shape[1] * 2
 
 
-def gemvs(cfg: ModelConfig):
-    """The four GEMV launchers of cfg (compiled on first use, cached)."""
+def gemvs(cfg: ModelConfig, tilings=None):
+    """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling}
+    overrides for experiments; each must keep the default `ks`, which fixes the weight layout
+    that `upload` writes (threads, rows, prefetch, span, ... are free)."""
     from nq.kernels.gemv_int4 import (make_down_gemv, make_gate_up_gemv, make_o_proj_gemv,
                                       make_qkv_gemv)
-    return {"qkv": make_qkv_gemv(cfg), "o_proj": make_o_proj_gemv(cfg),
-            "gate_up": make_gate_up_gemv(cfg), "down": make_down_gemv(cfg)}
+    makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
+              "down": make_down_gemv}
+    out = {kind: make(cfg) for kind, make in makers.items()}
+    for kind, t in (tilings or {}).items():
+        if kind not in makers:
+            raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
+        if t.ks != out[kind].tiling.ks:
+            raise ValueError(f"gemvs: {kind} tiling {t.tag()} has ks={t.ks}, but the weights are "
+                             f"laid out for ks={out[kind].tiling.ks}; keep ks (or re-upload)")
+        out[kind] = makers[kind](cfg, t)
+    return out
 
 
 def upload(nf, stream=0) -> DeviceWeights:

@@ -1,0 +1,133 @@
+"""Time kernel variants where they matter: inside the whole decode step graph, not alone.
+
+A GEMV tiling that wins alone can lose in the step (docs/PERF.md, "GEMV grids, one wave"):
+with programmatic dependent launch the next kernel's blocks start beside the running one's,
+so what counts is the step.  This script builds the 7B-shaped engine once (random weights made
+on the GPU) and, for each variant, rebuilds the step with other GEMV tilings or attention
+options (`Engine.variant`), recaptures it and times decode steps at each context.
+
+    python3 scripts/step_variants.py --ctx 512,8192 \\
+        "down.prefetch=2" "down.prefetch=2 down.threads=256" "attn.early=1" --leave-out
+
+A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
+gate_up, down; fields of nq.kernels.gemv_int4.Tiling except ks, which fixes the uploaded
+layout) or `attn` (keywords of attn_mma_launcher).  The baseline is timed first and last
+(drift between them is printed).  --leave-out also times the step with each region left out
+(the results are garbage, the timing is not): a region's marginal cost in the step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nq.config import PRESETS  # noqa: E402
+
+
+def parse_variant(text: str, defaults: dict) -> tuple[dict, dict]:
+    """'down.prefetch=2 attn.early=1' -> ({kind: Tiling}, {attn keyword: value})."""
+    tilings, attn = {}, {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        kind, _, field = key.partition(".")
+        if not value or not field:
+            raise SystemExit(f"step_variants: {item!r} is not kind.field=value")
+        v = int(value) if value.lstrip("-").isdigit() else value
+        if kind == "attn":
+            attn[field] = bool(v) if field == "early" else v
+        elif kind in defaults:
+            if field == "ks":
+                raise SystemExit("step_variants: ks fixes the uploaded weight layout; not a variant")
+            base = tilings.get(kind, defaults[kind])
+            tilings[kind] = dataclasses.replace(base, **{field: v})
+        else:
+            raise SystemExit(f"step_variants: unknown kind {kind!r} in {item!r}")
+    return tilings, attn
+
+
+def itl(eng, ctx: int, steps: int) -> float:
+    from nq.bench import at_context
+    at_context(eng, ctx, ahead=steps + 8)
+    return statistics.median(eng.time_steps(steps))
+
+
+def regs(eng) -> dict:
+    """Registers per thread of the step's GEMV kernels (numba dispatchers)."""
+    from nq.weights_gpu import gemvs
+    out = {}
+    for kind, g in gemvs(eng.cfg, getattr(eng, "_tilings", None)).items():
+        try:
+            out[kind] = g.kernel.get_regs_per_thread()
+        except Exception:  # noqa: BLE001 -- informative only
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", nargs="*")
+    ap.add_argument("--random", default="7b", choices=sorted(PRESETS))
+    ap.add_argument("--ctx", default="512")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--leave-out", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from nq.engine import Engine
+    from nq.graphs import CapturedGraph
+    from nq.weights_gpu import gemvs
+
+    ctxs = [int(c) for c in a.ctx.split(",")]
+    cfg = PRESETS[a.random]
+    t0 = time.perf_counter()
+    eng = Engine.random(cfg, max_len=max(ctxs) + 16 * a.steps + 64)
+    print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+    defaults = {k: g.tiling for k, g in gemvs(cfg).items()}
+    results = []
+
+    def run(name, tilings, attn):
+        t1 = time.perf_counter()
+        eng.variant(tilings, attn)
+        eng._tilings = tilings
+        row = {"variant": name, "regs": regs(eng)}
+        for c in ctxs:
+            row[c] = itl(eng, c, a.steps)
+        results.append(row)
+        base = results[0]
+        print(f"{name:48s} " + "  ".join(f"@{c}: {row[c]:.4f} ms ({row[c] - base[c]:+.4f})"
+                                         for c in ctxs)
+              + f"  regs {row['regs']}  [{time.perf_counter() - t1:.1f} s]", flush=True)
+
+    run("baseline", None, None)
+    for v in a.variants:
+        run(v, *parse_variant(v, defaults))
+    run("baseline (again)", None, None)
+    if a.leave_out:
+        eng.variant()
+        for region in eng.regions:
+            if region == "embed":
+                continue
+            keep = set(eng.regions) - {region}
+            g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions=keep), name="leave_out",
+                              programmatic=True)
+            eng.graph, saved = g, eng.graph
+            row = {"variant": f"without {region}"}
+            for c in ctxs:
+                row[c] = itl(eng, c, a.steps)
+            eng.graph = saved
+            results.append(row)
+            print(f"{row['variant']:48s} " + "  ".join(
+                f"@{c}: {row[c]:.4f} ms (region costs {results[0][c] - row[c]:.4f})" for c in ctxs),
+                flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
