@@ -88,7 +88,7 @@ class Engine:
             self.capture(pdl)
         self.reset()
 
-    def _build_steps(self, tilings=None, attn=None) -> list:
+    def _build_steps(self, tilings=None, attn=None, check_layout: bool = True) -> list:
         """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
         Shapes are checked here, once.  tilings / attn: see `variant`."""
         from nq.kernels import argmax, attn_mma, embed, feed, lm_head, rope_kv
@@ -97,7 +97,7 @@ class Engine:
         c, weights = self.cfg, self.w
         steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
                  ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
-        g = gemvs(c, tilings)
+        g = gemvs(c, tilings, check_layout)
         for i, L in enumerate(weights.layers):
             kv_i = self.kv[i]
             steps += [
@@ -120,12 +120,13 @@ class Engine:
                                                        argmax.argmax_workspace())))
         return steps
 
-    def variant(self, tilings=None, attn=None) -> None:
+    def variant(self, tilings=None, attn=None, check_layout: bool = True) -> None:
         """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
         ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
         and attention launcher options (attn_mma_launcher keywords), warm it up and recapture.
-        The decode state is kept; `variant()` restores the defaults."""
-        self.steps = self._build_steps(tilings, attn)
+        The decode state is kept; `variant()` restores the defaults.  check_layout=False
+        allows another ks (timing random weights only: the outputs are then wrong)."""
+        self.steps = self._build_steps(tilings, attn, check_layout)
         self.run_eager()
         self.stream.synchronize()
         if self.graph is not None:

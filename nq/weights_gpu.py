@@ -48,10 +48,11 @@ class DeviceWeights:
         return per_layer + self.norm.nbytes + self.lm_head.nbytes + self.embed.shape[1] * 2
 
 
-def gemvs(cfg: ModelConfig, tilings=None):
+def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling}
     overrides for experiments; each must keep the default `ks`, which fixes the weight layout
-    that `upload` writes (threads, rows, prefetch, span, ... are free)."""
+    that `upload` writes (threads, rows, prefetch, span, ... are free).  check_layout=False
+    lets ks change too: only for timing random weights, whose values have no layout."""
     from nq.kernels.gemv_int4 import (make_down_gemv, make_gate_up_gemv, make_o_proj_gemv,
                                       make_qkv_gemv)
     makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
@@ -60,7 +61,7 @@ def gemvs(cfg: ModelConfig, tilings=None):
     for kind, t in (tilings or {}).items():
         if kind not in makers:
             raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
-        if t.ks != out[kind].tiling.ks:
+        if check_layout and t.ks != out[kind].tiling.ks:
             raise ValueError(f"gemvs: {kind} tiling {t.tag()} has ks={t.ks}, but the weights are "
                              f"laid out for ks={out[kind].tiling.ks}; keep ks (or re-upload)")
         out[kind] = makers[kind](cfg, t)
