@@ -41,6 +41,11 @@ def memset_zero(arr, stream) -> None:
     _check(cu.cuMemsetD8Async(ptr, 0, arr.nbytes, stream_handle(stream)))
 
 
+# attn_mma_launcher options of the step ("fused": the combine in the split kernel's last CTA,
+# using self.attn_counters); chosen in the whole step graph by scripts/step_variants.py.
+ATTN_OPTIONS = {"fused": False, "early": True}
+
+
 class Engine:
     """Batch-1 decode of one sequence on the GPU (the `--backend gpu` of `nq generate`).
 
@@ -78,6 +83,7 @@ class Engine:
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
         self.part_acc, self.part_ml = attn_mma.attn_mma_workspace(c)
+        self.attn_counters = attn_mma.attn_mma_counters(c)  # the fused combine's (stay zero)
         self.steps = self._build_steps()
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
@@ -95,6 +101,8 @@ class Engine:
         from nq.weights_gpu import gemvs
 
         c, weights = self.cfg, self.w
+        opts = dict(ATTN_OPTIONS, **(attn or {}))
+        fused = opts.pop("fused")
         steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
                  ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
         g = gemvs(c, tilings, check_layout)
@@ -107,7 +115,7 @@ class Engine:
                                                            self.d_table, kv_i, self.q)),
                 ("paged_attention", attn_mma.attn_mma_launcher(
                     c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
-                    self.part_ml, **(attn or {}))),
+                    self.part_ml, counters=self.attn_counters if fused else None, **opts)),
                 ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
                 ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
                                                                 L.gu_s, self.a, st)),

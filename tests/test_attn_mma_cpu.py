@@ -1,6 +1,7 @@
 """CPU tier for the tensor-core attention split kernel (nq/kernels/attn_mma.py): the fragment
 mapping on the nq/ptx/mma.py warp models, the shared-memory layout, sm_90 PTX compiled offline,
-and split + combine run end to end under the CUDA simulator against the float64 reference."""
+and split + combine (two kernels, and the combine fused into the split kernel) run end to end
+under the CUDA simulator against the float64 reference."""
 import textwrap
 
 import numpy as np
@@ -57,14 +58,21 @@ def test_defaults_for_the_7b():
     assert attn_mma.default_max_splits(cfg.num_kv_heads) == 66  # 264 CTAs: two per SM
     # 3 stages x 1 page x 8320 B (K and V, a 16-byte pad after every 4 rows): under 48 KiB
     assert attn_mma.smem_bytes(cfg.head_dim) == 3 * 8320 + attn_mma.ALIGN < 48 * 1024
+    # the fused combine's scratch (weights, 1/den, flag) fits the page slots: same smem
+    assert attn_mma.ALIGN + 4 * attn_mma.combine_scratch_words(cfg.gqa_ratio, 66) \
+        <= attn_mma.smem_bytes(cfg.head_dim)
 
 
 # ---- compiled code -------------------------------------------------------------------------------
 
-def _ptx(gqa, d, hkv, nc, nstage=attn_mma.NSTAGE, rpc=attn_mma.ROWS_PER_COPY, early=False):
-    return compile_ptx_sm90(attn_mma._split_kernel(gqa, d, hkv, nc, nstage, rpc, 33,
-                                                   attn_decode.MIN_PPS, early),
-                            attn_decode.SPLIT_SIG, fastmath=True)
+def _ptx(gqa, d, hkv, nc, nstage=attn_mma.NSTAGE, rpc=attn_mma.ROWS_PER_COPY, early=False,
+         fused=(), max_splits=33):
+    """fused: () for the two-kernel split kernel, else (warps, combine_rows) of the fused one."""
+    key = (gqa, d, hkv, nc, nstage, rpc, max_splits, attn_decode.MIN_PPS, early)
+    if not fused:
+        return compile_ptx_sm90(attn_mma._split_kernel(*key), attn_decode.SPLIT_SIG, fastmath=True)
+    return compile_ptx_sm90(attn_mma._split_kernel(*key, True, *fused), attn_mma.FUSED_SIG,
+                            fastmath=True)
 
 
 @pytest.mark.parametrize("nc", [1, 2, 4])
@@ -105,9 +113,57 @@ def test_attn_mma_split_ptx_early():
     assert_no_local_memory(ptx)
 
 
+@pytest.mark.parametrize("gqa,d,hkv,nc,fused", [
+    (7, 128, 4, 1, (2, 16)),     # the 7B's defaults (66 splits, 2 warps)
+    (7, 128, 4, 1, (4, 16)),     # + 2 merge-only warps
+    (7, 128, 4, 2, (3, 8)),      # 2 consumers: warp 1 hands (m, l, acc) to warp 0, then merges
+    (8, 128, 1, 4, (5, 4)),      # G = 8, 4 consumers
+    (1, 64, 8, 1, (8, 16)),      # G = 1 with 8 warps: 7 warps merge no head
+    (3, 64, 2, 1, (2, 16))])     # d64, G not a multiple of the warps
+def test_attn_mma_fused_ptx(gqa, d, hkv, nc, fused):
+    ms = 66 if gqa == 7 else 33
+    ptx = _ptx(gqa, d, hkv, nc, fused=fused, max_splits=ms)
+    # the split part is the two-kernel one: same tensor-core work a page
+    assert count(ptx, "mma.sync.aligned.m16n8k16") == d // 16 * 2 + 1 + d // 8
+    assert count(ptx, "ldmatrix.sync.aligned.m8n8.x4") == d // 8
+    # one arrival a CTA, a release fence before it and an acquire fence after it, and the
+    # partials are read back through the coherent path (never ld.global.nc: other CTAs of this
+    # grid wrote them)
+    assert count(ptx, "atom.global.add") == 1
+    assert count(ptx, "membar.gl") == 2
+    assert count(ptx, "ld.global.nc") == 0
+    assert count(ptx, "griddepcontrol.wait") == 1
+    assert count(ptx, "griddepcontrol.launch_dependents") == 0
+    assert_uses(ptx, "shfl.sync.bfly.b32", "ex2.approx", "div.approx", "cvt.rn.f16.f32",
+                "st.global.u16")
+    assert_no_local_memory(ptx)
+    try:
+        regs, spills = ptxas_report(ptx)
+    except RuntimeError:
+        pytest.skip("no ptxas / nvJitLink here")
+    # 143 for the 7B's defaults (nvJitLink 13.5), the split part's 144 without the merge
+    assert spills == 0 and regs <= 192
+
+
+def test_attn_mma_fused_ptx_early():
+    # early + fused: the consumers' wait, the last page's, and every thread's before the merge
+    ptx = _ptx(7, 128, 4, 1, early=True, fused=(2, 16), max_splits=66)
+    assert count(ptx, "griddepcontrol.wait") == 3
+    assert count(ptx, "griddepcontrol.launch_dependents") == 0
+    assert count(ptx, "atom.global.add") == 1
+    assert_no_local_memory(ptx)
+
+
+def test_two_kernel_split_has_no_merge():
+    # the default path is the two-kernel one and its kernel knows nothing of the counters
+    ptx = _ptx(7, 128, 4, 1, max_splits=66)
+    assert count(ptx, "atom.global") == 0 and count(ptx, "membar.gl") == 0
+    assert count(ptx, "st.global.u16") == 0
+
+
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
 
-SIM_SCRIPT = textwrap.dedent('''
+SIM_PRELUDE = textwrap.dedent('''
     import time
 
     import numpy as np
@@ -142,7 +198,8 @@ SIM_SCRIPT = textwrap.dedent('''
         def __getattr__(self, name):
             return getattr(simk._kernel_context, name)
 
-    def case(cfg, length, ms, nc, nst, rpc, seed, early=False):
+    def inputs(cfg, length, ms, seed):
+        """Scattered pages with NaN in every slot the kernels must not read; q; the reference."""
         fn = attn_decode._combine_kernel(cfg.head_dim, ms, attn_decode.MIN_PPS)
         fn.__closure__[fn.__code__.co_freevars.index("cuda")].cell_contents = LaunchCuda()
         rng = np.random.default_rng(seed)
@@ -156,19 +213,28 @@ SIM_SCRIPT = textwrap.dedent('''
         pool[table[need - 1], :, :, length - (need - 1) * PAGE:] = np.nan
         pool[np.setdiff1d(np.arange(n_pages), table[:need])] = np.nan
         q = (rng.standard_normal(cfg.q_size) * 2).astype(np.float32)
+        ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
+        args = (cuda.to_device(q), make_state(pos=length - 1), cuda.to_device(table),
+                cuda.to_device(pool))
+        return args, ref
+
+    def rel_err(cfg, o, ref):
+        got = o.astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
+        err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
+        return float(err.max()) if np.isfinite(got).all() else float("inf")
+''')
+
+SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False):
+        args, ref = inputs(cfg, length, ms, seed)
         o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
         pa, pm = attn_mma.attn_mma_workspace(cfg, ms)
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
-        launch = attn_mma.attn_mma_launcher(
-            cfg, cuda.to_device(q), make_state(pos=length - 1), cuda.to_device(table),
-            cuda.to_device(pool), o, pa, pm, consumers=nc, nstage=nst, rows_per_copy=rpc,
-            early=early)
+        launch = attn_mma.attn_mma_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
+                                            rows_per_copy=rpc, early=early)
         launch()
-        got = o.copy_to_host().astype(np.float64).reshape(cfg.num_heads, cfg.head_dim)
-        ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
-        err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         print(f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}_e{int(early)}",
-              float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
+              rel_err(cfg, o.copy_to_host(), ref), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
     g7 = tiny_config(head_dim=64, num_heads=14, num_kv_heads=2)
@@ -192,4 +258,106 @@ def test_split_and_combine_under_the_simulator():
     errs, stdout = run_under_simulator(SIM_SCRIPT, timeout=600)
     assert len(errs) == SIM_CASES, stdout
     bad = {name: e for name, e in errs.items() if not e <= 1.0}  # err / (atol + rtol |ref|)
+    assert not bad, bad
+
+
+FUSED_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
+    class GridOrder:
+        """The simulator's numpy, except that the blocks of a grid of shape `dims` run in
+        `order(n)` (a permutation of their row-major numbers): any split can arrive last."""
+        dims = order = None
+        def __getattr__(self, name):
+            return getattr(np, name)
+        def ndindex(self, *dims):
+            points = list(np.ndindex(*dims))
+            if self.order is None or tuple(dims) != self.dims:
+                return iter(points)
+            return iter([points[i] for i in self.order(len(points))])
+    grid = simk.np = GridOrder()
+
+    class WriteCount:
+        """o for the kernels (the simulator hands it over as it is): a host array that counts
+        the writes to each element, so a merge by more than one CTA of a kv head shows even
+        though the simulator runs the CTAs one after the other (the last would win)."""
+        def __init__(self, n):
+            self.a = np.full(n, np.nan, np.float16)
+            self.shape, self.dtype = self.a.shape, self.a.dtype
+            self.writes = np.zeros(n, np.int64)
+        def __getitem__(self, i):
+            return self.a[i]
+        def __setitem__(self, i, value):
+            self.a[i] = value
+            self.writes[i] += 1
+        def take(self):
+            """(o, every element written exactly once), and start over."""
+            out, once = self.a.copy(), bool((self.writes == 1).all())
+            self.a[:] = np.nan
+            self.writes[:] = 0
+            return out, once
+
+    def fused_case(cfg, length, ms, nc, seed, orders, early=False, warps=0, rows=16):
+        """The two-kernel path once, then the fused kernel once per block order with the same
+        counters (they must come back to zero each time): the fused o must be the two-kernel
+        o bit for bit, each element written once; prints the two-kernel o's error against the
+        reference, inf if not."""
+        args, ref = inputs(cfg, length, ms, seed)
+        o = WriteCount(cfg.q_size)
+        pa, pm = attn_mma.attn_mma_workspace(cfg, ms)
+        pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))
+        attn_mma.attn_mma_launcher(cfg, *args, o, pa, pm, consumers=nc, early=early)()
+        two, same = o.take()
+        counters = attn_mma.attn_mma_counters(cfg)
+        fused = attn_mma.attn_mma_launcher(cfg, *args, o, pa, pm, consumers=nc, early=early,
+                                           counters=counters, combine_warps=warps,
+                                           combine_rows=rows)
+        grid.dims = (ms, cfg.num_kv_heads, 1)
+        for order in orders:
+            grid.order = order
+            for buf in (pa, pm):  # nothing left over from the run before
+                buf.copy_to_device(np.full(buf.shape, np.nan, buf.dtype))
+            fused()
+            got, once = o.take()
+            same &= once and bool((got.view(np.uint16) == two.view(np.uint16)).all())
+            same &= bool((counters.copy_to_host() == 0).all())
+        grid.order = None
+        name = (f"fused_g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_w{warps}_r{rows}"
+                f"_e{int(early)}")
+        print(name, rel_err(cfg, two, ref) if same else float("inf"), flush=True)
+
+    def bad_counters(cfg, counters):
+        args, _ = inputs(cfg, 1, 2, 0)
+        pa, pm = attn_mma.attn_mma_workspace(cfg, 2)
+        o = cuda.to_device(np.zeros(cfg.q_size, np.float16))
+        try:
+            attn_mma.attn_mma_launcher(cfg, *args, o, pa, pm, counters=counters)
+        except ValueError as e:
+            print(f"bad_counters_{counters.dtype}{counters.shape[0]}",
+                  0.0 if "counters is" in str(e) else float("inf"), flush=True)
+
+    natural = None
+    reverse = lambda n: range(n - 1, -1, -1)               # split 0 arrives last
+    shuffled = lambda n: np.random.default_rng(n).permutation(n)
+    g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
+    g3 = tiny_config(head_dim=64, num_heads=6, num_kv_heads=2)
+    g2d = tiny_config(head_dim=128, num_heads=2, num_kv_heads=1)
+    fused_case(g2d, 1, 3, 1, 10, [natural])  # one split: no atomic; d128 (4 dims a lane)
+    fused_case(g3, 17, 2, 1, 11, [natural, reverse])  # 2 splits, 2 kv heads (a counter each),
+    #                                                   G = 3 on 2 warps: warp 1's 2nd head idle
+    fused_case(g2, 72, 6, 2, 12, [shuffled, reverse], early=True, warps=3, rows=4)
+    #   5 splits of 1 page in 2 merge rounds of 4 (the 2nd clamped at max_splits 6), 2 consumers
+    #   (warp 1 hands its page to warp 0 and merges), a merge-only warp, early copies
+    bad_counters(g3, cuda.to_device(np.zeros(3, np.int32)))
+    bad_counters(g3, cuda.to_device(np.zeros(2, np.int64)))
+''')
+
+FUSED_CASES = 5
+
+
+@pytest.mark.slow
+def test_fused_combine_under_the_simulator():
+    """~20 s: the combine fused into the last CTA of each kv head gives the two-kernel o bit
+    for bit, whichever CTA arrives last, and leaves the counters at zero (run twice)."""
+    errs, stdout = run_under_simulator(FUSED_SCRIPT, timeout=600)
+    assert len(errs) == FUSED_CASES, stdout
+    bad = {name: e for name, e in errs.items() if not e <= 1.0}
     assert not bad, bad

@@ -6,7 +6,7 @@ every page in fp32 (30.6 us/layer at 8K context against a 4 us byte floor, docs/
 `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), so a page costs D/16 + D/8 + 1 mma and D/8
 ldmatrix per warp instead of G x (64 ld.shared + 128 cvt + 128 FMA) per lane.  Same pool
 layout, split plan, log2-domain partials and launcher contract as attn_decode; the partials are
-merged by attn_decode's attn_combine, unchanged.
+merged by attn_decode's attn_combine, unchanged -- or, fused, by the split kernel itself (below).
 
 CTA (split, kv head h): warp 0..NC-1 consumers, warp NC the producer.  A stage holds NC pages;
 consumer c takes page c of every stage and keeps its own (m, l, acc) for the G heads.  The
@@ -46,7 +46,32 @@ End of CTA: consumers 1..NC-1 leave (m, l, acc) in their own page slot of the la
 copy writes it again) and arrive on a merge mbarrier (count (NC-1)*32); consumer 0 waits on it,
 merges and writes one partial per split in attn_decode's layout (part_ml (m, l), part_acc).
 
-ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory.
+Fused combine (attn_mma_launcher(counters=attn_mma_counters(cfg))): at short contexts a layer's
+attention is latency-bound (~10 us at 512 tokens) and the kernel boundary before attn_combine
+costs a few us of it, so the last CTA of each kv head to finish does the combine instead: one
+kernel a layer.  After its partial, a CTA ends its roles with a __syncthreads; thread 0 fences
+(membar.gl, release: the CTA's partial stores are ordered before it by the barrier) and
+atomically increments counters[kv head]; the CTA that reads n_splits - 1 is the last, fences
+again (acquire) and a second __syncthreads passes that on to its threads, which then see every
+split's partial.  CTAs past n_splits (no pages) neither count nor merge; every CTA computes
+n_splits from the same state, so the count is consistent, and a single split (<= 16 tokens at
+the default plan) merges without the atomic.  All warps merge (combine_warps can add warps
+that do nothing else): warp w takes heads w, w + NW, ... -- per lane the max of m_s and
+sum l_s w_s over s = lane, lane + 32, ..., attn_combine's butterflies, then the lane's dims
+lane + 32 j in attn_combine's 4 split groups, combine_rows splits x D/32 loads in flight a
+round (part_acc read through a flat view, so a row's loads are one address + immediates);
+weights, 1/den and the flag in the free page slots.  Deterministic and bit for bit the two-
+kernel path's o whichever CTA is last: the partials are merged in split order with
+attn_combine's operations in its order (the select between multiply and add, as there, keeps
+LLVM from contracting them into an fma), which the GPU test checks bit for bit and the
+simulator test with the CTAs run in permuted orders.  Graph replays: the last CTA zeroes its
+counter, so every launch leaves the counters as it found them (zero; a launch that faults
+leaves the context unusable anyway) and a captured graph needs no reset node.  PDL: no early
+launch_dependents (o_proj is scheduled once every CTA has exited); with early=True every
+thread waits before the merge, the first global write of threads that had not.
+
+ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
+(nvJitLink 13.5: 144 / 104; fused 143 / 105).
 
 Tolerance (tests/test_attn_mma_gpu.py): scores as fp32 (hi+lo q, exact fp16 K, fp32
 accumulate); P as hi+lo fp16 leaves ~2^-22 relative on each weight (P in fp16 alone: <= 2^-11,
@@ -60,7 +85,7 @@ import math
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
-from numba.cuda.types import float32, uint32, uint64
+from numba.cuda.types import float16, float32, uint32, uint64
 
 from nq.kernels.attn_decode import (CSG, LOG2E, MIN_PPS, NEG_BIG, SMEM_LIMIT, SPLIT_SIG,
                                     _allow_smem, _jit as _decode_jit, check_attention_args)
@@ -81,6 +106,7 @@ from nq.ptx import SIMULATOR
 CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
 ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
+COMBINE_ROWS = 16   # fused combine: splits a round loads (x head_dim/32 loads in flight a lane)
 CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads): 66 for the 7B
 PAD = 16            # bytes between padded row groups (one bank group)
 ALIGN = 16          # ldmatrix rows and bulk copies need 16-byte shared addresses
@@ -152,12 +178,21 @@ def page_scores_model(q_scaled, k_page):
 
 # ---- kernel --------------------------------------------------------------------------------------
 
+def combine_scratch_words(gqa: int, max_splits: int) -> int:
+    """32-bit words of shared memory the fused combine uses: wts (G + 1, max_splits), inv (G,),
+    the last-CTA flag."""
+    return (gqa + 1) * max_splits + gqa + 1
+
+
 @functools.cache
 def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
-                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool = False):
+                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool = False,
+                  fused: bool = False, warps: int = 0, combine_rows: int = COMBINE_ROWS,
+                  trigger_splits: int = 0):
     """attn_mma_g{gqa}_d{head_dim}_kv{num_kv}_c{consumers}_st{nstage}_r{rows_per_copy}_s{max_splits}."""
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
-                        fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
+                        fence_proxy_async_shared, griddepcontrol_launch_dependents,
+                        griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
                         mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
                         mbarrier_try_wait_parity, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
                         pack_f16x2_from_f32, unpack_f16x2_to_f32)
@@ -183,13 +218,33 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
     NBARS = 2 * NST + 2                # full, empty, merge; even, so 16-byte static size
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
+    # FUSED: the last CTA of a kv head to finish merges its G heads' partials (module doc).
+    FUSED = bool(fused)
+    TRIG = int(trigger_splits)         # n_splits <= TRIG: trigger the dependents at the start
+    NW = max(NC + 1, warps)            # warps of the CTA (warps > NC + 1: combine-only warps)
+    HPW = (G + NW - 1) // NW           # heads per warp in the merge: g = warp + NW k
+    DB = D // 32                       # dims per lane in the merge (lane + 32 j)
+    RS = combine_rows                  # splits a merge round loads (DB * RS loads in flight)
+    assert RS % CSG == 0 and RS <= 16, "combine_rows: 4, 8 or 16 (fully unrolled, registers)"
+    CA = CSG * DB                      # attn_combine's CSG split-group sums of a lane's dims
+    HQ = G * num_kv
+    SS = uint64(HQ * D)                # part_acc words per split (unsigned: see the merge)
+    WTS = 0                            # scratch word offsets (combine_scratch_words):
+    INV = (G + 1) * MAXS               # wts[g, s] = exp2(m_s - max m) (row G: heads g >= G
+    FLAG = INV + G                     # write there), inv[g] = 1 / sum l w, the flag
 
-    def attn_mma_split(q, state, table, kv, part_acc, part_ml):
+    def attn_mma_split(q, state, table, kv, part_acc, out):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
-        # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
+        # part_acc (max_splits, Hq, D) f32; out: part_ml (max_splits, Hq, 2) f32, or FUSED the
+        # tuple (part_ml, o (Hq*D,) f16, counters (n_kv,) int32, part_acc flat) -- one parameter
+        # either way, so the unfused kernel's signature and PTX are what they were.
         # PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing before
         # this kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at
         # 8K (attn_decode measured it); the implicit trigger at exit is the right one.
+        if FUSED:
+            part_ml, o, counters, paf = out
+        else:
+            part_ml = out
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, see row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: merge scratch at the end
         bars = cuda.shared.array(NBARS, uint64)  # full[NST], empty[NST], merge
@@ -223,6 +278,11 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
         n_pages = (length + PAGE - 1) // PAGE
         pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
         n_splits = (n_pages + pps - 1) // pps
+        if TRIG > 0 and n_splits <= TRIG:
+            # Short context: few CTAs, so the next kernel's blocks (o_proj, or attn_combine and
+            # through it o_proj) fit beside them and can start their weight loads now; at long
+            # context their waiting blocks would crowd the split's (the 8K slowdown above).
+            griddepcontrol_launch_dependents()
         if split >= n_splits:
             return  # uniform for the CTA; no barrier is used after this point by anyone
         p_begin = split * pps
@@ -256,6 +316,8 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                                           kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0), COPY_BYTES,
                                           bar0 + 8 * s)
                 cuda.syncwarp(FULL)
+        elif FUSED and warp > NC:
+            pass  # a combine-only warp: straight to the merge
         else:
             c = warp
             if EARLY:
@@ -381,9 +443,11 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                             smf[fo + SCR_ML + 2 * g] = m
                             smf[fo + SCR_ML + 2 * g + 1] = l
                     mbarrier_arrive(bar0 + 8 * MERGE)
-                    return
-                mbarrier_wait_parity(bar0 + 8 * MERGE, 0)
-                if row_ok:
+                    if not FUSED:
+                        return
+                if not FUSED or c == 0:  # FUSED: warps c > 0 go on to the merge at the end
+                    mbarrier_wait_parity(bar0 + 8 * MERGE, 0)
+                if row_ok and (not FUSED or c == 0):
                     mx = m
                     for cc in range(1, NC):
                         fo = w0 + (s_last * NC + cc) * SLOT // 4
@@ -400,7 +464,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                             acc[2 * j] += smf[fo + g * D + 8 * j + 2 * t] * w
                             acc[2 * j + 1] += smf[fo + g * D + 8 * j + 2 * t + 1] * w
                     m = mx
-            if row_ok:
+            if row_ok and (not FUSED or c == 0):
                 for j in range(NT):
                     part_acc[split, h, 8 * j + 2 * t] = acc[2 * j]
                     part_acc[split, h, 8 * j + 2 * t + 1] = acc[2 * j + 1]
@@ -408,12 +472,113 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                     part_ml[split, h, 0] = m
                     part_ml[split, h, 1] = l
 
+        if FUSED:
+            # ---- the last CTA of kv head kvh to finish merges the n_splits partials --------
+            if EARLY:
+                # No global write before the wait: the producer waited only if its split holds
+                # the last page, merge-only warps never.
+                griddepcontrol_wait()
+            # Every role is done: consumer 0's partial stores are ordered before tid 0's
+            # release fence by this barrier; the page slots are free for the scratch.
+            cuda.syncthreads()
+            if tid == 0:
+                last = uint32(1)
+                if n_splits > 1:
+                    cuda.threadfence()  # release: this CTA's partial, before its arrival
+                    if cuda.atomic.add(counters, kvh, 1) == n_splits - 1:
+                        counters[kvh] = 0   # all n_splits arrived: zero for the next launch
+                        cuda.threadfence()  # acquire: the other splits' partials
+                    else:
+                        last = uint32(0)
+                smu[w0 + FLAG] = last
+            cuda.syncthreads()  # and the barrier passes the acquire on to every thread
+            if smu[w0 + FLAG] == 0:
+                return  # uniform for the CTA
+            # attn_decode's attn_combine for heads kvh*G + g, with the same operations in the
+            # same order, so o is bit for bit the two-kernel path's.  Warp w merges heads
+            # g = w, w + NW, ...: per lane the max of m_s and the sum of l_s w_s over
+            # s = lane, lane + 32, ..., the same butterflies; then each lane's dims
+            # lane + 32 j, summed in attn_combine's CSG split groups (splits sg, sg + CSG, ...)
+            # and added group after group.  Only this warp reads the head's scratch: syncwarp.
+            cmx = cuda.local.array(HPW, float32)
+            cden = cuda.local.array(HPW, float32)
+            ca = cuda.local.array(CA, float32)
+            for k in range(HPW):
+                cmx[k] = NEG
+                cden[k] = ZERO
+            # No branch on g (a head g >= G reads head G - 1 and writes wts row G, unread), so
+            # a lane's loads of all its heads are in flight together.
+            for s in range(lane, n_splits, 32):
+                for k in range(HPW):
+                    gg = min(warp + NW * k, G - 1)
+                    cmx[k] = max(cmx[k], part_ml[s, kvh * G + gg, 0])
+            for k in range(HPW):
+                mx = cmx[k]
+                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 16))
+                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 8))
+                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 4))
+                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))
+                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))
+                cmx[k] = mx
+            for s in range(lane, n_splits, 32):
+                for k in range(HPW):
+                    g = warp + NW * k
+                    gg = min(g, G - 1)
+                    w = math.exp2(part_ml[s, kvh * G + gg, 0] - cmx[k])
+                    smf[w0 + WTS + min(g, G) * MAXS + s] = w
+                    cden[k] += part_ml[s, kvh * G + gg, 1] * w
+            for k in range(HPW):
+                g = warp + NW * k
+                den = cden[k]
+                den += cuda.shfl_xor_sync(FULL, den, 16)
+                den += cuda.shfl_xor_sync(FULL, den, 8)
+                den += cuda.shfl_xor_sync(FULL, den, 4)
+                den += cuda.shfl_xor_sync(FULL, den, 2)
+                den += cuda.shfl_xor_sync(FULL, den, 1)
+                if lane == 0 and g < G:
+                    smf[w0 + INV + g] = float32(1.0) / den
+            cuda.syncwarp(FULL)
+            for k in range(HPW):
+                g = warp + NW * k
+                if g < G:
+                    # Unsigned indices: no negative-index wrap, so a row's DB loads are one
+                    # address + immediate offsets.
+                    hd = uint64((kvh * G + g) * D + lane)   # flat (split 0, head, dim lane)
+                    ws = uint32(w0 + WTS + g * MAXS)
+                    for j in range(CA):
+                        ca[j] = ZERO
+                    # A round: RS splits x DB dims, all loads unconditional and in flight
+                    # together.  As in attn_combine, rows past n_splits are clamped to a valid
+                    # one and dropped by the select, not by their weight.
+                    for s0 in range(0, n_splits, RS):
+                        for r in range(RS):
+                            s = s0 + r
+                            sc = min(s, MAXS - 1)
+                            wsc = smf[ws + uint32(sc)]
+                            row = uint64(sc) * SS + hd
+                            for j in range(DB):
+                                x = paf[row + uint64(32 * j)] * wsc
+                                ca[CSG * j + r % CSG] += x if s < n_splits else ZERO
+                    inv = smf[w0 + INV + g]
+                    for j in range(DB):
+                        t = ca[CSG * j]
+                        for sg in range(1, CSG):
+                            t += ca[CSG * j + sg]
+                        o[hd + uint64(32 * j)] = float16(t * inv)
+
     return attn_mma_split
+
+
+# FUSED: the last parameter is the tuple (part_ml, o, counters, part_acc flat).
+FUSED_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
+             "float32[:, :, ::1], Tuple((float32[:, :, ::1], float16[::1], int32[::1], float32[::1])))")
 
 
 @functools.cache
 def _jit(*key):
-    return cuda.jit(SPLIT_SIG, fastmath=True)(_split_kernel(*key))
+    """key: _split_kernel's arguments; the 10th, fused, picks the signature."""
+    sig = FUSED_SIG if len(key) > 9 and key[9] else SPLIT_SIG
+    return cuda.jit(sig, fastmath=True)(_split_kernel(*key))
 
 
 # ---- launcher ------------------------------------------------------------------------------------
@@ -426,28 +591,68 @@ def attn_mma_workspace(cfg, max_splits: int | None = None):
     return part_acc, part_ml
 
 
+def attn_mma_counters(cfg):
+    """The fused combine's arrival counters (attn_mma_launcher(counters=...)): int32
+    (num_kv_heads,), zero.  Every launch leaves them zero again; one set per call site, like
+    the partial buffers, reusable across layers and graph replays."""
+    return cuda.to_device(np.zeros(cfg.num_kv_heads, np.int32))
+
+
 def attn_mma_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                       consumers: int = CONSUMERS, nstage: int = NSTAGE,
                       rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                      early: bool = False):
+                      early: bool = False, counters=None, combine_warps: int = 0,
+                      combine_rows: int = COMBINE_ROWS, trigger_splits: int = 0):
     """Check shapes once; return `launch(stream=0)` running the mma split kernel then
-    attn_decode's attn_combine.  Arguments as attn_decode_launcher; max_splits is
-    part_acc.shape[0] (attn_mma_workspace).  consumers: warps = pages per stage; nstage:
-    stages; rows_per_copy: token rows per bulk copy (1, 2, 4, 8, 16 or 32); early: read the
-    split plan and copy every page but the last before griddepcontrol.wait (matters only in a
-    graph with programmatic edges; not yet measured on the GPU, so off)."""
+    attn_decode's attn_combine -- or, given counters (attn_mma_counters), the split kernel
+    alone with the combine fused into the last CTA of each kv head (module doc; o bit for bit
+    the same).  Arguments as attn_decode_launcher; max_splits is part_acc.shape[0]
+    (attn_mma_workspace).  consumers: warps = pages per stage; nstage: stages; rows_per_copy:
+    token rows per bulk copy (1, 2, 4, 8, 16 or 32); early: read the split plan and copy every
+    page but the last before griddepcontrol.wait (matters only in a graph with programmatic
+    edges; not yet measured on the GPU, so off).  Fused only (not yet measured either):
+    combine_warps, warps a CTA (0 = consumers + 1; more add warps that only merge -- at ~143
+    registers, 4 warps still fit two CTAs an SM, 8 do not); combine_rows, splits one merge
+    round loads (4, 8 or 16; x head_dim/32 loads in flight a lane).  trigger_splits: when the
+    plan has at most that many splits, every CTA triggers the dependent launch at its start
+    (programmatic dependent launch; 0 = only at exit).  counters must not be
+    shared by two launches that can run at the same time (like part_acc and part_ml)."""
     G, D, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention (mma): unsupported consumers={consumers}, nstage={nstage}, "
                          f"rows_per_copy={rows_per_copy}")
     ms = part_acc.shape[0]
-    split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
-    combine = _decode_jit("combine", D, ms, min_pps)
     nbytes = smem_bytes(D, consumers, nstage, rows_per_copy)
+    if counters is None:
+        key = (G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
+        split = _jit(*key, False, 0, COMBINE_ROWS, int(trigger_splits)) if trigger_splits else _jit(*key)
+        combine = _decode_jit("combine", D, ms, min_pps)
+        threads = (consumers + 1) * 32
+    else:
+        if tuple(counters.shape) != (hkv,) or counters.dtype != np.int32:
+            raise ValueError(f"attention (mma): counters is {counters.dtype}"
+                             f"{tuple(counters.shape)}, want int32({hkv},) zeroed "
+                             f"(attn_mma_counters)")
+        if not SIMULATOR and not hasattr(counters, "__cuda_array_interface__"):
+            raise ValueError("attention (mma): counters must be a device array (attn_mma_counters)")
+        warps = combine_warps or consumers + 1
+        if not consumers + 1 <= warps <= 32 or combine_rows not in (4, 8, 16):
+            raise ValueError(f"attention (mma): unsupported combine_warps={combine_warps}, "
+                             f"combine_rows={combine_rows}")
+        split = _jit(G, D, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early), True,
+                     warps, combine_rows, int(trigger_splits))
+        nbytes = max(nbytes, ALIGN + 4 * combine_scratch_words(G, ms))
+        threads = warps * 32
+        # The tuple parameter (kernel doc); the flat view of part_acc is made here, once.
+        out = (part_ml, o, counters, part_acc.reshape(part_acc.size))
     if nbytes + 8 * (2 * nstage + 2) > SMEM_LIMIT and not SIMULATOR:
         _allow_smem(split, nbytes)
-    threads = (consumers + 1) * 32
+
+    if counters is not None:
+        def launch(stream=0):
+            split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, out)
+        return launch
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
