@@ -1,5 +1,7 @@
 """CPU tests of the INT4 GEMVs and the lm_head: layout model, dequant arithmetic, sm_90 PTX,
 launcher refusals, and the kernels themselves under the CUDA simulator (tiny shapes)."""
+import dataclasses
+import re
 import textwrap
 
 import numpy as np
@@ -75,7 +77,9 @@ def test_magic_number_dequant_is_exact_for_every_nibble():
 
 ptx_util = pytest.importorskip("ptx_util")
 
-SEVEN_B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (18944, 3584), "down": (3584, 18944)}
+SEVEN_B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (18944, 3584), "down": (3584, 18944),
+           "qkv_rope": (4608, 3584)}
+HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("kind,tiling", [(k, None) for k in G.KINDS]
@@ -83,13 +87,21 @@ SEVEN_B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (18944, 3584)
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
     t = tiling or G.default_tiling(kind, n, k)
-    fn, sig = G.build_kernel(kind, n, k, t, 1e-6)
-    ptx = ptx_util.compile_ptx_sm90(fn, sig)
+    fn, sig = G.build_kernel(kind, n, k, t, 1e-6, HEADS_7B if kind == "qkv_rope" else None)
+    # a min_blocks register cap is part of the tiling (qkv_rope's), so compile with it
+    bounds = {"launch_bounds": (t.threads, t.min_blocks)} if t.min_blocks else {}
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, **bounds)
     ptx_util.assert_uses(ptx, "lop3.b32", "ld.global.nc.v4.u32", "fma.rn.f16x2", "ld.shared.v4.u32",
                          "shfl.sync.bfly.b32")
-    ptx_util.assert_no_local_memory(ptx)
+    if kind == "qkv_rope":
+        # libdevice cosf/sinf keep 7 words in local memory for the Payne-Hanek reduction
+        # (|angle| > 1e5 rad), as rope_kv's do (test_attn_cpu); any other local array is a bug
+        assert re.findall(r"__local_depot\d+\[(\d+)\]", ptx) == ["28"]
+        ptx_util.assert_uses(ptx, "griddepcontrol.wait", "st.global.u16", "st.global.f32")
+    else:
+        ptx_util.assert_no_local_memory(ptx)
     # the inner loop: per 16 words (128 weights) 64 lop3, 16*6 f16x2 fma (4 dot + 2 dequant)
-    rows = 2 if kind == "gate_up" else 1
+    rows = 2 if kind in ("gate_up", "qkv_rope") else 1
     assert ptx_util.count(ptx, "lop3.b32") % (64 * rows) == 0
     try:
         regs, spill = ptx_util.ptxas_report(ptx)
@@ -120,9 +132,29 @@ def test_refuses_unsupported_shapes_and_tilings():
         G.build_kernel("up", 64, 256, G.Tiling(ks=2), 1e-6)
 
 
+def test_qkv_rope_refusals_and_tiling():
+    t2 = G.Tiling(ks=2, rows=2)
+    with pytest.raises(ValueError, match="head_dim=63 is odd"):
+        G.build_kernel("qkv_rope", 4 * 63, 256, t2, 1e-6, (2, 1, 63))
+    with pytest.raises(ValueError, match="rows=2"):
+        G.build_kernel("qkv_rope", 256, 256, G.Tiling(ks=2), 1e-6, (2, 1, 64))
+    with pytest.raises(ValueError, match="needs heads"):
+        G.build_kernel("qkv_rope", 256, 256, t2, 1e-6)
+    with pytest.raises(ValueError, match="not \\(num_heads"):
+        G.build_kernel("qkv_rope", 320, 256, t2, 1e-6, (2, 1, 64))
+    with pytest.raises(ValueError, match="for qkv_rope only"):
+        G.build_kernel("qkv", 256, 256, t2, 1e-6, (2, 1, 64))
+    # qkv_rope reads the weights qkv's prepare tiled: its default tiling must keep qkv's ks
+    # (and threads and span, which bit-identity with qkv + rope_kv needs)
+    for n, k in [(4608, 3584), (1152, 896), (512, 256), (2560, 2048)]:
+        q, r = G.default_tiling("qkv", n, k), G.default_tiling("qkv_rope", n, k)
+        assert r == dataclasses.replace(q, rows=2, min_blocks=r.min_blocks), (n, k)
+    assert G.default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf_mb2_l2p64"
+
+
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
 
-SIM_SCRIPT = textwrap.dedent('''
+SIM_PRELUDE = textwrap.dedent('''
     import threading, numpy as np
     from numba import cuda
     from numba.cuda.simulator import kernelapi
@@ -141,7 +173,9 @@ SIM_SCRIPT = textwrap.dedent('''
         bar.wait()
         return v
     kernelapi.FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
+''')
 
+SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     from nq.config import PRESETS
     from nq.kernels import gemv_int4 as G, lm_head as L
     from nq.loader.quant import quantize_pack, dequantize_packed
@@ -193,3 +227,95 @@ def test_kernels_under_the_simulator():
     tol = {"qkv": 2e-3, "gate_up": 3e-3, "down": 2e-3, "lm_head": 1e-6}  # see test_gemv_gpu.py
     for name, e in errs.items():
         assert e < tol[name], (name, e)
+
+
+SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
+    import types
+    from numba.cuda.simulator import kernel as simk
+    from nq.kernels import gemv_int4 as G, rope_kv as R
+    from nq.kv_cache import PAGE, make_state, pool_shape
+    from nq.loader.quant import quantize_pack, dequantize_packed
+    rng = np.random.default_rng(1)
+    D = cuda.to_device
+
+    class RunningFakeCuda:
+        # rope_kv's kernel imports cuda inside its factory (a closure cell), which the
+        # simulator does not swap for its fake module as it does globals: forward to the
+        # running launch's fake module
+        def __getattr__(self, name):
+            return getattr(simk._kernel_context, name)
+
+    def rope_kv_sim(cfg):
+        fn = R._rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        cells = tuple(types.CellType(RunningFakeCuda()) if n == "cuda" else c
+                      for n, c in zip(fn.__code__.co_freevars, fn.__closure__))
+        return cuda.jit(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells))
+
+    def rel(a, b):
+        assert np.isfinite(a).all()
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    class Cfg:  # what the kernels and references read of a ModelConfig; one q head (tiny)
+        def __init__(self, d, k):
+            self.head_dim, self.hidden_size, self.num_heads, self.num_kv_heads = d, k, 1, 1
+            self.q_size = self.kv_size = d
+            self.qkv_size, self.num_layers, self.rms_norm_eps, self.rope_theta = 3 * d, 1, 1e-6, 1e6
+
+    # (head_dim, K, the tiling of both kinds, positions).  d64: ks=2 (lane pairs), 128-thread
+    # blocks of 64 pairs (96 pairs: the second block part empty), L2 prefetch.  d128: K=256
+    # over ks=1 is two steps (the second prefetched), span 128.  Positions: the last slot of
+    # page 0, the first of page 1, 0, and 1000 (page 62, through a permuted table).
+    cases = [(64, 128, dict(threads=128, ks=2, l2_steps=1), (15, 16)),
+             (128, 256, dict(threads=64, ks=1, span=128), (0, 1000))]
+    for d, k, tk, positions in cases:
+        cfg = Cfg(d, k)
+        n, hq, hkv = cfg.qkv_size, 1, 1
+        x = (rng.standard_normal(k) * 3).astype(np.float32); x[5] = 400.0
+        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
+        parts = [quantize_pack(rng.standard_normal((m, k)).astype(np.float32) * 0.05)
+                 for m in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
+        wd = np.concatenate([dequantize_packed(q, s) for q, s in parts])
+        bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
+        fused = G.make_qkv_rope_gemv(cfg, G.Tiling(rows=2, **tk))
+        plain = G.make_qkv_gemv(cfg, G.Tiling(rows=1, **tk))
+        pq, ps = plain.prepare(parts)   # one upload serves both kinds
+        args = [D(x), D(nw), D(pq), D(ps), D(bias)]
+        qkv = D(np.full(n, np.nan, np.float32))
+        plain(*args, qkv)
+        inv = D(R.rope_inv_freq(d, cfg.rope_theta))
+        n_pages = max(positions) // PAGE + 2
+        table = rng.permutation(n_pages).astype(np.int32)
+        rope = rope_kv_sim(cfg)
+        for pos in positions:
+            state = make_state(pos=pos)
+            # a finite sentinel everywhere (the slot is rewritten, nothing else may be)
+            pools = [D(np.full(pool_shape(cfg, n_pages)[1:], 7.0, np.float16)) for _ in range(2)]
+            qs = [D(np.full(cfg.q_size, np.nan, np.float32)) for _ in range(2)]
+            fused(*args, state, inv, D(table), pools[0], qs[0])
+            rope[hq + 2 * hkv, d // 2](qkv, state, inv, D(table), pools[1], qs[1])
+            kv, kv2 = pools[0].copy_to_host(), pools[1].copy_to_host()
+            q, q2 = qs[0].copy_to_host(), qs[1].copy_to_host()
+            same = (np.array_equal(kv.view(np.uint16), kv2.view(np.uint16))
+                    and np.array_equal(q.view(np.uint32), q2.view(np.uint32)))
+            q_ref, k_ref, v_ref = G.ref_qkv_rope(cfg, x, nw, wd, bias, pos)
+            page, slot = table[pos // PAGE], pos % PAGE
+            got = np.concatenate([q, kv[page, :, 0, slot].ravel(), kv[page, :, 1, slot].ravel()])
+            ref = np.concatenate([q_ref.ravel(), k_ref.ravel(), v_ref.ravel()])
+            kv[page, :, :, slot] = 7.0
+            print(f"d{d}_pos{pos}_err", rel(got.astype(np.float32), ref.astype(np.float32)))
+            print(f"d{d}_pos{pos}_same", float(same))
+            print(f"d{d}_pos{pos}_elsewhere", float((kv != 7.0).sum()))
+''')
+
+
+@pytest.mark.slow
+def test_qkv_rope_under_the_simulator():
+    """qkv_rope against ref_qkv_rope, and bit for bit against qkv + rope_kv's kernel (both run
+    in the simulator: same fp32 operations in the same order, no contraction there)."""
+    vals, stdout = ptx_util.run_under_simulator(SIM_ROPE_SCRIPT, timeout=900)
+    keys = {f"d{d}_pos{p}" for d, ps in ((64, (15, 16)), (128, (0, 1000))) for p in ps}
+    assert {name.rsplit("_", 1)[0] for name in vals} == keys, stdout
+    for key in keys:
+        assert vals[f"{key}_err"] < 2e-3, (key, stdout)         # as qkv's tolerance above
+        assert vals[f"{key}_same"] == 1.0, (key, "differs from qkv + rope_kv", stdout)
+        assert vals[f"{key}_elsewhere"] == 0.0, (key, "wrote outside its KV slot", stdout)

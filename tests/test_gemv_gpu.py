@@ -10,6 +10,10 @@ element fails.  Tolerance, relative to the reference's norm (||out - ref|| / ||r
     order differs from the reference.
 Weights are random nibbles (all of -8..7, a superset of what the quantiser writes) with fp16
 scales; the reference multiplies the same dequantised weights in fp32.
+
+qkv_rope (qkv with rope_kv as its epilogue) must equal qkv followed by rope_kv bit for bit:
+same weights, same threads/ks/span (its default tiling is qkv's with rows=2), so the same
+fp32 sums, rstd and bias add, then rope_kv's rotation with the same fmas.
 """
 from types import SimpleNamespace
 
@@ -20,9 +24,11 @@ pytestmark = pytest.mark.gpu
 
 from numba import cuda  # noqa: E402  (the marker deselects this module on CPU-only runs)
 
-from nq.config import PRESETS  # noqa: E402
+from nq.config import PRESETS, tiny_config  # noqa: E402
 from nq.kernels import gemv_int4 as G  # noqa: E402
 from nq.kernels import lm_head as L  # noqa: E402
+from nq.kernels import rope_kv as R  # noqa: E402
+from nq.kv_cache import PAGE, make_state, pool_shape  # noqa: E402
 from nq.loader.quant import dequantize_packed  # noqa: E402
 
 TOL_INT4 = 5e-3
@@ -117,3 +123,45 @@ def test_lm_head(vocab, k, kw):
     head(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(w), out, 0)
     got = out.copy_to_host()
     assert rel(got, L.ref_lm_head(x, nw, cfg.rms_norm_eps, w)) < TOL_HEAD
+
+
+@pytest.mark.parametrize("pos", [0, 15, 16, 1000])
+@pytest.mark.parametrize("cfg", [PRESETS["7b"], tiny_config()], ids=["7b", "tiny"])
+def test_qkv_rope_equals_qkv_then_rope_kv(cfg, pos):
+    """The fused kernel's q_out and whole KV pool bit for bit against qkv + rope_kv (default
+    tilings, one upload of qkv's prepared weights), and within TOL_INT4 of ref_qkv_rope."""
+    rng = np.random.default_rng(pos + cfg.head_dim)
+    n, k = cfg.qkv_size, cfg.hidden_size
+    fused, plain = G.make_qkv_rope_gemv(cfg), G.make_qkv_gemv(cfg)
+    assert fused.tiling.ks == plain.tiling.ks and fused.tiling.threads == plain.tiling.threads
+    x = (rng.standard_normal(k) * 2).astype(np.float32)
+    x[rng.integers(0, k)] = 900.0
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+    parts = [rand_int4(rng, m, k) for m in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
+    wd = np.concatenate([p[2] for p in parts])
+    bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
+    pq, ps = plain.prepare([p[:2] for p in parts])
+    d = cuda.to_device
+    args = [d(x), d(nw), d(pq), d(ps), d(bias)]
+    state, inv = make_state(pos=pos), d(R.rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+    n_pages = pos // PAGE + 3
+    table = rng.permutation(n_pages).astype(np.int32)
+    d_table = d(table)
+    pool0 = rng.standard_normal(pool_shape(cfg, n_pages)[1:]).astype(np.float16)
+    pools = [d(pool0), d(pool0)]
+    qs = [d(np.full(cfg.q_size, np.nan, np.float32)) for _ in range(2)]
+    qkv = d(np.full(n, np.nan, np.float32))
+    plain(*args, qkv, 0)
+    R.rope_kv_launcher(cfg, qkv, state, inv, d_table, pools[1], qs[1])(0)
+    fused(*args, state, inv, d_table, pools[0], qs[0], 0)
+    kv, kv_ref = pools[0].copy_to_host(), pools[1].copy_to_host()
+    q, q_ref = qs[0].copy_to_host(), qs[1].copy_to_host()
+    assert np.array_equal(q.view(np.uint32), q_ref.view(np.uint32)), \
+        f"q differs from qkv + rope_kv in {int((q != q_ref).sum())} of {q.size}"
+    assert np.array_equal(kv.view(np.uint16), kv_ref.view(np.uint16)), \
+        f"KV pool differs from qkv + rope_kv in {int((kv != kv_ref).sum())} elements"
+    rq, rk, rv = G.ref_qkv_rope(cfg, x, nw, wd, bias, pos)
+    page, slot = table[pos // PAGE], pos % PAGE
+    assert rel(q, rq.reshape(-1)) < TOL_INT4
+    assert rel(kv[page, :, 0, slot].astype(np.float32), rk.astype(np.float32)) < TOL_INT4
+    assert rel(kv[page, :, 1, slot].astype(np.float32), rv.astype(np.float32)) < TOL_INT4

@@ -1,24 +1,28 @@
-"""The four fused INT4 GEMVs of a decode step, and the weight layout they read.
+"""The fused INT4 GEMVs of a decode step, and the weight layout they read.
 
     qkv      out fp32 (N,)  = Wqkv . rmsnorm(x, w_in) + bias         N = q + 2 kv
+    qkv_rope qkv, then rope_kv's job in the epilogue: rotated q fp32 -> q_out, rotated k and
+             v fp16 -> the KV page table[pos//16], slot pos%16 (nq/kernels/rope_kv.py)
     o_proj   x   fp32 (H,) += Wo . a                                 a fp16 (attention output)
     gate_up  out fp16 (I,)  = silu(Wg . h) * (Wu . h),  h = rmsnorm(x, w_post)
     down     x   fp32 (H,) += Wd . a                                 a fp16 (SwiGLU output)
 
 Public API (the engine codes against this; docs/KERNELS_GEMV.md has the design and figures):
 
-    g = make_qkv_gemv(cfg)             # make_o_proj_gemv / make_gate_up_gemv / make_down_gemv
+    g = make_qkv_gemv(cfg)     # make_qkv_rope_gemv / make_o_proj_gemv / make_gate_up_gemv / ...
     qw, sc = g.prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)])   # host numpy, once
     g(x, norm_w, qw, sc, bias, out, stream)      # qkv     (bias: the q,k,v biases concatenated)
     g(a, qw, sc, x, stream)                      # o_proj, down
     g(x, norm_w, qw, sc, out, stream)            # gate_up (prepare([(gate...), (up...)]))
+    g(x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out, stream)  # qkv_rope
 
 `prepare` takes the file's (N, K/8) ValueShuffle qweights and (N, K/128) fp16 scales,
 concatenates the parts along N, and permutes each row's 16-byte chunks into the order the
 kernel's lanes read them (`tile_rows`; scales keep the file's layout).  Upload its outputs
 as they are.  Launchers take numba device arrays and a numba stream, allocate nothing, touch
 no host memory and are safe to capture in a CUDA graph; no workspace is needed (every
-reduction is inside a warp).  References: ref_qkv, ref_o_proj, ref_gate_up, ref_down.
+reduction is inside a warp).  References: ref_qkv, ref_o_proj, ref_gate_up, ref_down,
+ref_qkv_rope.
 
 How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
   * A row's G = K/128 groups are split over `ks` lanes of a segment of P = pow2(ks) lanes;
@@ -44,6 +48,16 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
     ~sqrt(8) roundings of 2^-11 of its own magnitude, which is random in sign across
     chunks: |out - ref_fp64| / |ref| ~ 1e-3 (tests allow 5e-3 relative to the row norm).
   * The segment reduces its lanes with shuffles; lane 0 writes (one writer per element).
+
+qkv_rope reads qkv's weights as they are (same `prepare`, same default ks, so one upload
+serves both): a thread owns one RoPE pair, rows r0 = h*D + i and r0 + D/2 of head h (rows=2;
+`weight_row` maps the pair to its rows), so lane 0 holds both halves of the rotation.  Its
+fp32 y = acc*rstd + bias is exactly what qkv writes, and the rotation is rope_kv's arithmetic
+(fp32 angle pos*inv_freq[i], precise libdevice cosf/sinf: not fastmath, whose Payne-Hanek
+path for |angle| > 1e5 keeps 28 bytes of local memory, as rope_kv's does; the same fmas
+rope_kv's expressions compile to), so with qkv's threads, ks and span the outputs are
+bit-identical to qkv followed by rope_kv.  state and table are read after
+griddepcontrol.wait (the previous step's argmax advances the position).
 """
 from __future__ import annotations
 
@@ -53,8 +67,10 @@ import math
 
 import numpy as np
 from numba import cuda, float32, uint32
+from numba.cuda.types import float16
 
 from nq.config import GROUP_SIZE, ModelConfig
+from nq.kv_cache import PAGE, STATE_LEN, STATE_POS, check_paged_args
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
                     cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
@@ -63,7 +79,7 @@ from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch
                     unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm, swiglu
 
-KINDS = ("qkv", "o_proj", "gate_up", "down")
+KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 STATIC_SMEM_LIMIT = 48 * 1024  # numba has no opt-in for more static shared memory per block
 
 
@@ -72,6 +88,12 @@ STATIC_SMEM_LIMIT = 48 * 1024  # numba has no opt-in for more static shared memo
 def ref_qkv(x, norm_w, eps, w_deq, bias):
     """x fp32 (H,), norm_w (H,), w_deq (N, H) fp32 (q,k,v stacked), bias (N,) -> fp32 (N,)."""
     return linear(rms_norm(x, norm_w, eps), w_deq, bias)
+
+
+def ref_qkv_rope(cfg, x, norm_w, w_deq, bias, pos):
+    """ref_qkv, then rope_kv at position pos -> (q (Hq, D) fp32, k (Hkv, D) fp16, v (Hkv, D) fp16)."""
+    from nq.kernels.rope_kv import rope_kv_reference
+    return rope_kv_reference(cfg, ref_qkv(x, norm_w, cfg.rms_norm_eps, w_deq, bias), pos)
 
 
 def ref_o_proj(a, w_deq, x):
@@ -165,6 +187,16 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     The rule: a single wave whose threads each own >= 1 whole group; spread a row over as
     many lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
     """
+    if kind == "qkv_rope":
+        # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
+        # Same threads and span too: rstd's summation order and the fp16 partials then match
+        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  min_blocks=2
+        # caps registers at 128 (two 256-thread blocks an SM, the 7B's 144 blocks in one wave):
+        # the H200 build takes 124 uncapped, but the offline CUDA 13 ptxas takes ~210 given
+        # only .maxntid 256, and no spills at 128 either way.  7B, graph, no PDL: 9.26 us
+        # against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
+        t = default_tiling("qkv", n_out, k, sms)
+        return dataclasses.replace(t, rows=2, min_blocks=max(t.min_blocks, 2))
     g = k // GROUP_SIZE
     measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
         ("qkv", 4608, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 8.3 us alone
@@ -204,11 +236,39 @@ _MAGIC_HI = 0x64806480    # the same for the high nibble (bit 7 = its sign bit)
 _SH8 = np.uint32(8)
 
 
+def kernel_name(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> str:
+    """The kernel's name (profiles, launcher errors); qkv_rope adds its heads."""
+    name = f"gemv_int4_{kind}_n{n_out}_k{k}_{t.tag()}"
+    if heads is not None:
+        name += "_h{}_kv{}_d{}".format(*heads)
+    return name
+
+
 @functools.lru_cache(maxsize=None)
-def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
-    """The cuda.jit kernel `gemv_int4_{kind}_n{n_out}_k{k}_{tiling}`, compiled for its signature."""
+def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None):
+    """The cuda.jit kernel `kernel_name(...)` and the signature to compile it for.
+
+    heads: (num_heads, num_kv_heads, head_dim), for qkv_rope only (the RoPE epilogue)."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMV kind {kind!r}; one of {KINDS}")
+    ROPE = kind == "qkv_rope"
+    HQ = HKV = D = HALF = 1   # the RoPE epilogue's shape (bound in every kind: closures see it)
+    if ROPE:
+        if heads is None:
+            raise ValueError("qkv_rope: build_kernel needs heads=(num_heads, num_kv_heads, head_dim)")
+        HQ, HKV, D = (int(h) for h in heads)
+        if D <= 0 or D % 2:
+            raise ValueError(f"qkv_rope: head_dim={D} is odd; RoPE pairs element i with i + D/2, "
+                             f"so a head must split in halves (use kind 'qkv' and rope_kv)")
+        if HQ <= 0 or HKV <= 0 or n_out != (HQ + 2 * HKV) * D:
+            raise ValueError(f"qkv_rope: N={n_out} is not (num_heads + 2*num_kv_heads)*head_dim "
+                             f"for heads {heads}; the rows must be [q heads | k heads | v heads]")
+        if t.rows != 2:
+            raise ValueError(f"qkv_rope: tiling {t.tag()} has rows={t.rows}; a thread owns one "
+                             f"RoPE pair (rows i and i + D/2 of a head): use rows=2")
+        HALF = D // 2
+    elif heads is not None:
+        raise ValueError(f"{kind}: heads= is for qkv_rope only")
     G = k // GROUP_SIZE
     KS, P, RL, TPB = t.ks, t.lanes, t.rows, t.threads
     NMAT = 2 if kind == "gate_up" else 1
@@ -217,7 +277,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
     GL = G - (S - 1) * KS
     SEGS = TPB // P
     WARPS = TPB // 32
-    NORM = kind in ("qkv", "gate_up")
+    NORM = kind in ("qkv", "gate_up", "qkv_rope")
     PREFETCH = int(t.prefetch) >= 1
     PF2 = int(t.prefetch) == 2 and S > 2   # two steps ahead (a no-op with fewer steps)
     SPAN32 = t.span == 32
@@ -324,9 +384,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
                 scaled(s2, r2[16], fi), scaled(s3, r3[16], fi))
 
     def weight_row(row0, m):
-        # weight row of a thread's m-th row slot: gate_up stacks [gate; up], up rows at +n_out
+        # weight row of a thread's m-th row slot: gate_up stacks [gate; up], up rows at +n_out;
+        # qkv_rope: row0 = 2p for RoPE pair p, rows i and i + D/2 of head p // (D/2), i = p % (D/2)
+        # (row0 < n_out iff the pair exists, so the bounds checks of the row slots stand)
         if NMAT == 2:
             return row0 + (m % RL) + (m // RL) * n_out
+        if ROPE:
+            p = row0 >> 1
+            return (p // HALF) * D + p % HALF + m * HALF
         return row0 + m
 
     def load_step(qw, sc, row0, s, j):
@@ -514,8 +579,39 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
         if row < n_out:
             x[row] += v
 
-    early, start, put_qkv, put_swiglu, put_residual = (
-        dev(f) for f in (early, start, put_qkv, put_swiglu, put_residual))
+    def put_rope(bias, kv, q_out, row0, v0, v1, pos, page, fr):
+        """rope_kv's job for RoPE pair row0 // 2, from the fp32 dot products v0, v1 of its rows
+        (times rstd).  Its inputs y0, y1 are qkv's outputs bit for bit; its arithmetic is
+        rope_kv's as compiled: rope_kv writes x1*c - x2*s and x2*c + x1*s, which the compilers
+        contract (LLVM, then ptxas: sm_90 SASS, CUDA 13) into fma(x1, c, -(x2*s)) and
+        fma(x1, s, x2*c).  Left to contraction here the second came out fma(y1, c, y0*s) (a
+        different rounding), so both are spelled out: no mul-add pair is left to contract."""
+        if row0 < n_out:
+            r0 = weight_row(row0, 0)
+            y0 = float32(v0 + cvt_f32_f16(ld_global_nc_u16(bias, r0)))   # = put_qkv's out[r0]
+            y1 = float32(v1 + cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF)))
+            p = row0 >> 1
+            b = p // HALF   # head: [q heads | k heads | v heads]
+            i = p % HALF
+            slot = pos % PAGE
+            if b < HQ + HKV:
+                ang = float32(pos) * fr
+                c = math.cos(ang)
+                s = math.sin(ang)
+                z0 = cuda.fma(y0, c, -(y1 * s))
+                z1 = cuda.fma(y0, s, y1 * c)
+                if b < HQ:
+                    q_out[b * D + i] = z0
+                    q_out[b * D + i + HALF] = z1
+                else:
+                    kv[page, b - HQ, 0, slot, i] = float16(z0)
+                    kv[page, b - HQ, 0, slot, i + HALF] = float16(z1)
+            else:
+                kv[page, b - HQ - HKV, 1, slot, i] = float16(y0)
+                kv[page, b - HQ - HKV, 1, slot, i + HALF] = float16(y1)
+
+    early, start, put_qkv, put_swiglu, put_residual, put_rope = (
+        dev(f) for f in (early, start, put_qkv, put_swiglu, put_residual, put_rope))
 
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):
@@ -538,6 +634,28 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
                 if RL >= 4:
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
+    elif kind == "qkv_rope":
+        def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+            act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(G, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start(qw, sc)
+            cur = load_step(qw, sc, row0, 0, j)
+            nxt = load_step(qw, sc, row0, 1, j) if PF2 else cur
+            early(qw, row0, j)
+            # After the wait (the previous step's argmax advanced the position): the position
+            # and the pair's frequency now, its page after the prologue, so that the epilogue
+            # does not begin with two dependent round trips to L2 (3 registers meanwhile).
+            pos = state[STATE_POS]
+            fr = inv_freq[(row0 >> 1) % HALF]
+            rstd = stage(x, norm_w, act, invf, red)
+            page = table[pos // PAGE]
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt)
+            if j == 0:
+                a0, a1, a2, a3 = acc
+                put_rope(bias, kv, q_out, row0, a0 * rstd, a1 * rstd, pos, page, fr)
+        sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], "
+               "int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
     elif kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
@@ -579,21 +697,21 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float):
                     put_residual(x, row0 + 3, a3)
         sig = "void(float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
 
-    kernel.__name__ = kernel.__qualname__ = f"gemv_int4_{kind}_n{n_out}_k{k}_{t.tag()}"
+    kernel.__name__ = kernel.__qualname__ = kernel_name(kind, n_out, k, t, heads)
     return kernel, sig
 
 
 _SH23 = np.uint32(23)
 
 
-def compile_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
+def compile_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6, heads=None):
     """The compiled dispatcher (on the GPU) or the simulator kernel, cached by its name."""
-    return _compiled(kind, n_out, k, t, float(eps))
+    return _compiled(kind, n_out, k, t, float(eps), None if heads is None else tuple(heads))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind, n_out, k, t, eps):
-    pyfunc, sig = build_kernel(kind, n_out, k, t, eps)
+def _compiled(kind, n_out, k, t, eps, heads):
+    pyfunc, sig = build_kernel(kind, n_out, k, t, eps, heads)
     if SIMULATOR:
         return cuda.jit(pyfunc)
     bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
@@ -621,6 +739,7 @@ class _Gemv:
     """One compiled GEMV: its shape, tiling, launch grid, weight preparation and arg checks."""
 
     kind = ""
+    heads = None  # qkv_rope: (num_heads, num_kv_heads, head_dim)
 
     def __init__(self, cfg: ModelConfig, n_out: int, k: int, n_rows: int,
                  tiling: Tiling | None = None):
@@ -630,11 +749,11 @@ class _Gemv:
         self.n_out, self.k, self.n_rows = n_out, k, n_rows  # n_rows: weight rows (gate_up: 2N)
         self.tiling = tiling or default_tiling(self.kind, n_out, k)
         self.eps = float(cfg.rms_norm_eps)
-        self.kernel = compile_kernel(self.kind, n_out, k, self.tiling, self.eps)
+        self.kernel = compile_kernel(self.kind, n_out, k, self.tiling, self.eps, self.heads)
         t = self.tiling
         rows_per_block = (t.threads // t.lanes) * t.rows
         self.grid = -(-n_out // rows_per_block)
-        self.name = f"gemv_int4_{self.kind}_n{n_out}_k{k}_{t.tag()}"
+        self.name = kernel_name(self.kind, n_out, k, t, self.heads)
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
@@ -660,6 +779,38 @@ class QkvGemv(_Gemv):
         _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
         _need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
         self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, bias, out)
+
+
+class QkvRopeGemv(_Gemv):
+    """qkv's GEMV with rope_kv's job as its epilogue; reads qkv's prepared weights as they are
+    (the same `prepare`, and the default tiling keeps qkv's ks)."""
+
+    kind = "qkv_rope"
+
+    def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None):
+        self.cfg = cfg   # build_kernel refuses what the RoPE epilogue cannot do (odd head_dim)
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
+
+    def __call__(self, x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out,
+                 stream=0):
+        """q_out fp32 (Hq*D,) = rope(q), kv_layer[table[pos//16], :, 0/1, pos%16] = fp16 rope(k)
+        / v, pos = state[STATE_POS], where [q|k|v] = Wqkv . rmsnorm(x, norm_w) + bias (fp32).
+        x fp32 (K,), norm_w/bias fp16, inv_freq fp32 (D/2,) (rope_kv.rope_inv_freq), state and
+        table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/kv_cache.py)."""
+        hq, _, d = self.heads
+        self._check_weights(qw, sc)
+        _need(x, f"{self.name} x", np.float32, (self.k,))
+        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
+        _need(state, f"{self.name} state", np.int32, (STATE_LEN,), 4)
+        _need(inv_freq, f"{self.name} inv_freq", np.float32, (d // 2,), 4)
+        _need(q_out, f"{self.name} q_out", np.float32, (hq * d,), 4)
+        check_paged_args(self.name, self.cfg, kv_layer, table, state)
+        if len(table.shape) != 1:
+            raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
+        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, bias, state,
+                                                            inv_freq, table, kv_layer, q_out)
 
 
 class GateUpGemv(_Gemv):
@@ -691,6 +842,12 @@ class ResidualGemv(_Gemv):
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
     """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv)."""
     return QkvGemv(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
+
+
+def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvRopeGemv:
+    """qkv_rope: prepare as qkv's (the same uploaded weights serve both); call (x, norm_w, qw,
+    sc, bias, state, inv_freq, table, kv_layer, q_out, stream)."""
+    return QkvRopeGemv(cfg, tiling)
 
 
 def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
