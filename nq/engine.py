@@ -44,6 +44,7 @@ def memset_zero(arr, stream) -> None:
 # attn_mma_launcher options of the step ("fused": the combine in the split kernel's last CTA,
 # using self.attn_counters); chosen in the whole step graph by scripts/step_variants.py.
 ATTN_OPTIONS = {"fused": False, "early": True}
+FUSE_ROPE = False  # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less)
 
 
 class Engine:
@@ -94,25 +95,37 @@ class Engine:
             self.capture(pdl)
         self.reset()
 
-    def _build_steps(self, tilings=None, attn=None, check_layout: bool = True) -> list:
+    def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
+                     fuse_rope: bool | None = None) -> list:
         """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
         Shapes are checked here, once.  tilings / attn: see `variant`."""
         from nq.kernels import argmax, attn_mma, embed, feed, lm_head, rope_kv
+        from nq.kernels.gemv_int4 import make_qkv_rope_gemv
         from nq.weights_gpu import gemvs
 
         c, weights = self.cfg, self.w
         opts = dict(ATTN_OPTIONS, **(attn or {}))
         fused = opts.pop("fused")
+        tilings = dict(tilings or {})
+        rope_tiling = tilings.pop("qkv_rope", None)
+        qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
+            FUSE_ROPE if fuse_rope is None else fuse_rope) else None
         steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
                  ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
         g = gemvs(c, tilings, check_layout)
         for i, L in enumerate(weights.layers):
             kv_i = self.kv[i]
+            if qkv_rope is not None:
+                steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
+                    self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.state, self.inv_freq,
+                    self.d_table, kv_i, self.q, st)))
+            else:
+                steps += [
+                    ("qkv_gemv", lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s,
+                                                          L.qkv_b, self.qkv, st)),
+                    ("rope_kv_append", rope_kv.rope_kv_launcher(
+                        c, self.qkv, self.state, self.inv_freq, self.d_table, kv_i, self.q))]
             steps += [
-                ("qkv_gemv", lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s,
-                                                      L.qkv_b, self.qkv, st)),
-                ("rope_kv_append", rope_kv.rope_kv_launcher(c, self.qkv, self.state, self.inv_freq,
-                                                           self.d_table, kv_i, self.q)),
                 ("paged_attention", attn_mma.attn_mma_launcher(
                     c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
                     self.part_ml, counters=self.attn_counters if fused else None, **opts)),
@@ -128,13 +141,14 @@ class Engine:
                                                        argmax.argmax_workspace())))
         return steps
 
-    def variant(self, tilings=None, attn=None, check_layout: bool = True) -> None:
+    def variant(self, tilings=None, attn=None, check_layout: bool = True,
+                fuse_rope: bool | None = None) -> None:
         """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
         ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
         and attention launcher options (attn_mma_launcher keywords), warm it up and recapture.
         The decode state is kept; `variant()` restores the defaults.  check_layout=False
         allows another ks (timing random weights only: the outputs are then wrong)."""
-        self.steps = self._build_steps(tilings, attn, check_layout)
+        self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope)
         self.run_eager()
         self.stream.synchronize()
         if self.graph is not None:

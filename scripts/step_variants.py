@@ -12,7 +12,8 @@ options (`Engine.variant`), recaptures it and times decode steps at each context
 A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
 gate_up, down; fields of nq.kernels.gemv_int4.Tiling -- a new ks reads the weights in the
 wrong order, which is fine for timing random weights and nothing else) or `attn` (keywords of
-attn_mma_launcher).  The baseline is timed first and last
+attn_mma_launcher; attn.fused=1: the combine in the split kernel), or rope.fused=1 (the
+qkv_rope GEMV instead of qkv + rope_kv; its tiling: qkv_rope.field=value).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.
 """
@@ -31,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nq.config import PRESETS  # noqa: E402
 
 
-def parse_variant(text: str, defaults: dict) -> tuple[dict, dict]:
-    """'down.prefetch=2 attn.early=1' -> ({kind: Tiling}, {attn keyword: value})."""
-    tilings, attn = {}, {}
+def parse_variant(text: str, defaults: dict) -> tuple[dict, dict, bool | None]:
+    """'down.prefetch=2 attn.early=1 rope.fused=1' -> ({kind: Tiling}, {attn keyword: value},
+    fuse_rope)."""
+    tilings, attn, rope = {}, {}, None
     for item in text.split():
         key, _, value = item.partition("=")
         kind, _, field = key.partition(".")
@@ -41,13 +43,15 @@ def parse_variant(text: str, defaults: dict) -> tuple[dict, dict]:
             raise SystemExit(f"step_variants: {item!r} is not kind.field=value")
         v = int(value) if value.lstrip("-").isdigit() else value
         if kind == "attn":
-            attn[field] = bool(v) if field == "early" else v
+            attn[field] = bool(v) if field in ("early", "fused") else v
+        elif kind == "rope" and field == "fused":
+            rope = bool(v)
         elif kind in defaults:
             base = tilings.get(kind, defaults[kind])
             tilings[kind] = dataclasses.replace(base, **{field: v})
         else:
             raise SystemExit(f"step_variants: unknown kind {kind!r} in {item!r}")
-    return tilings, attn
+    return tilings, attn, rope
 
 
 def itl(eng, ctx: int, steps: int) -> float:
@@ -60,7 +64,8 @@ def regs(eng) -> dict:
     """Registers per thread of the step's GEMV kernels (numba dispatchers)."""
     from nq.weights_gpu import gemvs
     out = {}
-    for kind, g in gemvs(eng.cfg, getattr(eng, "_tilings", None), check_layout=False).items():
+    tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
+    for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
         try:
             out[kind] = g.kernel.get_regs_per_thread()
         except Exception:  # noqa: BLE001 -- informative only
@@ -86,12 +91,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     eng = Engine.random(cfg, max_len=max(ctxs) + 16 * a.steps + 64)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
+    from nq.kernels.gemv_int4 import make_qkv_rope_gemv
     defaults = {k: g.tiling for k, g in gemvs(cfg).items()}
+    defaults["qkv_rope"] = make_qkv_rope_gemv(cfg).tiling
     results = []
 
-    def run(name, tilings, attn):
+    def run(name, tilings, attn, rope=None):
         t1 = time.perf_counter()
-        eng.variant(tilings, attn, check_layout=False)  # random weights: timing only
+        eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
         eng._tilings = tilings
         row = {"variant": name, "regs": regs(eng)}
         for c in ctxs:
