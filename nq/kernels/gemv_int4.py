@@ -198,11 +198,16 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
         t = default_tiling("qkv", n_out, k, sms)
         return dataclasses.replace(t, rows=2, min_blocks=max(t.min_blocks, 2))
     g = k // GROUP_SIZE
-    measured = {  # (kind, n_out, k) -> Tiling; bench_gemv.py on the H200 (docs/KERNELS_GEMV.md)
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 8.3 us alone
-        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256, l2_steps=64),  # 6.8 us alone
-        ("gate_up", 18944, 3584): Tiling(ks=4, threads=128, prefetch=False, span=128),  # 25.7 us
-        ("down", 3584, 18944): Tiling(ks=16, threads=512),             # 18.9 us
+    # (kind, n_out, k) -> Tiling, chosen inside the whole decode step on the H200
+    # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step
+    # rank tilings differently, because with PDL the next kernel's blocks start beside these.
+    measured = {
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=256),    # 8.3 us alone; L2 prefetch: +0.005 ms
+        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
+        # 3 blocks of 192 an SM, 91 registers: -0.08 ms a step against t128 (80 registers, 6
+        # blocks), -0.06 for t128 capped at 5 blocks; t64 +0.12, t256 -0.04.
+        ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, prefetch=False, span=128, min_blocks=3),
+        ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
         # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
         # 25.2 / 19.0 us; regions -0.19 ms) but the whole step went 2.17 -> 2.38 ms (kernel_gap
