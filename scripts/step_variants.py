@@ -67,7 +67,9 @@ def regs(eng) -> dict:
     tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
     for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
         try:
-            out[kind] = g.kernel.get_regs_per_thread()
+            local = g.kernel.get_local_mem_per_thread()
+            out[kind] = g.kernel.get_regs_per_thread() if not local else \
+                f"{g.kernel.get_regs_per_thread()} + {local} B local"
         except Exception:  # noqa: BLE001 -- informative only
             pass
     return out

@@ -204,9 +204,9 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     measured = {
         ("qkv", 4608, 3584): Tiling(ks=14, threads=256),    # 8.3 us alone; L2 prefetch: +0.005 ms
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
-        # 3 blocks of 192 an SM, 91 registers: -0.08 ms a step against t128 (80 registers, 6
-        # blocks), -0.06 for t128 capped at 5 blocks; t64 +0.12, t256 -0.04.
-        ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, prefetch=False, span=128, min_blocks=3),
+        # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
+        # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
+        ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
         ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
         # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
