@@ -44,9 +44,10 @@ def memset_zero(arr, stream) -> None:
 # attn_mma_launcher options of the step ("fused": the combine in the split kernel's last CTA,
 # using self.attn_counters); chosen in the whole step graph by scripts/step_variants.py.
 # Measured in the step (docs/PERF.md): early copies -0.007 ms; min_pps 2 (at least two pages a
-# split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing at 8K; fused +0.35 ms (one CTA
-# merging 114 KB of partials is slower than the kernel boundary it saves).
-ATTN_OPTIONS = {"fused": False, "early": True, "min_pps": 2}
+# split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing at 8K; two rows a bulk copy
+# (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K; fused +0.35 ms (one CTA merging
+# 114 KB of partials is slower than the kernel boundary it saves).
+ATTN_OPTIONS = {"fused": False, "early": True, "min_pps": 2, "rows_per_copy": 2}
 FUSE_ROPE = False  # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less)
 
 
