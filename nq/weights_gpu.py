@@ -61,6 +61,9 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     for kind, t in (tilings or {}).items():
         if kind not in makers:
             raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
+        if check_layout and t.block_major:
+            raise ValueError(f"gemvs: {kind} tiling {t.tag()} is block-major, but upload writes "
+                             f"row-major weights; time it on random weights (check_layout=False)")
         if check_layout and t.ks != out[kind].tiling.ks:
             raise ValueError(f"gemvs: {kind} tiling {t.tag()} has ks={t.ks}, but the weights are "
                              f"laid out for ks={out[kind].tiling.ks}; keep ks (or re-upload)")

@@ -42,6 +42,26 @@ def test_kernel_addressing_reads_the_right_chunks(k, ks):
                 assert np.array_equal(tiled[:, w:w + 4], qw[:, (4 * g + i) * 4:(4 * g + i) * 4 + 4])
 
 
+@pytest.mark.parametrize("n,k,ks,rpb", [(3584, 18944, 16, 32), (40, 640, 2, 32), (37, 896, 3, 8),
+                                        (16, 1152, 5, 16)])
+def test_block_major_layout_and_kernel_addressing(n, k, ks, rpb):
+    """block_major_rows round-trips, and load_row's flat address finds each row's step words."""
+    rng = np.random.default_rng(n + k)
+    tiled = G.tile_rows(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32), ks)
+    blocked = G.block_major_rows(tiled, ks, rpb)
+    assert blocked.shape == tiled.shape
+    assert np.array_equal(G.unblock_major_rows(blocked, ks, rpb), tiled)
+    flat, k8, g_count = blocked.reshape(-1), k // 8, k // 128
+    steps = -(-g_count // ks)
+    for row in sorted({0, 1, rpb - 1, rpb, n - 1} & set(range(n))):
+        b = row // rpb
+        rbe = min(rpb, n - b * rpb)
+        for s in range(steps):
+            gs = ks if s < steps - 1 else g_count - (steps - 1) * ks
+            c = b * (rpb * k8) + s * (rbe * ks * 16) + (row - b * rpb) * (gs * 16)  # load_row, j=0
+            assert np.array_equal(flat[c:c + gs * 16], tiled[row, s * ks * 16:s * ks * 16 + gs * 16])
+
+
 def test_prepare_concatenates_and_checks():
     rng = np.random.default_rng(0)
     parts = [(rng.integers(0, 2**32, size=(n, 32), dtype=np.uint32),
@@ -83,7 +103,8 @@ HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("kind,tiling", [(k, None) for k in G.KINDS]
-                         + [("down", G.Tiling(ks=16, threads=512, prefetch=2))])
+                         + [("down", G.Tiling(ks=16, threads=512, prefetch=2)),
+                            ("down", G.Tiling(ks=16, threads=512, block_major=True))])
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
     t = tiling or G.default_tiling(kind, n, k)
@@ -220,6 +241,16 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     pq, ps = g.prepare([(qw, sc)]); xd = D(xr.copy())
     g(D(a), D(pq), D(ps), xd)
     print("down", rel(xd.copy_to_host(), G.ref_down(a, wd, xr)))
+    # down block-major (2 blocks of 8 rows) and qkv block-major (N=40: a part-full last block)
+    g = G.ResidualGemv("down", cfg, 16, 1152, 16, G.Tiling(ks=5, threads=64, block_major=True))
+    pq, ps = g.prepare([(qw, sc)]); xd = D(xr.copy())
+    g(D(a), D(pq), D(ps), xd)
+    print("down_bm", rel(xd.copy_to_host(), G.ref_down(a, wd, xr)))
+    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, rows=2, threads=64, block_major=True))
+    qw, sc, wd = mk(40, 640); b = (0.1 * rng.standard_normal(40)).astype(np.float16)
+    pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
+    g(D(x), D(nw), D(pq), D(ps), D(b), out)
+    print("qkv_bm", rel(out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, b)))
     class C: vocab_size, hidden_size, rms_norm_eps = 37, 136, 1e-6
     head = L.LmHead(C, threads=64, unroll=2, grid=3)
     w = (0.05 * rng.standard_normal((37, 136))).astype(np.float16); lo = D(np.full(37, np.nan, np.float32))
@@ -231,8 +262,9 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
 @pytest.mark.slow
 def test_kernels_under_the_simulator():
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"qkv", "gate_up", "down", "lm_head"}, stdout
-    tol = {"qkv": 2e-3, "gate_up": 3e-3, "down": 2e-3, "lm_head": 1e-6}  # see test_gemv_gpu.py
+    assert set(errs) == {"qkv", "gate_up", "down", "down_bm", "qkv_bm", "lm_head"}, stdout
+    tol = {"qkv": 2e-3, "gate_up": 3e-3, "down": 2e-3, "down_bm": 2e-3, "qkv_bm": 2e-3,
+           "lm_head": 1e-6}  # see test_gemv_gpu.py
     for name, e in errs.items():
         assert e < tol[name], (name, e)
 

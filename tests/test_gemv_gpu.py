@@ -17,6 +17,8 @@ fp32 sums, rstd and bias add, then rope_kv's rotation with the same fmas.
 """
 from types import SimpleNamespace
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -115,6 +117,20 @@ def test_int4_gemv_default_tiling(kind, n, k):
 def test_int4_gemv_tilings(kind, n, k, tiling):
     got, ref = run_case(kind, n, k, tiling, seed=7)
     assert rel(got, ref) < TOL_INT4
+
+
+@pytest.mark.parametrize("kind,n,k,tiling", [
+    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True)),
+    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, block_major=True)),
+    ("qkv", 1000, 896, G.Tiling(ks=3, rows=2, threads=64, block_major=True)),  # part-full last block
+    ("down", 200, 4864, G.Tiling(ks=5, threads=128, prefetch=2, block_major=True))],
+    ids=lambda v: v.tag() if isinstance(v, G.Tiling) else str(v))
+def test_int4_gemv_block_major(kind, n, k, tiling):
+    """The block-major weight layout (not the default; scripts/step_variants.py times it)."""
+    got, ref = run_case(kind, n, k, tiling, seed=11)
+    assert rel(got, ref) < TOL_INT4
+    row_major, _ = run_case(kind, n, k, dataclasses.replace(tiling, block_major=False), seed=11)
+    assert np.array_equal(got, row_major)  # the same products in the same order
 
 
 def test_int4_gemv_deterministic():

@@ -30,6 +30,11 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
     per weight row (one group: 128 nibbles) and one 2-byte scale load, all before any math;
     with `prefetch` (1) the next step's loads are issued before this step's math, with
     prefetch=2 the next two steps' (17 more registers a row, more bytes in flight).
+  * `block_major` (qkv, o_proj, down; not a default, not yet measured): the prepared weights
+    are stored so that each (block, step) is one contiguous run -- the block's rows' words of
+    that step, row after row -- instead of a 1 KB piece of each of the block's rows (9.5 KB
+    apart for down).  Same words, same order of math, so the same bits; only DRAM locality
+    changes.  The kernel takes the flat array (`_check_weights` passes a 1-D view).
   * The step-0 loads are issued first of all: weights do not depend on the activations, so
     the DRAM latency overlaps the prologue (RMSNorm, staging).
   * Prologue: every block stages the whole activation vector in shared memory as fp16, each
@@ -123,6 +128,8 @@ class Tiling:
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     l2_steps: int = 0    # steps of each row a block asks L2 to prefetch before it waits on the
     #                      kernel before it (PDL); 0: none, >= the step count: the whole row
+    block_major: bool = False  # weights stored step-major per block (`block_major_rows`): each
+    #                      step of a block reads one contiguous run instead of 1 KB per row
 
     @property
     def lanes(self) -> int:
@@ -133,7 +140,11 @@ class Tiling:
                 + ("_pf" if self.prefetch == 1 else f"_pf{int(self.prefetch)}" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_l2p{self.l2_steps}" if self.l2_steps else ""))
+                + (f"_l2p{self.l2_steps}" if self.l2_steps else "")
+                + ("_bm" if self.block_major else ""))
+
+    def rows_per_block(self) -> int:
+        return (self.threads // self.lanes) * self.rows
 
 
 def chunk_permutation(k: int, ks: int) -> np.ndarray:
@@ -167,8 +178,49 @@ def untile_rows(tiled: np.ndarray, ks: int) -> np.ndarray:
     return out.reshape(n, k8)
 
 
-def prepare_weights(parts, ks: int) -> tuple[np.ndarray, np.ndarray]:
-    """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] -> concatenated, tiled (qw, scales)."""
+def _block_slices(n: int, k8: int, ks: int, rows_per_block: int):
+    """(row0, rows, word0, word1) of every (block, step) in block-major memory order."""
+    g = k8 * 8 // GROUP_SIZE
+    steps = -(-g // ks)
+    for b0 in range(0, n, rows_per_block):
+        rows = min(rows_per_block, n - b0)
+        for s in range(steps):
+            w0 = s * ks * 16
+            yield b0, rows, w0, min(w0 + ks * 16, k8)
+
+
+def block_major_rows(tiled: np.ndarray, ks: int, rows_per_block: int) -> np.ndarray:
+    """tile_rows' (N, K/8) -> the same words, (N, K/8) in shape, whose C-order memory is
+    block-major: for each block of rows_per_block rows, for each step, every row's words of
+    that step (KS*16, or 16 per group of a short last step).  A step of a block is then one
+    contiguous run (32 rows x 1 KB for down's ks16 t512) instead of a 1 KB piece of each of 32
+    rows 9.5 KB apart.  The kernel's flat address (load_row, block_major) mirrors this."""
+    n, k8 = tiled.shape
+    out = np.empty(n * k8, np.uint32)
+    pos = 0
+    for b0, rows, w0, w1 in _block_slices(n, k8, ks, rows_per_block):
+        seg = tiled[b0:b0 + rows, w0:w1]
+        out[pos:pos + seg.size] = seg.ravel()
+        pos += seg.size
+    return out.reshape(n, k8)
+
+
+def unblock_major_rows(blocked: np.ndarray, ks: int, rows_per_block: int) -> np.ndarray:
+    """The inverse of block_major_rows."""
+    n, k8 = blocked.shape
+    flat = np.ascontiguousarray(blocked).reshape(-1)
+    out = np.empty((n, k8), np.uint32)
+    pos = 0
+    for b0, rows, w0, w1 in _block_slices(n, k8, ks, rows_per_block):
+        size = rows * (w1 - w0)
+        out[b0:b0 + rows, w0:w1] = flat[pos:pos + size].reshape(rows, w1 - w0)
+        pos += size
+    return out
+
+
+def prepare_weights(parts, ks: int, rows_per_block: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] -> concatenated, tiled (qw, scales);
+    rows_per_block > 0: the weights also block-major (block_major_rows)."""
     qws = [np.asarray(q) for q, _ in parts]
     scs = [np.asarray(s) for _, s in parts]
     k8 = qws[0].shape[1]
@@ -178,7 +230,10 @@ def prepare_weights(parts, ks: int) -> tuple[np.ndarray, np.ndarray]:
         if s.dtype != np.float16 or s.shape != (q.shape[0], k8 * 8 // GROUP_SIZE):
             raise ValueError(f"prepare_weights: scales must be fp16 {(q.shape[0], k8 * 8 // GROUP_SIZE)}, "
                              f"got {s.dtype} {s.shape}")
-    return tile_rows(np.concatenate(qws), ks), np.ascontiguousarray(np.concatenate(scs))
+    tiled = tile_rows(np.concatenate(qws), ks)
+    if rows_per_block:
+        tiled = block_major_rows(tiled, ks, rows_per_block)
+    return tiled, np.ascontiguousarray(np.concatenate(scs))
 
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
@@ -290,6 +345,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     UG = 4 if NORM else 8               # groups a warp loads at once in the prologue
     STAGE_ITERS = -(-G // (WARPS * UG))
     PF_BYTES = min(t.l2_steps * KS * 16, k // 8) * 4   # per row; steps are row prefixes
+    BM = bool(t.block_major)
+    RB = SEGS * RL                      # weight rows a block owns (block_major: NMAT == 1)
+    K8 = k // 8
+    if BM and (NMAT != 1 or kind == "qkv_rope" or t.l2_steps):
+        raise ValueError(f"{kind}: block_major is for qkv, o_proj and down without l2_steps "
+                         f"(their blocks own consecutive weight rows); got {t}")
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
@@ -306,11 +367,20 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
         gs = KS if s < S - 1 else GL
         if ok and j < gs:
-            c = s * (KS * 16) + j * 4          # word index of chunk (i=0, j) of step s
-            a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, (row, c))
-            b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, (row, c + gs * 4))
-            c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, (row, c + gs * 8))
-            d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, (row, c + gs * 12))
+            if BM:  # qw is the flat block-major array (block_major_rows)
+                b = row // RB
+                rbe = min(RB, n_out - b * RB)
+                c = b * (RB * K8) + s * (rbe * KS * 16) + (row - b * RB) * (gs * 16) + j * 4
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, c)
+                b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, c + gs * 4)
+                c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, c + gs * 8)
+                d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, c + gs * 12)
+            else:
+                c = s * (KS * 16) + j * 4          # word index of chunk (i=0, j) of step s
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, (row, c))
+                b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, (row, c + gs * 4))
+                c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, (row, c + gs * 8))
+                d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, (row, c + gs * 12))
             sb = uint32(ld_global_nc_u16(sc, (row, s * KS + j)))
             return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, sb)
         return (ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO,
@@ -565,6 +635,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
 
+    if BM:
+        def early(qw, row0, j):  # noqa: F811 -- no row prefixes in the flat layout: no L2 prefetch
+            griddepcontrol_wait()
+            griddepcontrol_launch_dependents()
+
     def start(qw, sc):
         tid = cuda.threadIdx.x
         j = tid % P
@@ -702,6 +777,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     put_residual(x, row0 + 3, a3)
         sig = "void(float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
 
+    if BM:  # the flat block-major weights
+        sig = sig.replace("uint32[:, ::1]", "uint32[::1]")
     kernel.__name__ = kernel.__qualname__ = kernel_name(kind, n_out, k, t, heads)
     return kernel, sig
 
@@ -762,15 +839,18 @@ class _Gemv:
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
-        qw, sc = prepare_weights(parts, self.tiling.ks)
+        t = self.tiling
+        qw, sc = prepare_weights(parts, t.ks, t.rows_per_block() if t.block_major else 0)
         if qw.shape[0] != self.n_rows or qw.shape[1] * 8 != self.k:
             raise ValueError(f"{self.name}: prepared weights are {qw.shape}, expected "
                              f"({self.n_rows}, {self.k // 8})")
         return qw, sc
 
     def _check_weights(self, qw, sc):
+        """Check the prepared weights; returns qw as the kernel takes it (block_major: flat)."""
         _need(qw, f"{self.name} qweight", np.uint32, (self.n_rows, self.k // 8))
         _need(sc, f"{self.name} scales", np.float16, (self.n_rows, self.k // GROUP_SIZE), 2)
+        return qw.reshape(qw.size) if self.tiling.block_major else qw
 
 
 class QkvGemv(_Gemv):
@@ -778,7 +858,7 @@ class QkvGemv(_Gemv):
 
     def __call__(self, x, norm_w, qw, sc, bias, out, stream=0):
         """out fp32 (N,) = Wqkv . rmsnorm(x, norm_w) + bias; x fp32 (K,), norm_w/bias fp16."""
-        self._check_weights(qw, sc)
+        qw = self._check_weights(qw, sc)
         _need(x, f"{self.name} x", np.float32, (self.k,))
         _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
@@ -804,7 +884,7 @@ class QkvRopeGemv(_Gemv):
         x fp32 (K,), norm_w/bias fp16, inv_freq fp32 (D/2,) (rope_kv.rope_inv_freq), state and
         table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/kv_cache.py)."""
         hq, _, d = self.heads
-        self._check_weights(qw, sc)
+        qw = self._check_weights(qw, sc)
         _need(x, f"{self.name} x", np.float32, (self.k,))
         _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
@@ -823,7 +903,7 @@ class GateUpGemv(_Gemv):
 
     def __call__(self, x, norm_w, qw, sc, out, stream=0):
         """out fp16 (I,) = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w); qw = [gate; up]."""
-        self._check_weights(qw, sc)
+        qw = self._check_weights(qw, sc)
         _need(x, f"{self.name} x", np.float32, (self.k,))
         _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         _need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
@@ -838,7 +918,7 @@ class ResidualGemv(_Gemv):
         super().__init__(*args, **kw)
 
     def __call__(self, a, qw, sc, x, stream=0):
-        self._check_weights(qw, sc)
+        qw = self._check_weights(qw, sc)
         _need(a, f"{self.name} a", np.float16, (self.k,), 8)
         _need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
         self.kernel[self.grid, self.tiling.threads, stream](a, qw, sc, x)
