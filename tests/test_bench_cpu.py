@@ -206,3 +206,24 @@ def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys)
         assert sum(b["regions_ms"].values()) + b["kernel_gap_ms"] == pytest.approx(b["itl_ms"])
     assert res["copy_ceiling_GBs"] == 4000.0 and res["peers"] == {}
     assert res["itl_no_pdl_ms"] > 0 and made[0].pdl  # measured without PDL, then restored
+
+
+def test_step_variants_parses_variants():
+    """scripts/step_variants.py: what a variant string means (the timing itself needs the GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    from nq.kernels.gemv_int4 import Tiling
+    path = Path(__file__).resolve().parent.parent / "scripts" / "step_variants.py"
+    spec = importlib.util.spec_from_file_location("step_variants", path)
+    sv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sv)
+    defaults = {"down": Tiling(ks=16, threads=512), "gate_up": Tiling(ks=4, threads=192)}
+    tilings, attn, rope = sv.parse_variant(
+        "down.prefetch=2 down.block_major=1 attn.early=0 attn.min_pps=2 rope.fused=1", defaults)
+    assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=2, block_major=1)}
+    assert attn == {"early": False, "min_pps": 2} and rope is True
+    assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
+    for bad in ("down.prefetch", "qkvx.threads=1", "down=2"):
+        with pytest.raises(SystemExit):
+            sv.parse_variant(bad, defaults)

@@ -104,7 +104,8 @@ HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
 
 @pytest.mark.parametrize("kind,tiling", [(k, None) for k in G.KINDS]
                          + [("down", G.Tiling(ks=16, threads=512, prefetch=2)),
-                            ("down", G.Tiling(ks=16, threads=512, block_major=True))])
+                            ("down", G.Tiling(ks=16, threads=512, block_major=True)),
+                            ("gate_up", G.Tiling(ks=4, threads=192, span=128, stream=True))])
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
     t = tiling or G.default_tiling(kind, n, k)
@@ -112,7 +113,9 @@ def test_gemv_ptx_sm90(kind, tiling):
     # a min_blocks register cap is part of the tiling (qkv_rope's), so compile with it
     bounds = {"launch_bounds": (t.threads, t.min_blocks)} if t.min_blocks else {}
     ptx = ptx_util.compile_ptx_sm90(fn, sig, **bounds)
-    ptx_util.assert_uses(ptx, "lop3.b32", "ld.global.nc.v4.u32", "fma.rn.f16x2", "ld.shared.v4.u32",
+    weight_load = ("ld.global.nc.L1::no_allocate.L2::256B.v4.u32" if t.stream
+                   else "ld.global.nc.v4.u32")
+    ptx_util.assert_uses(ptx, "lop3.b32", weight_load, "fma.rn.f16x2", "ld.shared.v4.u32",
                          "shfl.sync.bfly.b32")
     if kind == "qkv_rope":
         # libdevice cosf/sinf keep 7 words in local memory for the Payne-Hanek reduction

@@ -78,7 +78,8 @@ from nq.config import GROUP_SIZE, ModelConfig
 from nq.kv_cache import PAGE, STATE_LEN, STATE_POS, check_paged_args
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
                     cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                    griddepcontrol_wait, ld_global_nc_na_v4_u32, ld_global_nc_u16,
+                    ld_global_nc_v2_u32, ld_global_nc_v4_f32,
                     ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mov_b32_f32_from_u32,
                     mov_b32_u32_from_f32, pack_f16x2_from_f32, st_global_u16,
                     unpack_f16x2_to_f32)
@@ -130,6 +131,8 @@ class Tiling:
     #                      kernel before it (PDL); 0: none, >= the step count: the whole row
     block_major: bool = False  # weights stored step-major per block (`block_major_rows`): each
     #                      step of a block reads one contiguous run instead of 1 KB per row
+    stream: bool = False  # weight loads as ld.global.nc.L1::no_allocate.L2::256B (whole 256-byte
+    #                      sector groups into L2 at the first load of a run; nothing kept in L1)
 
     @property
     def lanes(self) -> int:
@@ -141,7 +144,7 @@ class Tiling:
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_l2p{self.l2_steps}" if self.l2_steps else "")
-                + ("_bm" if self.block_major else ""))
+                + ("_bm" if self.block_major else "") + ("_st" if self.stream else ""))
 
     def rows_per_block(self) -> int:
         return (self.threads // self.lanes) * self.rows
@@ -346,6 +349,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     STAGE_ITERS = -(-G // (WARPS * UG))
     PF_BYTES = min(t.l2_steps * KS * 16, k // 8) * 4   # per row; steps are row prefixes
     BM = bool(t.block_major)
+    LDW = ld_global_nc_na_v4_u32 if t.stream else ld_global_nc_v4_u32   # the weight loads
     RB = SEGS * RL                      # weight rows a block owns (block_major: NMAT == 1)
     K8 = k // 8
     if BM and (NMAT != 1 or kind == "qkv_rope" or t.l2_steps):
@@ -371,16 +375,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 b = row // RB
                 rbe = min(RB, n_out - b * RB)
                 c = b * (RB * K8) + s * (rbe * KS * 16) + (row - b * RB) * (gs * 16) + j * 4
-                a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, c)
-                b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, c + gs * 4)
-                c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, c + gs * 8)
-                d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, c + gs * 12)
+                a0, a1, a2, a3 = LDW(qw, c)
+                b0, b1, b2, b3 = LDW(qw, c + gs * 4)
+                c0, c1, c2, c3 = LDW(qw, c + gs * 8)
+                d0, d1, d2, d3 = LDW(qw, c + gs * 12)
             else:
                 c = s * (KS * 16) + j * 4          # word index of chunk (i=0, j) of step s
-                a0, a1, a2, a3 = ld_global_nc_v4_u32(qw, (row, c))
-                b0, b1, b2, b3 = ld_global_nc_v4_u32(qw, (row, c + gs * 4))
-                c0, c1, c2, c3 = ld_global_nc_v4_u32(qw, (row, c + gs * 8))
-                d0, d1, d2, d3 = ld_global_nc_v4_u32(qw, (row, c + gs * 12))
+                a0, a1, a2, a3 = LDW(qw, (row, c))
+                b0, b1, b2, b3 = LDW(qw, (row, c + gs * 4))
+                c0, c1, c2, c3 = LDW(qw, (row, c + gs * 8))
+                d0, d1, d2, d3 = LDW(qw, (row, c + gs * 12))
             sb = uint32(ld_global_nc_u16(sc, (row, s * KS + j)))
             return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, sb)
         return (ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO,
