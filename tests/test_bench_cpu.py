@@ -227,3 +227,35 @@ def test_step_variants_parses_variants():
     for bad in ("down.prefetch", "qkvx.threads=1", "down=2"):
         with pytest.raises(SystemExit):
             sv.parse_variant(bad, defaults)
+
+
+def test_step_timeline_critical_increments():
+    """scripts/step_timeline.py's reading of a CUPTI trace: steps split at the feed kernel,
+    each kernel's critical increment (how far it moves the latest end), sums by region."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "step_timeline.py"
+    spec = importlib.util.spec_from_file_location("step_timeline", path)
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    trace = {"traceEvents": [
+        k("argmax_prev", 0, 1),                       # before the first step: dropped
+        {"ph": "X", "cat": "cpu_op", "name": "x", "ts": 5, "dur": 100},
+        k("feed_kernel", 10, 1), k("embed_k", 11, 1),
+        k("gemv_int4_qkv_n4608", 12, 8),              # ends at 20
+        k("rope_kv_h28", 13, 2),                      # ends at 15, under qkv's shadow: 0
+        k("attn_mma_g7", 14, 10),                     # ends at 24: +4
+        k("feed_kernel", 30, 2), k("gemv_int4_down_n3584", 31, 5)]}
+    steps = tl.split_steps(tl.kernels_from_trace(trace))
+    assert [len(s) for s in steps] == [5, 2]
+    rows = tl.critical_increments(steps[0])
+    assert [r["increment"] for r in rows] == [1, 1, 8, 0, 4]
+    assert rows[-1]["end"] == 14 and sum(r["increment"] for r in rows) == 14
+    s = tl.summarize(steps[:1])
+    assert s["regions"]["qkv_gemv"] == {"kernels": 1, "busy_us": 8, "critical_us": 8}
+    assert s["regions"]["rope_kv_append"]["critical_us"] == 0
+    assert s["regions"]["paged_attention"]["critical_us"] == 4
+    assert "| qkv_gemv | 1 |" in tl.format_summary(s)
