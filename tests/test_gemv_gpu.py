@@ -125,15 +125,17 @@ def test_int4_gemv_tilings(kind, n, k, tiling):
     ("qkv", 1000, 896, G.Tiling(ks=3, rows=2, threads=64, block_major=True)),  # part-full last block
     ("down", 200, 4864, G.Tiling(ks=5, threads=128, prefetch=2, block_major=True)),
     ("gate_up", 18944, 3584, G.Tiling(ks=4, threads=192, span=128, stream=True)),
-    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, stream=True, block_major=True))],
+    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, stream=True, block_major=True)),
+    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, prefetch=2)),  # both steps before the wait
+    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, prefetch=2))],
     ids=lambda v: v.tag() if isinstance(v, G.Tiling) else str(v))
-def test_int4_gemv_block_major(kind, n, k, tiling):
-    """The block-major weight layout and streaming loads (not defaults; scripts/step_variants.py
-    times them): the same bits as the default layout and loads."""
+def test_int4_gemv_layout_and_load_options(kind, n, k, tiling):
+    """The block-major weight layout, streaming loads and two steps loaded ahead (not defaults;
+    scripts/step_variants.py times them): the same bits as the plain layout and loads."""
     got, ref = run_case(kind, n, k, tiling, seed=11)
     assert rel(got, ref) < TOL_INT4
-    row_major, _ = run_case(kind, n, k, dataclasses.replace(tiling, block_major=False, stream=False),
-                            seed=11)
+    plain = dataclasses.replace(tiling, block_major=False, stream=False, prefetch=1)
+    row_major, _ = run_case(kind, n, k, plain, seed=11)
     assert np.array_equal(got, row_major)  # the same products in the same order
 
 

@@ -342,7 +342,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     WARPS = TPB // 32
     NORM = kind in ("qkv", "gate_up", "qkv_rope")
     PREFETCH = int(t.prefetch) >= 1
-    PF2 = int(t.prefetch) == 2 and S > 2   # two steps ahead (a no-op with fewer steps)
+    # two steps ahead; with S == 2 (qkv, o_proj of the 7B) every weight load of the thread is
+    # then issued before griddepcontrol.wait (with S == 1 there is no second step to load)
+    PF2 = int(t.prefetch) == 2 and S >= 2
     SPAN32 = t.span == 32
     UWORDS = S * 16 * KS * 4            # staged activations, uint32 words (fp16 pairs)
     UG = 4 if NORM else 8               # groups a warp loads at once in the prologue
