@@ -143,6 +143,31 @@ def test_gemv_ptx_sm90(kind, tiling):
         assert spill == 0 and regs <= 128
 
 
+@pytest.mark.parametrize("kind,tiling", [
+    ("down", G.Tiling(ks=16, threads=512, block_major=True, bulk=3)),
+    ("qkv", G.Tiling(ks=14, threads=256, block_major=True, bulk=2))])
+def test_gemv_bulk_ptx_sm90(kind, tiling):
+    """Tiling.bulk: a producer warp's cp.async.bulk into a shared ring guarded by mbarriers;
+    the consumers read the weights from shared memory (no 16-byte global weight loads)."""
+    n, k = SEVEN_B[kind]
+    fn, sig = G.build_kernel(kind, n, k, tiling, 1e-6)
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(tiling.block,))
+    assert tiling.block == tiling.threads + 32 and tiling.tag().endswith(f"_bm_bk{tiling.bulk}")
+    ptx_util.assert_uses(ptx, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                         "mbarrier.init.shared::cta.b64", "mbarrier.arrive.expect_tx.shared::cta.b64",
+                         "mbarrier.arrive.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
+                         "fence.mbarrier_init.release.cluster", "ld.shared.v4.u32", "lop3.b32",
+                         "fma.rn.f16x2", "griddepcontrol.wait")
+    assert ptx_util.count(ptx, "ld.global.nc.v4.u32") == 0   # no weight load of its own
+    assert f".maxntid {tiling.block}" in ptx
+    ptx_util.assert_no_local_memory(ptx)
+    try:
+        regs, spill = ptx_util.ptxas_report(ptx)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no ptxas: {e}")
+    assert spill == 0 and regs <= 128
+
+
 def test_lm_head_ptx_sm90():
     from nq.kernels import lm_head as L
     fn, sig = L.build_kernel(152064, 3584, 1e-6, 256, 7)
@@ -163,6 +188,23 @@ def test_refuses_unsupported_shapes_and_tilings():
         G.build_kernel("down", 64, 27648, G.Tiling(ks=16), 1e-6)   # the 32B's down_proj
     with pytest.raises(ValueError, match="unknown GEMV kind"):
         G.build_kernel("up", 64, 256, G.Tiling(ks=2), 1e-6)
+
+
+def test_bulk_refusals():
+    with pytest.raises(ValueError, match="bulk=3.*block_major=True"):
+        G.build_kernel("down", 64, 1152, G.Tiling(ks=5, threads=64, bulk=3), 1e-6)
+    with pytest.raises(ValueError, match="block_major"):   # gate_up: two matrices a block
+        G.build_kernel("gate_up", 64, 256, G.Tiling(ks=2, block_major=True, bulk=2), 1e-6)
+    with pytest.raises(ValueError, match="bulk=2.*qkv, o_proj and down only"):
+        G.build_kernel("gate_up", 64, 256, G.Tiling(ks=2, bulk=2), 1e-6)
+    with pytest.raises(ValueError, match="bulk=5"):
+        G.build_kernel("down", 64, 1152, G.Tiling(ks=5, threads=64, block_major=True, bulk=5), 1e-6)
+    with pytest.raises(ValueError, match="bulk=2"):
+        G.build_kernel("qkv_rope", 256, 256, G.Tiling(ks=2, rows=2, block_major=True, bulk=2), 1e-6,
+                       (2, 1, 64))
+    with pytest.raises(ValueError, match="shared memory"):   # 4 stages of 64 KB
+        G.build_kernel("down", 4096, 18944, G.Tiling(ks=32, threads=1024, block_major=True,
+                                                    bulk=4), 1e-6)
 
 
 def test_qkv_rope_refusals_and_tiling():
@@ -249,7 +291,14 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     g = G.ResidualGemv("down", cfg, 16, 1152, 16, G.Tiling(ks=5, threads=64, block_major=True))
     pq, ps = g.prepare([(qw, sc)]); xd = D(xr.copy())
     g(D(a), D(pq), D(ps), xd)
-    print("down_bm", rel(xd.copy_to_host(), G.ref_down(a, wd, xr)))
+    down_bm = xd.copy_to_host()
+    print("down_bm", rel(down_bm, G.ref_down(a, wd, xr)))
+    # the same through the bulk-copy ring (producer warp, 2 stages): the same bits
+    g = G.ResidualGemv("down", cfg, 16, 1152, 16, G.Tiling(ks=5, threads=64, block_major=True, bulk=2))
+    pq, ps = g.prepare([(qw, sc)]); xd = D(xr.copy())
+    g(D(a), D(pq), D(ps), xd)
+    print("down_bk", rel(xd.copy_to_host(), G.ref_down(a, wd, xr)))
+    print("down_bk_vs_bm", float(np.abs(xd.copy_to_host() - down_bm).max()))
     # o_proj with two steps, both loaded before the wait (prefetch=2 with S == 2)
     g = G.ResidualGemv("o_proj", cfg, 16, 640, 16, G.Tiling(ks=3, threads=64, prefetch=2))
     qw2, sc2, wd2 = mk(16, 640); a2 = a[:640].copy()
@@ -261,6 +310,12 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
     g(D(x), D(nw), D(pq), D(ps), D(b), out)
     print("qkv_bm", rel(out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, b)))
+    # bulk qkv: blocks of 32 rows (the second holds 8: a shorter run), 3 steps (the last
+    # short) through 2 stages (the producer waits for the consumers to release stage 0)
+    g = G.QkvGemv(cfg, 40, 640, 40, G.Tiling(ks=2, threads=64, block_major=True, bulk=2))
+    pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
+    g(D(x), D(nw), D(pq), D(ps), D(b), out)
+    print("qkv_bk", rel(out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, b)))
     class C: vocab_size, hidden_size, rms_norm_eps = 37, 136, 1e-6
     head = L.LmHead(C, threads=64, unroll=2, grid=3)
     w = (0.05 * rng.standard_normal((37, 136))).astype(np.float16); lo = D(np.full(37, np.nan, np.float32))
@@ -272,9 +327,11 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
 @pytest.mark.slow
 def test_kernels_under_the_simulator():
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"qkv", "gate_up", "down", "down_bm", "qkv_bm", "o_proj_pf2", "lm_head"}, stdout
+    assert set(errs) == {"qkv", "gate_up", "down", "down_bm", "qkv_bm", "o_proj_pf2", "lm_head",
+                         "down_bk", "down_bk_vs_bm", "qkv_bk"}, stdout
     tol = {"qkv": 2e-3, "gate_up": 3e-3, "down": 2e-3, "down_bm": 2e-3, "qkv_bm": 2e-3,
-           "o_proj_pf2": 2e-3, "lm_head": 1e-6}  # see test_gemv_gpu.py
+           "o_proj_pf2": 2e-3, "lm_head": 1e-6, "down_bk": 2e-3, "qkv_bk": 2e-3,
+           "down_bk_vs_bm": 1e-30}  # see test_gemv_gpu.py; bulk vs plain: bit for bit (0 < 1e-30)
     for name, e in errs.items():
         assert e < tol[name], (name, e)
 

@@ -127,14 +127,22 @@ def test_int4_gemv_tilings(kind, n, k, tiling):
     ("gate_up", 18944, 3584, G.Tiling(ks=4, threads=192, span=128, stream=True)),
     ("down", 3584, 18944, G.Tiling(ks=16, threads=512, stream=True, block_major=True)),
     ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, prefetch=2)),  # both steps before the wait
-    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, prefetch=2))],
+    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, prefetch=2)),
+    # bulk: weights through a shared-memory ring filled by a producer warp's cp.async.bulk
+    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True, bulk=3)),
+    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True, bulk=2)),
+    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, block_major=True, bulk=2)),
+    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, block_major=True, bulk=4)),
+    ("qkv", 1000, 896, G.Tiling(ks=3, rows=2, threads=64, block_major=True, bulk=2)),  # part-full
+    ("down", 200, 4864, G.Tiling(ks=5, threads=128, block_major=True, bulk=3))],  # 8 steps, 3 stages
     ids=lambda v: v.tag() if isinstance(v, G.Tiling) else str(v))
 def test_int4_gemv_layout_and_load_options(kind, n, k, tiling):
-    """The block-major weight layout, streaming loads and two steps loaded ahead (not defaults;
-    scripts/step_variants.py times them): the same bits as the plain layout and loads."""
+    """The block-major weight layout, streaming loads, two steps loaded ahead and the bulk-copy
+    ring (not defaults; scripts/step_variants.py times them): the same bits as the plain layout
+    and loads."""
     got, ref = run_case(kind, n, k, tiling, seed=11)
     assert rel(got, ref) < TOL_INT4
-    plain = dataclasses.replace(tiling, block_major=False, stream=False, prefetch=1)
+    plain = dataclasses.replace(tiling, block_major=False, stream=False, prefetch=1, bulk=0)
     row_major, _ = run_case(kind, n, k, plain, seed=11)
     assert np.array_equal(got, row_major)  # the same products in the same order
 

@@ -35,6 +35,19 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
     that step, row after row -- instead of a 1 KB piece of each of the block's rows (9.5 KB
     apart for down).  Same words, same order of math, so the same bits; only DRAM locality
     changes.  The kernel takes the flat array (`_check_weights` passes a 1-D view).
+  * `bulk` (block_major qkv, o_proj, down; opt-in, not yet measured): the block gets one more
+    warp, a producer whose lane 0 copies each (block, step) run -- one contiguous run in the
+    block-major layout -- into a ring of `bulk` shared-memory stages with one cp.async.bulk
+    (full/empty mbarriers, attn_mma's protocol), so the copy engine, not 16-byte loads from
+    every lane, keeps a block's next steps in flight (down: 32 KB a stage) without holding
+    registers.  Weights depend on nothing upstream, so the producer starts at block entry,
+    before griddepcontrol.wait (it writes no global memory).  The consumers (the tiling's
+    `threads`) read the same 16 words a step from shared memory at the same in-run offsets
+    and do the same math, so the results are bit for bit those of bulk=0; scale bits stay
+    2-byte global loads, a step ahead.  Launch: `Tiling.block` = threads + 32 threads and
+    `ring_bytes` of dynamic shared memory (opted in above 48 KB; one down block then takes
+    ~140 KB of the SM's 227 KB, so one block an SM).  Not for gate_up (two matrices a block),
+    qkv_rope, l2_steps or stream.
   * The step-0 loads are issued first of all: weights do not depend on the activations, so
     the DRAM latency overlaps the prologue (RMSNorm, staging).
   * Prologue: every block stages the whole activation vector in shared memory as fp16, each
@@ -72,21 +85,25 @@ import math
 
 import numpy as np
 from numba import cuda, float32, uint32
-from numba.cuda.types import float16
+from numba.cuda.types import float16, uint64
 
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kv_cache import PAGE, STATE_LEN, STATE_POS, check_paged_args
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
-                    cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, griddepcontrol_launch_dependents,
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_g2s,
+                    cp_async_bulk_prefetch_l2, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32_at,
+                    fence_mbarrier_init, fma_rn_f16x2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_na_v4_u32, ld_global_nc_u16,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32,
-                    ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mov_b32_f32_from_u32,
-                    mov_b32_u32_from_f32, pack_f16x2_from_f32, st_global_u16,
-                    unpack_f16x2_to_f32)
+                    ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mbarrier_arrive,
+                    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
+                    mov_b32_f32_from_u32, mov_b32_u32_from_f32, pack_f16x2_from_f32,
+                    st_global_u16, unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm, swiglu
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 STATIC_SMEM_LIMIT = 48 * 1024  # numba has no opt-in for more static shared memory per block
+SMEM_LIMIT = 227 * 1024        # sm_90: static + dynamic shared memory of one block (opted in)
+RING_ALIGN = 128               # bulk copies' shared destination (16 required, 128 preferred)
 
 
 # ---- NumPy references ------------------------------------------------------------------------
@@ -133,6 +150,8 @@ class Tiling:
     #                      step of a block reads one contiguous run instead of 1 KB per row
     stream: bool = False  # weight loads as ld.global.nc.L1::no_allocate.L2::256B (whole 256-byte
     #                      sector groups into L2 at the first load of a run; nothing kept in L1)
+    bulk: int = 0        # block_major only: shared-memory stages (2..4) a producer warp fills
+    #                      with one cp.async.bulk per (block, step); 0: off (per-lane loads)
 
     @property
     def lanes(self) -> int:
@@ -144,7 +163,13 @@ class Tiling:
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_l2p{self.l2_steps}" if self.l2_steps else "")
-                + ("_bm" if self.block_major else "") + ("_st" if self.stream else ""))
+                + ("_bm" if self.block_major else "") + ("_st" if self.stream else "")
+                + (f"_bk{self.bulk}" if self.bulk else ""))
+
+    @property
+    def block(self) -> int:
+        """Threads a block is launched with: `threads` consumers, plus the producer warp (bulk)."""
+        return self.threads + (32 if self.bulk else 0)
 
     def rows_per_block(self) -> int:
         return (self.threads // self.lanes) * self.rows
@@ -351,12 +376,22 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     STAGE_ITERS = -(-G // (WARPS * UG))
     PF_BYTES = min(t.l2_steps * KS * 16, k // 8) * 4   # per row; steps are row prefixes
     BM = bool(t.block_major)
+    NB = int(t.bulk)                    # bulk: shared-memory stages of the weight ring
+    BK = NB > 0
     LDW = ld_global_nc_na_v4_u32 if t.stream else ld_global_nc_v4_u32   # the weight loads
     RB = SEGS * RL                      # weight rows a block owns (block_major: NMAT == 1)
     K8 = k // 8
     if BM and (NMAT != 1 or kind == "qkv_rope" or t.l2_steps):
         raise ValueError(f"{kind}: block_major is for qkv, o_proj and down without l2_steps "
                          f"(their blocks own consecutive weight rows); got {t}")
+    if BK and (kind not in ("qkv", "o_proj", "down") or not BM or t.l2_steps or t.stream
+               or not 2 <= NB <= 4):
+        raise ValueError(f"{kind}: bulk={NB} (2..4 shared-memory stages) needs block_major=True "
+                         f"and no l2_steps or stream, and is for qkv, o_proj and down only (a "
+                         f"block's step is then one contiguous run: one bulk copy); got {t}")
+    SW = RB * KS * 16                   # bulk: words of a ring stage (the largest run)
+    NBARS = max(2 * NB, 1)              # bulk: full[NB], empty[NB] (a shape: a constant)
+    RING_BYTES = ring_bytes(t, k)       # + slack: numba aligns dynamic shared to 4 bytes
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
@@ -368,6 +403,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     if UWORDS * 4 + G * 4 + WARPS * 4 > STATIC_SMEM_LIMIT:
         raise ValueError(f"{kind}: K={k} needs {UWORDS * 4} bytes of staged activations, "
                          f"over the {STATIC_SMEM_LIMIT}-byte static shared memory limit")
+    if BK and UWORDS * 4 + G * 4 + WARPS * 4 + 16 * NB + RING_BYTES > SMEM_LIMIT:
+        raise ValueError(f"{kind}: bulk={NB} stages of {SW * 4} bytes and the staged "
+                         f"activations exceed {SMEM_LIMIT} bytes of shared memory; fewer stages")
 
     def load_row(qw, sc, row, ok, s, j):
         # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
@@ -575,6 +613,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
             if lane == 0:
                 red[warp] = ss
+        if BK:
+            # the bulk kernel's __syncthreads is its own, outside the role branches (the
+            # producer warp must reach it too); bk_rstd finishes rstd after it
+            return rstd
         cuda.syncthreads()
         if NORM:
             tot = float32(0.0)
@@ -645,6 +687,140 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         def early(qw, row0, j):  # noqa: F811 -- no row prefixes in the flat layout: no L2 prefetch
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
+
+    # ---- bulk (Tiling.bulk): a producer warp streams each (block, step) run into a ring ----
+    # Barriers: full[i] at bar0 + 8i (count 1: the producer's arrive.expect_tx, then the copy's
+    # complete_tx), empty[i] at bar0 + 8(NB + i) (count TPB: every consumer thread, every step).
+
+    def bk_copy(qw, ring0, bar0, s):
+        # step s's run of this block (block_major_rows: rows r0..r0+rbe-1, gs*16 words each)
+        # into stage s % NB; the full barrier's phase completes when its bytes have landed
+        b = cuda.blockIdx.x
+        rbe = min(RB, n_out - b * RB)
+        gs = KS if s < S - 1 else GL
+        nbytes = rbe * gs * 64
+        st = s % NB
+        mbarrier_arrive_expect_tx(bar0 + 8 * st, nbytes)
+        cp_async_bulk_g2s(ring0 + st * (SW * 4), qw, b * (RB * K8) + s * (rbe * KS * 16), nbytes,
+                          bar0 + 8 * st)
+
+    def bk_init(bar0):
+        # attn_mma's protocol: one thread arms the barriers, fence.mbarrier_init, then the
+        # kernel's first __syncthreads (at block entry) before anyone uses them
+        if cuda.threadIdx.x == TPB:
+            for i in range(NB):
+                mbarrier_init(bar0 + 8 * i, 1)
+                mbarrier_init(bar0 + 8 * (NB + i), TPB)
+            fence_mbarrier_init()
+
+    def bk_produce_first(qw, ring0, bar0):
+        """The producer warp before stage's __syncthreads: lane 0 issues the first NB copies
+        at once (the ring is empty; weights depend on nothing upstream, so no
+        griddepcontrol.wait: under PDL they overlap the kernel before)."""
+        if cuda.threadIdx.x == TPB:
+            for s in range(min(NB, S)):
+                bk_copy(qw, ring0, bar0, s)
+        # the producer writes no global memory: it may let the next kernel launch at once
+        griddepcontrol_launch_dependents()
+
+    def bk_produce_rest(qw, ring0, bar0):
+        # step s reuses the stage of step s - NB once every consumer thread has released it
+        # (phase (s // NB) - 1 of its empty barrier: parity ((s // NB) & 1) ^ 1)
+        if cuda.threadIdx.x == TPB:
+            for s in range(NB, S):
+                mbarrier_wait_parity(bar0 + 8 * (NB + s % NB), ((s // NB) & 1) ^ 1)
+                bk_copy(qw, ring0, bar0, s)
+
+    def bk_scales(sc, row0, s, j):
+        # the scale bits of the thread's rows at step s (2-byte global loads, a step ahead)
+        gs = KS if s < S - 1 else GL
+        s0 = ZERO
+        s1 = ZERO
+        s2 = ZERO
+        s3 = ZERO
+        if j < gs:
+            g = s * KS + j
+            if row0 < n_out:
+                s0 = uint32(ld_global_nc_u16(sc, (row0, g)))
+            if RL >= 2 and row0 + 1 < n_out:
+                s1 = uint32(ld_global_nc_u16(sc, (row0 + 1, g)))
+            if RL >= 3 and row0 + 2 < n_out:
+                s2 = uint32(ld_global_nc_u16(sc, (row0 + 2, g)))
+            if RL >= 4 and row0 + 3 < n_out:
+                s3 = uint32(ld_global_nc_u16(sc, (row0 + 3, g)))
+        return s0, s1, s2, s3
+
+    def bk_row(ring, base, row, ok, s, j, sb):
+        # load_row's 16 words from the stage (word base): the BM address less the run's start
+        gs = KS if s < S - 1 else GL
+        if ok and j < gs:
+            c = base + (row % RB) * (gs * 16) + j * 4
+            a0, a1, a2, a3 = ld_shared_v4_u32(ring, c)
+            b0, b1, b2, b3 = ld_shared_v4_u32(ring, c + gs * 4)
+            c0, c1, c2, c3 = ld_shared_v4_u32(ring, c + gs * 8)
+            d0, d1, d2, d3 = ld_shared_v4_u32(ring, c + gs * 12)
+            return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, sb)
+        return (ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO,
+                ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO)
+
+    def bk_step(ring, base, row0, s, j, sbs):
+        s0, s1, s2, s3 = sbs
+        r0 = bk_row(ring, base, row0, row0 < n_out, s, j, s0)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        if RL >= 2:
+            r1 = bk_row(ring, base, row0 + 1, row0 + 1 < n_out, s, j, s1)
+        if RL >= 3:
+            r2 = bk_row(ring, base, row0 + 2, row0 + 2 < n_out, s, j, s2)
+        if RL >= 4:
+            r3 = bk_row(ring, base, row0 + 3, row0 + 3 < n_out, s, j, s3)
+        return r0, r1, r2, r3
+
+    def bk_mainloop(ring, w0, bar0, sc, act, invf, row0, j, sbs):
+        """mainloop with the step's words from the ring: the same dot_step on the same words,
+        so the same bits.  Every consumer thread (rowless and idle lanes too) waits on full
+        and arrives on empty each step: the empty count is TPB, and a thread that skipped the
+        wait could arrive twice in one phase."""
+        acc0 = float32(0.0)
+        acc1 = float32(0.0)
+        acc2 = float32(0.0)
+        acc3 = float32(0.0)
+        for s in range(S):
+            nsb = sbs
+            if s + 1 < S:
+                nsb = bk_scales(sc, row0, s + 1, j)
+            st = s % NB
+            mbarrier_wait_parity(bar0 + 8 * st, (s // NB) & 1)
+            cur = bk_step(ring, w0 + st * SW, row0, s, j, sbs)
+            g = s * KS + j
+            if g < G and j < KS:
+                d0, d1, d2, d3 = dot_step(cur, act, s * 16 * KS + j, invf[g])
+                acc0 += d0
+                acc1 += d1
+                acc2 += d2
+                acc3 += d3
+            # release the stage (arrive has release semantics: the ld.shared above come first)
+            mbarrier_arrive(bar0 + 8 * (NB + st))
+            sbs = nsb
+        return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
+
+    def bk_rstd(red):
+        # stage's RMSNorm tail, after the kernel's __syncthreads (same sum, same order)
+        rstd = float32(1.0)
+        if NORM:
+            tot = float32(0.0)
+            for w_ in range(WARPS):
+                tot += red[w_]
+            rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+        return rstd
+
+    if BK:  # compiled only when used (numba numbers every function it compiles: the default
+        #     kernels' names and PTX stay as they were)
+        bk_copy, bk_init, bk_produce_first, bk_produce_rest, bk_scales, bk_row, bk_step, \
+            bk_mainloop, bk_rstd = (dev(f) for f in (bk_copy, bk_init, bk_produce_first,
+                                                     bk_produce_rest, bk_scales, bk_row, bk_step,
+                                                     bk_mainloop, bk_rstd))
 
     def start(qw, sc):
         tid = cuda.threadIdx.x
@@ -783,6 +959,82 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     put_residual(x, row0 + 3, a3)
         sig = "void(float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
 
+    if BK:
+        # Roles: threads 0..TPB-1 are the consumers (the tiling's segments and rows, as
+        # without bulk), warp TPB/32 the producer.  Both __syncthreads (after the barrier
+        # init, and stage's) are here, outside the role branches.
+        if kind == "qkv":
+            def kernel(x, norm_w, qw, sc, bias, out):
+                act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+                invf = cuda.shared.array(G, float32)
+                red = cuda.shared.array(WARPS, float32)
+                bars = cuda.shared.array(NBARS, uint64)
+                ring = cuda.shared.array(0, uint32)
+                tid = cuda.threadIdx.x
+                bar0 = cvta_to_shared_u32_at(bars, 0)
+                sm0 = cvta_to_shared_u32_at(ring, 0)
+                skip = (RING_ALIGN - sm0 % RING_ALIGN) % RING_ALIGN
+                bk_init(bar0)
+                cuda.syncthreads()
+                row0, j = start(qw, sc)
+                sbs = (ZERO, ZERO, ZERO, ZERO)
+                if tid < TPB:
+                    sbs = bk_scales(sc, row0, 0, j)
+                    early(qw, row0, j)
+                    stage(x, norm_w, act, invf, red)
+                else:
+                    bk_produce_first(qw, sm0 + skip, bar0)
+                cuda.syncthreads()
+                if tid < TPB:
+                    rstd = bk_rstd(red)
+                    acc = bk_mainloop(ring, skip // 4, bar0, sc, act, invf, row0, j, sbs)
+                    if j == 0:
+                        a0, a1, a2, a3 = acc
+                        put_qkv(out, bias, row0, a0 * rstd)
+                        if RL >= 2:
+                            put_qkv(out, bias, row0 + 1, a1 * rstd)
+                        if RL >= 3:
+                            put_qkv(out, bias, row0 + 2, a2 * rstd)
+                        if RL >= 4:
+                            put_qkv(out, bias, row0 + 3, a3 * rstd)
+                else:
+                    bk_produce_rest(qw, sm0 + skip, bar0)
+        else:
+            def kernel(a, qw, sc, x):
+                act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
+                invf = cuda.shared.array(G, float32)
+                red = cuda.shared.array(WARPS, float32)
+                bars = cuda.shared.array(NBARS, uint64)
+                ring = cuda.shared.array(0, uint32)
+                tid = cuda.threadIdx.x
+                bar0 = cvta_to_shared_u32_at(bars, 0)
+                sm0 = cvta_to_shared_u32_at(ring, 0)
+                skip = (RING_ALIGN - sm0 % RING_ALIGN) % RING_ALIGN
+                bk_init(bar0)
+                cuda.syncthreads()
+                row0, j = start(qw, sc)
+                sbs = (ZERO, ZERO, ZERO, ZERO)
+                if tid < TPB:
+                    sbs = bk_scales(sc, row0, 0, j)
+                    early(qw, row0, j)
+                    stage(a, a, act, invf, red)
+                else:
+                    bk_produce_first(qw, sm0 + skip, bar0)
+                cuda.syncthreads()
+                if tid < TPB:
+                    acc = bk_mainloop(ring, skip // 4, bar0, sc, act, invf, row0, j, sbs)
+                    if j == 0:
+                        a0, a1, a2, a3 = acc
+                        put_residual(x, row0, a0)
+                        if RL >= 2:
+                            put_residual(x, row0 + 1, a1)
+                        if RL >= 3:
+                            put_residual(x, row0 + 2, a2)
+                        if RL >= 4:
+                            put_residual(x, row0 + 3, a3)
+                else:
+                    bk_produce_rest(qw, sm0 + skip, bar0)
+
     if BM:  # the flat block-major weights
         sig = sig.replace("uint32[:, ::1]", "uint32[::1]")
     kernel.__name__ = kernel.__qualname__ = kernel_name(kind, n_out, k, t, heads)
@@ -802,8 +1054,14 @@ def _compiled(kind, n_out, k, t, eps, heads):
     pyfunc, sig = build_kernel(kind, n_out, k, t, eps, heads)
     if SIMULATOR:
         return cuda.jit(pyfunc)
-    bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
+    bounds = (t.block, t.min_blocks) if t.min_blocks else (t.block,)
     return cuda.jit(sig, launch_bounds=bounds)(pyfunc)
+
+
+def ring_bytes(t: Tiling, k: int) -> int:
+    """Dynamic shared memory a bulk kernel is launched with: `bulk` stages of the largest
+    (block, step) run (rows_per_block x ks groups x 64 bytes) plus alignment slack."""
+    return t.bulk * t.rows_per_block() * t.ks * 16 * 4 + RING_ALIGN
 
 
 # ---- launchers -------------------------------------------------------------------------------
@@ -842,6 +1100,13 @@ class _Gemv:
         rows_per_block = (t.threads // t.lanes) * t.rows
         self.grid = -(-n_out // rows_per_block)
         self.name = kernel_name(self.kind, n_out, k, t, self.heads)
+        # launch: the consumers plus, with bulk, the producer warp and the weight ring
+        # (dynamic shared memory, over 48 KB with the staged activations: opted in)
+        self.block = t.block
+        self.smem = ring_bytes(t, k) if t.bulk else 0
+        if self.smem and not SIMULATOR:
+            from nq.kernels.attn_decode import _allow_smem
+            _allow_smem(self.kernel, self.smem)
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
@@ -869,7 +1134,7 @@ class QkvGemv(_Gemv):
         _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         _need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
         _need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, bias, out)
+        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, bias, out)
 
 
 class QkvRopeGemv(_Gemv):
@@ -900,8 +1165,8 @@ class QkvRopeGemv(_Gemv):
         check_paged_args(self.name, self.cfg, kv_layer, table, state)
         if len(table.shape) != 1:
             raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
-        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, bias, state,
-                                                            inv_freq, table, kv_layer, q_out)
+        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, bias, state,
+                                                              inv_freq, table, kv_layer, q_out)
 
 
 class GateUpGemv(_Gemv):
@@ -913,7 +1178,7 @@ class GateUpGemv(_Gemv):
         _need(x, f"{self.name} x", np.float32, (self.k,))
         _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         _need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
-        self.kernel[self.grid, self.tiling.threads, stream](x, norm_w, qw, sc, out)
+        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
 
 
 class ResidualGemv(_Gemv):
@@ -927,7 +1192,7 @@ class ResidualGemv(_Gemv):
         qw = self._check_weights(qw, sc)
         _need(a, f"{self.name} a", np.float16, (self.k,), 8)
         _need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.tiling.threads, stream](a, qw, sc, x)
+        self.kernel[self.grid, self.block, stream, self.smem](a, qw, sc, x)
 
 
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
