@@ -805,6 +805,17 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             sbs = nsb
         return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
 
+    def bk_enter(bars, ring):
+        """Block entry, every thread: the barriers' and the 128-byte aligned ring's shared
+        addresses, the barriers armed (bk_init) and published by the first __syncthreads.
+        Returns (bar0, the ring's byte address, the same place as a word index of `ring`)."""
+        bar0 = cvta_to_shared_u32_at(bars, 0)
+        sm0 = cvta_to_shared_u32_at(ring, 0)
+        skip = (RING_ALIGN - sm0 % RING_ALIGN) % RING_ALIGN
+        bk_init(bar0)
+        cuda.syncthreads()
+        return bar0, sm0 + skip, skip // 4
+
     def bk_rstd(red):
         # stage's RMSNorm tail, after the kernel's __syncthreads (same sum, same order)
         rstd = float32(1.0)
@@ -818,9 +829,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     if BK:  # compiled only when used (numba numbers every function it compiles: the default
         #     kernels' names and PTX stay as they were)
         bk_copy, bk_init, bk_produce_first, bk_produce_rest, bk_scales, bk_row, bk_step, \
-            bk_mainloop, bk_rstd = (dev(f) for f in (bk_copy, bk_init, bk_produce_first,
-                                                     bk_produce_rest, bk_scales, bk_row, bk_step,
-                                                     bk_mainloop, bk_rstd))
+            bk_mainloop, bk_rstd, bk_enter = (
+                dev(f) for f in (bk_copy, bk_init, bk_produce_first, bk_produce_rest, bk_scales,
+                                 bk_row, bk_step, bk_mainloop, bk_rstd, bk_enter))
 
     def start(qw, sc):
         tid = cuda.threadIdx.x
@@ -971,11 +982,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 bars = cuda.shared.array(NBARS, uint64)
                 ring = cuda.shared.array(0, uint32)
                 tid = cuda.threadIdx.x
-                bar0 = cvta_to_shared_u32_at(bars, 0)
-                sm0 = cvta_to_shared_u32_at(ring, 0)
-                skip = (RING_ALIGN - sm0 % RING_ALIGN) % RING_ALIGN
-                bk_init(bar0)
-                cuda.syncthreads()
+                bar0, ring0, rw = bk_enter(bars, ring)
                 row0, j = start(qw, sc)
                 sbs = (ZERO, ZERO, ZERO, ZERO)
                 if tid < TPB:
@@ -983,11 +990,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     early(qw, row0, j)
                     stage(x, norm_w, act, invf, red)
                 else:
-                    bk_produce_first(qw, sm0 + skip, bar0)
+                    bk_produce_first(qw, ring0, bar0)
                 cuda.syncthreads()
                 if tid < TPB:
                     rstd = bk_rstd(red)
-                    acc = bk_mainloop(ring, skip // 4, bar0, sc, act, invf, row0, j, sbs)
+                    acc = bk_mainloop(ring, rw, bar0, sc, act, invf, row0, j, sbs)
                     if j == 0:
                         a0, a1, a2, a3 = acc
                         put_qkv(out, bias, row0, a0 * rstd)
@@ -998,7 +1005,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                         if RL >= 4:
                             put_qkv(out, bias, row0 + 3, a3 * rstd)
                 else:
-                    bk_produce_rest(qw, sm0 + skip, bar0)
+                    bk_produce_rest(qw, ring0, bar0)
         else:
             def kernel(a, qw, sc, x):
                 act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
@@ -1007,11 +1014,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 bars = cuda.shared.array(NBARS, uint64)
                 ring = cuda.shared.array(0, uint32)
                 tid = cuda.threadIdx.x
-                bar0 = cvta_to_shared_u32_at(bars, 0)
-                sm0 = cvta_to_shared_u32_at(ring, 0)
-                skip = (RING_ALIGN - sm0 % RING_ALIGN) % RING_ALIGN
-                bk_init(bar0)
-                cuda.syncthreads()
+                bar0, ring0, rw = bk_enter(bars, ring)
                 row0, j = start(qw, sc)
                 sbs = (ZERO, ZERO, ZERO, ZERO)
                 if tid < TPB:
@@ -1019,10 +1022,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     early(qw, row0, j)
                     stage(a, a, act, invf, red)
                 else:
-                    bk_produce_first(qw, sm0 + skip, bar0)
+                    bk_produce_first(qw, ring0, bar0)
                 cuda.syncthreads()
                 if tid < TPB:
-                    acc = bk_mainloop(ring, skip // 4, bar0, sc, act, invf, row0, j, sbs)
+                    acc = bk_mainloop(ring, rw, bar0, sc, act, invf, row0, j, sbs)
                     if j == 0:
                         a0, a1, a2, a3 = acc
                         put_residual(x, row0, a0)
@@ -1033,7 +1036,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                         if RL >= 4:
                             put_residual(x, row0 + 3, a3)
                 else:
-                    bk_produce_rest(qw, sm0 + skip, bar0)
+                    bk_produce_rest(qw, ring0, bar0)
 
     if BM:  # the flat block-major weights
         sig = sig.replace("uint32[:, ::1]", "uint32[::1]")
