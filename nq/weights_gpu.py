@@ -61,12 +61,12 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     for kind, t in (tilings or {}).items():
         if kind not in makers:
             raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
-        if check_layout and t.block_major:
-            raise ValueError(f"gemvs: {kind} tiling {t.tag()} is block-major, but upload writes "
-                             f"row-major weights; time it on random weights (check_layout=False)")
-        if check_layout and t.ks != out[kind].tiling.ks:
-            raise ValueError(f"gemvs: {kind} tiling {t.tag()} has ks={t.ks}, but the weights are "
-                             f"laid out for ks={out[kind].tiling.ks}; keep ks (or re-upload)")
+        d = out[kind].tiling
+        if check_layout and (t.ks, t.block_major) != (d.ks, d.block_major) or (
+                check_layout and t.block_major and t.rows_per_block() != d.rows_per_block()):
+            raise ValueError(f"gemvs: {kind} tiling {t.tag()} reads another weight layout than "
+                             f"the uploaded one ({d.tag()}: ks, block_major and, block-major, the "
+                             f"rows a block fix it); keep those (or re-upload)")
         out[kind] = makers[kind](cfg, t)
     return out
 
@@ -127,7 +127,9 @@ def upload(nf, stream=0) -> DeviceWeights:
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
                              f"{gm.n_rows}")
-        retile(src, qw, perms[key], stream)
+        t = gm.tiling
+        retile(src, qw, perms[key], stream,
+               (t.ks, t.rows_per_block()) if t.block_major else None)
         return qw, sc
 
     layers = []

@@ -57,3 +57,32 @@ def test_retile_reference_is_the_gemv_tiling_and_compiles():
     ptx = compile_ptx_sm90(retile._retile, retile.RETILE_SIG)
     assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
     assert_no_local_memory(ptx)
+    ptx = compile_ptx_sm90(retile._retile_bm, retile.RETILE_BM_SIG)
+    assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
+    assert_no_local_memory(ptx)
+
+
+RETILE_SIM = """
+import numpy as np
+from numba import cuda
+from nq.kernels import retile
+from nq.kernels.gemv_int4 import chunk_permutation
+rng = np.random.default_rng(1)
+# (rows, K, ks, rows a block): a part-full last block, a short last step, a one-step row
+for n, k, ks, rpb in ((40, 640, 2, 16), (37, 1152, 5, 8), (16, 256, 2, 16)):
+    src = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    perm = chunk_permutation(k, ks).astype(np.int32)
+    for bm in (None, (ks, rpb)):
+        dst = cuda.to_device(np.zeros_like(src))
+        retile.retile(cuda.to_device(src), dst, cuda.to_device(perm), 0, bm)
+        want = (retile.retile_reference(src, perm) if bm is None
+                else retile.retile_block_major_reference(src, perm, ks, rpb))
+        print(f"n{n}_ks{ks}_{'bm' if bm else 'rows'}", int(np.count_nonzero(dst.copy_to_host() != want)))
+"""
+
+
+def test_retile_kernels_under_the_simulator():
+    """Both re-tiling kernels (row-major and block-major destination) against the NumPy ones."""
+    from ptx_util import run_under_simulator
+    errs, out = run_under_simulator(RETILE_SIM, timeout=600)
+    assert len(errs) == 6 and not any(errs.values()), out

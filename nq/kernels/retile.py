@@ -7,7 +7,10 @@ at memory speed.  The file's layout is uploaded as it is into a staging buffer, 
 
     dst[row, p] = src[row, perm[p]]        (chunks of 4 uint32 = 32 INT4 weights)
 
-with one thread per destination chunk.  `gemv_int4.tile_rows` is the NumPy reference.
+with one thread per destination chunk.  `gemv_int4.tile_rows` is the NumPy reference.  For a
+block-major tiling (`Tiling.block_major`) the destination is the flat array of
+`gemv_int4.block_major_rows`: each chunk's place is computed from its row and word (block,
+step, row in the block), in the same kernel pass.
 """
 from __future__ import annotations
 
@@ -44,17 +47,62 @@ def _retile(src, dst, perm):
 RETILE_SIG = "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"
 
 
+def retile_block_major_reference(src: np.ndarray, perm: np.ndarray, ks: int,
+                                 rows_per_block: int) -> np.ndarray:
+    """retile_reference, then gemv_int4.block_major_rows: (N, K/8) whose memory is block-major."""
+    from nq.kernels.gemv_int4 import block_major_rows
+    return block_major_rows(retile_reference(src, perm), ks, rows_per_block)
+
+
+def _retile_bm(src, dst, perm, ks, rpb):
+    # dst (N*K/8,) uint32: the block-major flat layout (gemv_int4.block_major_rows; its kernel
+    # address is load_row's block_major branch): block b of rpb rows, step s, row after row
+    n_chunks = perm.shape[0]
+    n = src.shape[0]
+    k8 = src.shape[1]
+    sw = ks * 16                          # words of a full step of one row
+    steps = (k8 + sw - 1) // sw
+    last = k8 - (steps - 1) * sw          # words of the last step of one row
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    total = n * n_chunks
+    while i < total:
+        row = i // n_chunks
+        p = i - row * n_chunks
+        a, b, c, d = ld_global_nc_v4_u32(src, (row, 4 * perm[p]))
+        s = (4 * p) // sw
+        blk = row // rpb
+        rbe = min(rpb, n - blk * rpb)
+        step_words = sw if s < steps - 1 else last
+        f = blk * rpb * k8 + s * rbe * sw + (row - blk * rpb) * step_words + (4 * p - s * sw)
+        st_global_v4_u32(dst, f, a, b, c, d)
+        i += stride
+
+
+RETILE_BM_SIG = "void(uint32[:, ::1], uint32[::1], int32[::1], int64, int64)"
+
+
 @functools.cache
 def _jit():
     return cuda.jit(RETILE_SIG)(_retile)
 
 
-def retile(src, dst, perm, stream=0) -> None:
-    """Launch the permutation (src and dst device arrays of equal shape, perm a device int32)."""
+@functools.cache
+def _jit_bm():
+    return cuda.jit(RETILE_BM_SIG)(_retile_bm)
+
+
+def retile(src, dst, perm, stream=0, block_major=None) -> None:
+    """Launch the permutation (src and dst device arrays of equal shape, perm a device int32);
+    block_major=(ks, rows_per_block): dst's memory gets the block-major layout of that tiling."""
     if src.shape != dst.shape or src.dtype != np.uint32 or dst.dtype != np.uint32:
         raise ValueError(f"retile: src {src.dtype}{src.shape} and dst {dst.dtype}{dst.shape} "
                          "must be equal-shape uint32")
     if perm.shape[0] * 4 != src.shape[1]:
         raise ValueError(f"retile: {perm.shape[0]} chunks for rows of {src.shape[1]} words")
     blocks = min(4096, -(-src.shape[0] * perm.shape[0] // THREADS))
-    _jit()[blocks, THREADS, stream](src, dst, perm)
+    if block_major is None:
+        _jit()[blocks, THREADS, stream](src, dst, perm)
+    else:
+        ks, rpb = block_major
+        _jit_bm()[blocks, THREADS, stream](src, dst.reshape(dst.size), perm, int(ks), int(rpb))
