@@ -115,9 +115,10 @@ class Engine:
         g = gemvs(c, tilings, check_layout)
         qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
             FUSE_ROPE if fuse_rope is None else fuse_rope) else None
-        if qkv_rope is not None and check_layout and qkv_rope.tiling.ks != g["qkv"].tiling.ks:
+        if (qkv_rope is not None and check_layout
+                and qkv_rope.tiling.layout() != g["qkv"].tiling.layout()):
             raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
-                             f"the uploaded qkv weights (ks={g['qkv'].tiling.ks}); keep ks")
+                             f"the uploaded qkv weights ({g['qkv'].tiling.tag()}); keep ks")
         steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
                  ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
         for i, L in enumerate(weights.layers):

@@ -50,9 +50,10 @@ class DeviceWeights:
 
 def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling}
-    overrides for experiments; each must keep the default `ks`, which fixes the weight layout
-    that `upload` writes (threads, rows, prefetch, span, ... are free).  check_layout=False
-    lets ks change too: only for timing random weights, whose values have no layout."""
+    overrides for experiments; each must keep the default's `Tiling.layout()` (ks, and the
+    rows of a block when block-major), which fixes the weights `upload` writes; threads,
+    prefetch, span, ... are free.  check_layout=False lets the layout change too: only for
+    timing random weights, whose values have no layout."""
     from nq.kernels.gemv_int4 import (make_down_gemv, make_gate_up_gemv, make_o_proj_gemv,
                                       make_qkv_gemv)
     makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
@@ -62,11 +63,10 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
         if kind not in makers:
             raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
         d = out[kind].tiling
-        if check_layout and (t.ks, t.block_major) != (d.ks, d.block_major) or (
-                check_layout and t.block_major and t.rows_per_block() != d.rows_per_block()):
+        if check_layout and t.layout() != d.layout():
             raise ValueError(f"gemvs: {kind} tiling {t.tag()} reads another weight layout than "
-                             f"the uploaded one ({d.tag()}: ks, block_major and, block-major, the "
-                             f"rows a block fix it); keep those (or re-upload)")
+                             f"the uploaded one ({d.tag()}; Tiling.layout: ks, and the rows of a "
+                             f"block when block-major); keep it (or re-upload)")
         out[kind] = makers[kind](cfg, t)
     return out
 
@@ -127,9 +127,8 @@ def upload(nf, stream=0) -> DeviceWeights:
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
                              f"{gm.n_rows}")
-        t = gm.tiling
-        retile(src, qw, perms[key], stream,
-               (t.ks, t.rows_per_block()) if t.block_major else None)
+        ks, rows_per_block = gm.tiling.layout()
+        retile(src, qw, perms[key], stream, (ks, rows_per_block) if rows_per_block else None)
         return qw, sc
 
     layers = []

@@ -49,6 +49,9 @@ def test_block_major_layout_and_kernel_addressing(n, k, ks, rpb):
     rng = np.random.default_rng(n + k)
     tiled = G.tile_rows(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32), ks)
     blocked = G.block_major_rows(tiled, ks, rpb)
+    # what fixes the layout (gemvs and upload compare it): ks, and the rows of a block
+    t = G.Tiling(ks=ks, threads=rpb * G.Tiling(ks=ks).lanes, block_major=True)
+    assert t.layout() == (ks, rpb) and dataclasses.replace(t, block_major=False).layout() == (ks, 0)
     assert blocked.shape == tiled.shape
     assert np.array_equal(G.unblock_major_rows(blocked, ks, rpb), tiled)
     flat, k8, g_count = blocked.reshape(-1), k // 8, k // 128

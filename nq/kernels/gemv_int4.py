@@ -174,6 +174,11 @@ class Tiling:
     def rows_per_block(self) -> int:
         return (self.threads // self.lanes) * self.rows
 
+    def layout(self) -> tuple[int, int]:
+        """What fixes the prepared weights' layout: (ks, the rows of a block if block_major
+        else 0).  Tilings with equal layouts read the same uploaded weights."""
+        return self.ks, (self.rows_per_block() if self.block_major else 0)
+
 
 def chunk_permutation(k: int, ks: int) -> np.ndarray:
     """perm (K/32,): tiled row chunk p holds file chunk perm[p] (a chunk = 16 bytes = 32 weights).
@@ -1113,8 +1118,7 @@ class _Gemv:
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
-        t = self.tiling
-        qw, sc = prepare_weights(parts, t.ks, t.rows_per_block() if t.block_major else 0)
+        qw, sc = prepare_weights(parts, *self.tiling.layout())
         if qw.shape[0] != self.n_rows or qw.shape[1] * 8 != self.k:
             raise ValueError(f"{self.name}: prepared weights are {qw.shape}, expected "
                              f"({self.n_rows}, {self.k // 8})")
