@@ -344,7 +344,7 @@ def test_bulk_copy_pipeline_with_mbarrier():
 
 # ---- narrow loads, shared 16-byte loads, u16 stores, bit casts ------------------------------
 @cuda.jit
-def k_extras(w, h, f, out, o16, addr):
+def k_extras(w, h, f, out, o16, addr, same):
     tile = cuda.shared.array((8, 8), dtype=np.uint32, alignment=ALIGN)
     i = cuda.threadIdx.x  # 32 threads
     tile[i // 4, 2 * (i % 4)] = w[2 * i]
@@ -359,6 +359,9 @@ def k_extras(w, h, f, out, o16, addr):
     out[i, 7] = hb
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(out[i, 6]) * 2))
     addr[i] = P.cvta_to_shared_u32_at(tile, (i // 4, i % 8)) - P.cvta_to_shared_u32(tile)
+    # the 32-bit-address twin of the load above: the same 16 bytes (checked bit for bit)
+    e, f_, g, h_ = P.ld_shared_v4_u32_at(P.cvta_to_shared_u32(tile) + 16 * (2 * (i // 4) + i % 2))
+    same[i] = (e == a) and (f_ == b) and (g == c) and (h_ == d)
 
 
 def test_extras():
@@ -366,7 +369,8 @@ def test_extras():
     h = RNG.standard_normal(32).astype(np.float16)
     f = RNG.standard_normal(128).astype(np.float32)
     d = [cuda.to_device(x) for x in (w, h, f, np.zeros((32, 8), np.uint32),
-                                     np.zeros(32, np.float16), np.zeros(32, np.uint32))]
+                                     np.zeros(32, np.float16), np.zeros(32, np.uint32),
+                                     np.zeros(32, np.uint32))]
     k_extras[1, 32](*d)
     out, o16, addr = d[3].copy_to_host(), d[4].copy_to_host(), d[5].copy_to_host()
     tile = w.reshape(8, 8)
@@ -380,3 +384,4 @@ def test_extras():
     np.testing.assert_array_equal(out[:, 7], h.view(np.uint16))
     np.testing.assert_array_equal(o16, (out[:, 6].view(np.float32) * 2).astype(np.float16))
     np.testing.assert_array_equal(addr, [4 * (8 * (i // 4) + i % 8) for i in lanes])
+    np.testing.assert_array_equal(d[6].copy_to_host(), np.ones(32, np.uint32))

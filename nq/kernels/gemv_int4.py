@@ -90,12 +90,12 @@ from numba.cuda.types import float16, uint64
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kv_cache import PAGE, STATE_LEN, STATE_POS, check_paged_args
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_g2s,
-                    cp_async_bulk_prefetch_l2, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32_at,
-                    fence_mbarrier_init, fma_rn_f16x2, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_global_nc_na_v4_u32, ld_global_nc_u16,
-                    ld_global_nc_v2_u32, ld_global_nc_v4_f32,
-                    ld_global_nc_v4_u32, ld_shared_v4_u32, lop3_b32, mbarrier_arrive,
-                    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
+                    cp_async_bulk_prefetch_l2, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
+                    cvta_to_shared_u32_at, fence_mbarrier_init, fma_rn_f16x2,
+                    griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_na_v4_u32,
+                    ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                    ld_global_nc_v4_u32, ld_shared_v4_u32, ld_shared_v4_u32_at, lop3_b32,
+                    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
                     mov_b32_f32_from_u32, mov_b32_u32_from_f32, pack_f16x2_from_f32,
                     st_global_u16, unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm, swiglu
@@ -278,13 +278,13 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     if kind == "qkv_rope":
         # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
         # Same threads and span too: rstd's summation order and the fp16 partials then match
-        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  min_blocks=2
-        # caps registers at 128 (two 256-thread blocks an SM, the 7B's 144 blocks in one wave):
-        # the H200 build takes 124 uncapped, but the offline CUDA 13 ptxas takes ~210 given
-        # only .maxntid 256, and no spills at 128 either way.  7B, graph, no PDL: 9.26 us
-        # against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
-        t = default_tiling("qkv", n_out, k, sms)
-        return dataclasses.replace(t, rows=2, min_blocks=max(t.min_blocks, 2))
+        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  No register cap:
+        # the H200's JIT takes 124 (two 256-thread blocks an SM, the 7B's 144 blocks in one
+        # wave); the offline CUDA 13 ptxas takes ~210 given only .maxntid 256.  In the 7B step
+        # graph (scripts/step_variants.py) the uncapped kernel beat min_blocks=2 at 32K (+0.025
+        # against +0.21 ms over qkv + rope_kv); at 512 it saves 0.05 ms.  Alone, graph, no PDL:
+        # 9.26 us against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
+        return dataclasses.replace(default_tiling("qkv", n_out, k, sms), rows=2)
     g = k // GROUP_SIZE
     # (kind, n_out, k) -> Tiling, chosen inside the whole decode step on the H200
     # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step
@@ -448,10 +448,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         h1 = fma_rn_f16x2(fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72), a[3], h1)
         return h0, h1
 
-    def load_act(act, u):
-        # the activations of one chunk: word t's 8 fp16 are unit u + t*KS (16 bytes each)
-        return (ld_shared_v4_u32(act, u * 4), ld_shared_v4_u32(act, (u + KS) * 4),
-                ld_shared_v4_u32(act, (u + 2 * KS) * 4), ld_shared_v4_u32(act, (u + 3 * KS) * 4))
+    def load_act(abase, u):
+        # the activations of one chunk: word t's 8 fp16 are unit u + t*KS (16 bytes each).
+        # abase is the staged array's 32-bit shared address, so the offsets stay 32-bit and
+        # ptxas folds the constant ones into the loads (LDS.128 R, [R+imm]); with &act[idx]
+        # each load paid a 64-bit add (down: 380 -> 333 instructions a step, -0.048 ms a token)
+        a = abase + uint32(u) * uint32(16)
+        return (ld_shared_v4_u32_at(a), ld_shared_v4_u32_at(a + uint32(KS * 16)),
+                ld_shared_v4_u32_at(a + uint32(2 * KS * 16)),
+                ld_shared_v4_u32_at(a + uint32(3 * KS * 16)))
 
     def to_f32(h0, h1):
         if SPAN32:  # 16 products per fp16 lane: h0 + h1 <= 16*1792 cannot overflow
@@ -491,18 +496,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             s3 = chunk(c3[0], c3[1], c3[2], c3[3], a, s3)
         return s0, s1, s2, s3
 
-    def dot_step(cur, act, u, fi):
+    def dot_step(cur, abase, u, fi):
         """The thread's RLW rows times one group of activations (chunk-major: each chunk's
         activations are read from shared once and used by every row).  Written out, not
         looped: tuple elements need literal indices to stay in registers."""
         r0, r1, r2, r3 = cur
         z = (ZERO, ZERO, float32(0.0))
         sts = (z, z, z, z)
-        sts = rows_chunk(r0[0:4], r1[0:4], r2[0:4], r3[0:4], load_act(act, u), sts)
-        sts = rows_chunk(r0[4:8], r1[4:8], r2[4:8], r3[4:8], load_act(act, u + 4 * KS), sts)
-        sts = rows_chunk(r0[8:12], r1[8:12], r2[8:12], r3[8:12], load_act(act, u + 8 * KS), sts)
+        sts = rows_chunk(r0[0:4], r1[0:4], r2[0:4], r3[0:4], load_act(abase, u), sts)
+        sts = rows_chunk(r0[4:8], r1[4:8], r2[4:8], r3[4:8], load_act(abase, u + 4 * KS), sts)
+        sts = rows_chunk(r0[8:12], r1[8:12], r2[8:12], r3[8:12], load_act(abase, u + 8 * KS), sts)
         sts = rows_chunk(r0[12:16], r1[12:16], r2[12:16], r3[12:16],
-                         load_act(act, u + 12 * KS), sts)
+                         load_act(abase, u + 12 * KS), sts)
         s0, s1, s2, s3 = sts
         return (scaled(s0, r0[16], fi), scaled(s1, r1[16], fi),
                 scaled(s2, r2[16], fi), scaled(s3, r3[16], fi))
@@ -641,6 +646,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     def mainloop(qw, sc, act, invf, row0, j, cur, nxt):
         """fp32 dot products of the thread's RLW weight rows over its groups, lane-partial.
         cur: step 0's loads; nxt: step 1's when PF2 (issued before the prologue too)."""
+        abase = cvta_to_shared_u32(act)
         acc0 = float32(0.0)
         acc1 = float32(0.0)
         acc2 = float32(0.0)
@@ -654,7 +660,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 nxt = load_step(qw, sc, row0, s + 1, j)
             g = s * KS + j
             if g < G and j < KS:
-                d0, d1, d2, d3 = dot_step(cur, act, s * 16 * KS + j, invf[g])
+                d0, d1, d2, d3 = dot_step(cur, abase, s * 16 * KS + j, invf[g])
                 acc0 += d0
                 acc1 += d1
                 acc2 += d2
@@ -787,6 +793,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         so the same bits.  Every consumer thread (rowless and idle lanes too) waits on full
         and arrives on empty each step: the empty count is TPB, and a thread that skipped the
         wait could arrive twice in one phase."""
+        abase = cvta_to_shared_u32(act)
         acc0 = float32(0.0)
         acc1 = float32(0.0)
         acc2 = float32(0.0)
@@ -800,7 +807,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             cur = bk_step(ring, w0 + st * SW, row0, s, j, sbs)
             g = s * KS + j
             if g < G and j < KS:
-                d0, d1, d2, d3 = dot_step(cur, act, s * 16 * KS + j, invf[g])
+                d0, d1, d2, d3 = dot_step(cur, abase, s * 16 * KS + j, invf[g])
                 acc0 += d0
                 acc1 += d1
                 acc2 += d2

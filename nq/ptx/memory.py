@@ -138,6 +138,17 @@ def ld_shared_v4_u32(arr, idx):
     return _u32x4(arr, idx)
 
 
+@ptx("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];", out=("u32",) * 4, args=("u32",), effect="load")
+def ld_shared_v4_u32_at(addr):
+    """`ld.shared.v4.u32 {d0..d3}, [addr];` -- ld_shared_v4_u32 at a 32-bit shared address.
+
+    addr comes from cvta_to_shared_u32(arr) plus a byte offset (16-byte aligned).  The address
+    arithmetic stays 32-bit, so ptxas folds a constant offset into the load (`LDS.128 R, [R+imm]`):
+    with &arr[idx], each load paid a 64-bit add (3 instructions), 48 of down's ~380 a step.
+    """
+    return tuple(_sim.shared_bytes(addr, 16).view(np.uint32))
+
+
 @ptx("{ .reg .u64 nq_sa; cvta.to.shared.u64 nq_sa, %4; "
      "ld.shared.v4.f32 {%0, %1, %2, %3}, [nq_sa]; }",
      out=("f32",) * 4, args=("arr", "idx"), effect="load")
