@@ -142,6 +142,10 @@ def test_gemv_ptx_sm90(kind, tiling):
         # check that the uncapped kernel needs no local memory at all.
         regs, spill = ptx_util.ptxas_report(ptx_util.compile_ptx_sm90(fn, sig))
         assert spill == 0
+    elif kind == "qkv_rope":
+        # uncapped, this ptxas takes ~210 registers where the H200's JIT takes 124
+        # (test_gemv_gpu.test_default_kernels_do_not_spill_on_the_device reads what runs)
+        assert spill == 0
     else:
         assert spill == 0 and regs <= 128
 
@@ -227,7 +231,7 @@ def test_qkv_rope_refusals_and_tiling():
     for n, k in [(4608, 3584), (1152, 896), (512, 256), (2560, 2048)]:
         q, r = G.default_tiling("qkv", n, k), G.default_tiling("qkv_rope", n, k)
         assert r == dataclasses.replace(q, rows=2, min_blocks=r.min_blocks), (n, k)
-    assert G.default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf_mb2"
+    assert G.default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf"
 
 
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
