@@ -231,7 +231,7 @@ def test_qkv_rope_refusals_and_tiling():
     for n, k in [(4608, 3584), (1152, 896), (512, 256), (2560, 2048)]:
         q, r = G.default_tiling("qkv", n, k), G.default_tiling("qkv_rope", n, k)
         assert r == dataclasses.replace(q, rows=2, min_blocks=r.min_blocks), (n, k)
-    assert G.default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf"
+    assert G.default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf_s128"
 
 
 # ---- the kernels under the CUDA simulator -------------------------------------------------------

@@ -290,7 +290,9 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
     # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step
     # rank tilings differently, because with PDL the next kernel's blocks start beside these.
     measured = {
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=256),    # 8.3 us alone; L2 prefetch: +0.005 ms
+        # 8.3 us alone; L2 prefetch: +0.005 ms.  span 128 (one fp16 partial a group): -0.010 ms
+        # a step at 512 and 8K, as qkv_rope, which takes this tiling (session 4)
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, span=128),
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
         # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
