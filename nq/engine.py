@@ -5,7 +5,8 @@ One decode step (this file never holds a kernel body; nq/kernels does):
     feed       state.token = prompt[pos - start] while inside the prompt (prefill = replays)
     embed      x = emb[state.token]                                   x: (hidden,) fp32
     per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
-               q, KV page[pos] = rope(qkv)                            rope_kv
+               q, KV page[pos] = rope(qkv)                            in its epilogue (qkv_rope;
+                                                                      FUSE_ROPE=False: rope_kv)
                o    = paged_attention(q, pages[0..pos])               attn_mma split + combine
                x   += o @ Wo                                          GEMV, residual epilogue
                a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV

@@ -229,6 +229,25 @@ def test_step_variants_parses_variants():
             sv.parse_variant(bad, defaults)
 
 
+def test_ncu_gemv_parses_tilings():
+    """scripts/ncu_gemv.py --tiling: the default tiling of the shape with the given fields."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    from nq.kernels.gemv_int4 import default_tiling
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ncu_gemv.py"
+    spec = importlib.util.spec_from_file_location("ncu_gemv", path)
+    ng = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ng)
+    down = default_tiling("down", 3584, 18944)
+    t = ng.parse_tiling("down", "16,256,prefetch=2")
+    assert (t.ks, t.threads, t.prefetch) == (16, 256, 2) and t.span == down.span
+    assert ng.parse_tiling("gate_up", "4") == default_tiling("gate_up", 18944, 3584)
+    with pytest.raises(TypeError):
+        ng.parse_tiling("down", "16,512,nonsense=1")
+
+
 def test_step_timeline_critical_increments():
     """scripts/step_timeline.py's reading of a CUPTI trace: steps split at the feed kernel,
     each kernel's critical increment (how far it moves the latest end), sums by region."""
