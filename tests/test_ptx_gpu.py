@@ -359,9 +359,10 @@ def k_extras(w, h, f, out, o16, addr, same):
     out[i, 7] = hb
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(out[i, 6]) * 2))
     addr[i] = P.cvta_to_shared_u32_at(tile, (i // 4, i % 8)) - P.cvta_to_shared_u32(tile)
-    # the 32-bit-address twin of the load above: the same 16 bytes (checked bit for bit)
+    # the 32-bit-address twins of the load above: the same 16 (and last 8) bytes, bit for bit
     e, f_, g, h_ = P.ld_shared_v4_u32_at(P.cvta_to_shared_u32(tile) + 16 * (2 * (i // 4) + i % 2))
-    same[i] = (e == a) and (f_ == b) and (g == c) and (h_ == d)
+    u, v = P.ld_shared_v2_u32_at(P.cvta_to_shared_u32(tile) + 16 * (2 * (i // 4) + i % 2) + 8)
+    same[i] = (e == a) and (f_ == b) and (g == c) and (h_ == d) and (u == c) and (v == d)
 
 
 def test_extras():

@@ -310,6 +310,7 @@ def test_ld_shared_v4_twin_and_element_addresses():
     assert int(P.cvta_to_shared_u32_at.twin(flat, 3)) == int(P.cvta_to_shared_u32.twin(flat)) + 24
     # the 32-bit-address load reads the same 16 bytes as the &arr[idx] one
     assert P.ld_shared_v4_u32_at.twin(P.cvta_to_shared_u32_at.twin(tile, (3, 4))) == tuple(tile[3, 4:8])
+    assert P.ld_shared_v2_u32_at.twin(P.cvta_to_shared_u32_at.twin(tile, (1, 6))) == tuple(tile[1, 6:8])
 
 
 def test_mov_b32_bit_casts():

@@ -152,6 +152,9 @@ class Tiling:
     #                      sector groups into L2 at the first load of a run; nothing kept in L1)
     bulk: int = 0        # block_major only: shared-memory stages (2..4) a producer warp fills
     #                      with one cp.async.bulk per (block, step); 0: off (per-lane loads)
+    mma: bool = False    # o_proj/down on the tensor cores (nq/kernels/gemv_mma.py): then ks is
+    #                      the warps a 16-row tile's groups are split over, and the weights
+    #                      have the mma fragment layout (not yet measured on the device)
 
     @property
     def lanes(self) -> int:
@@ -164,7 +167,7 @@ class Tiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_l2p{self.l2_steps}" if self.l2_steps else "")
                 + ("_bm" if self.block_major else "") + ("_st" if self.stream else "")
-                + (f"_bk{self.bulk}" if self.bulk else ""))
+                + (f"_bk{self.bulk}" if self.bulk else "") + ("_mma" if self.mma else ""))
 
     @property
     def block(self) -> int:
@@ -172,11 +175,16 @@ class Tiling:
         return self.threads + (32 if self.bulk else 0)
 
     def rows_per_block(self) -> int:
+        if self.mma:  # 16-row tiles of ks warps each
+            return 16 * (self.threads // 32 // self.ks)
         return (self.threads // self.lanes) * self.rows
 
     def layout(self) -> tuple[int, int]:
         """What fixes the prepared weights' layout: (ks, the rows of a block if block_major
-        else 0).  Tilings with equal layouts read the same uploaded weights."""
+        else 0; (-1, 16) for the mma fragment layout).  Tilings with equal layouts read the
+        same uploaded weights."""
+        if self.mma:
+            return -1, 16
         return self.ks, (self.rows_per_block() if self.block_major else 0)
 
 
@@ -1224,6 +1232,9 @@ def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvRop
 
 def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
     """o_proj: prepare([(o_qw, o_sc)]); call (attn_out fp16, qw, sc, x, stream)."""
+    if tiling is not None and tiling.mma:
+        from nq.kernels.gemv_mma import ResidualMmaGemv
+        return ResidualMmaGemv("o_proj", cfg, cfg.hidden_size, cfg.q_size, tiling)
     return ResidualGemv("o_proj", cfg, cfg.hidden_size, cfg.q_size, cfg.hidden_size, tiling)
 
 
@@ -1235,5 +1246,8 @@ def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> GateUpG
 
 def make_down_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
     """down: prepare([(down_qw, down_sc)]); call (swiglu_out fp16, qw, sc, x, stream)."""
+    if tiling is not None and tiling.mma:
+        from nq.kernels.gemv_mma import ResidualMmaGemv
+        return ResidualMmaGemv("down", cfg, cfg.hidden_size, cfg.intermediate_size, tiling)
     return ResidualGemv("down", cfg, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size,
                         tiling)

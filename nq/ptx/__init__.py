@@ -7,7 +7,8 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               mov_b32_u32_from_f32, mov_b32_f32_from_u32
     memory    ld_global_nc_v4_u32 (+ _na_ and _hint_ variants, createpolicy_evict_first_b64),
               ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_u16, st_global_v4_u32,
-              st_global_u16, ld_shared_v4_u32, ld_shared_v4_u32_at, ld_shared_v4_f32, cvta_to_shared_u32,
+              st_global_u16, ld_shared_v4_u32, ld_shared_v4_u32_at, ld_shared_v2_u32_at,
+              ld_shared_v4_f32, cvta_to_shared_u32,
               cvta_to_shared_u32_at
     half      fma_rn_f16x2, mul_rn_f16x2, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
               pack_f16x2_from_f32, unpack_f16x2_to_f32
@@ -32,7 +33,7 @@ from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            cvta_to_shared_u32_at, ld_global_nc_hint_v4_u32, ld_global_nc_na_v4_u32,
                            ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
                            ld_global_nc_v4_u32, ld_shared_v4_f32, ld_shared_v4_u32,
-                           ld_shared_v4_u32_at, st_global_u16,
+                           ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
                            st_global_v4_u32)
 from nq.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
 from nq.ptx.permute import (LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop3_b32,
@@ -45,7 +46,7 @@ __all__ = [
     "ld_global_nc_v4_u32", "ld_global_nc_na_v4_u32", "ld_global_nc_hint_v4_u32",
     "createpolicy_evict_first_b64", "ld_global_nc_v2_u32", "ld_global_nc_v4_f32",
     "ld_global_nc_u16", "st_global_v4_u32", "st_global_u16", "ld_shared_v4_u32",
-    "ld_shared_v4_u32_at",
+    "ld_shared_v4_u32_at", "ld_shared_v2_u32_at",
     "ld_shared_v4_f32",
     "cvta_to_shared_u32", "cvta_to_shared_u32_at",
     "fma_rn_f16x2", "mul_rn_f16x2", "add_rn_f16x2", "cvt_f32_f16", "cvt_rn_f16_f32",

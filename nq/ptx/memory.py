@@ -149,6 +149,13 @@ def ld_shared_v4_u32_at(addr):
     return tuple(_sim.shared_bytes(addr, 16).view(np.uint32))
 
 
+@ptx("ld.shared.v2.u32 {%0, %1}, [%2];", out=("u32",) * 2, args=("u32",), effect="load")
+def ld_shared_v2_u32_at(addr):
+    """`ld.shared.v2.u32 {d0, d1}, [addr];` -- 8 bytes of shared at a 32-bit address (8-aligned):
+    the tensor-core GEMV's B fragment (two fp16 pairs) in one load."""
+    return tuple(_sim.shared_bytes(addr, 8).view(np.uint32))
+
+
 @ptx("{ .reg .u64 nq_sa; cvta.to.shared.u64 nq_sa, %4; "
      "ld.shared.v4.f32 {%0, %1, %2, %3}, [nq_sa]; }",
      out=("f32",) * 4, args=("arr", "idx"), effect="load")

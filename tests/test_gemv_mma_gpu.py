@@ -1,0 +1,66 @@
+"""GPU tests of the tensor-core residual GEMV (nq/kernels/gemv_mma.py; H200: -m gpu).
+
+Tolerance 1e-4 of the reference's norm: the products of fp16 activations and small integers are
+exact in fp32 and each group's sum is fp32 inside the mma, scaled in fp32, so only fp32
+summation order differs from the reference (gemv_int4's fp16 partials need 5e-3).  Outputs
+are the residual x + W.a; x is random, so an unwritten row fails.
+"""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+from numba import cuda  # noqa: E402  (the marker deselects this module on CPU-only runs)
+
+from nq.config import PRESETS  # noqa: E402
+from nq.kernels import gemv_int4 as G  # noqa: E402
+from nq.kernels import gemv_mma as M  # noqa: E402
+from nq.loader.quant import dequantize_packed  # noqa: E402
+
+TOL = 1e-4
+T = G.Tiling
+
+
+def run(kind, n, k, tiling, seed):
+    rng = np.random.default_rng(seed)
+    qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
+    a = (rng.standard_normal(k) * 3).astype(np.float16)
+    a[rng.integers(0, k)] = 3000.0                     # a "massive activation" channel
+    x = rng.standard_normal(n).astype(np.float32)
+    g = M.ResidualMmaGemv(kind, PRESETS["7b"], n, k, tiling)
+    pq, ps = g.prepare([(qw, sc)])
+    xd = cuda.to_device(x)
+    g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd, 0)
+    got = xd.copy_to_host().astype(np.float64)
+    ref = M.ref_residual(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
+    return got, ref, x
+
+
+@pytest.mark.parametrize("kind,n,k,tiling", [
+    ("down", 3584, 18944, T(ks=8, threads=512, mma=True)),     # 2 tiles a block, 112 blocks
+    ("down", 3584, 18944, T(ks=16, threads=512, mma=True)),    # 1 tile a block, 224 blocks
+    ("down", 3584, 18944, T(ks=4, threads=256, mma=True)),
+    ("o_proj", 3584, 3584, T(ks=4, threads=256, mma=True)),    # 28 groups over 4 warps
+    ("o_proj", 3584, 3584, T(ks=8, threads=512, mma=True)),    # 28 over 8: short last pair
+    ("down", 896, 4864, T(ks=4, threads=384, mma=True)),       # 0.5B: 56 tiles over blocks of 3
+    ("o_proj", 48, 384, T(ks=2, threads=128, mma=True)),       # a clamped tile in the last block
+])
+def test_mma_gemv_against_the_reference(kind, n, k, tiling):
+    got, ref, x = run(kind, n, k, tiling, seed=n + k + tiling.ks)
+    assert np.isfinite(got).all()
+    err = np.linalg.norm((got - x) - (ref - x)) / np.linalg.norm(ref - x)
+    assert err < TOL, (tiling.tag(), err)
+
+
+def test_mma_gemv_is_deterministic():
+    t = T(ks=8, threads=512, mma=True)
+    a, _, _ = run("down", 3584, 18944, t, seed=3)
+    b, _, _ = run("down", 3584, 18944, t, seed=3)
+    assert np.array_equal(a, b)   # one writer per row, the warps' partials added in a fixed order
+
+
+def test_mma_gemv_does_not_spill_on_the_device():
+    # through make_down_gemv, as the engine and scripts/step_variants.py build it
+    kern = G.make_down_gemv(PRESETS["7b"], T(ks=8, threads=512, mma=True)).kernel
+    assert kern.get_local_mem_per_thread() == 0, kern.get_regs_per_thread()
