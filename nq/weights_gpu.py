@@ -83,7 +83,7 @@ def upload(nf, stream=0) -> DeviceWeights:
 
     from nq.kernels.gemv_int4 import chunk_permutation
     from nq.kernels.retile import _jit as compile_retile
-    from nq.kernels.retile import retile
+    from nq.kernels.retile import retile, retile_mma
 
     cfg = nf.config
     g = gemvs(cfg)     # JIT compilation (~12 s for the 7B's kernels) is not part of load_s
@@ -106,7 +106,7 @@ def upload(nf, stream=0) -> DeviceWeights:
         gm = g[kind]
         k8 = gm.k // 8
         key = (gm.k, gm.tiling.ks)
-        if key not in perms:
+        if key not in perms and not gm.tiling.mma:
             perms[key] = dev(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32))
         src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
         qw = cuda.device_array((gm.n_rows, k8), np.uint32)
@@ -127,8 +127,11 @@ def upload(nf, stream=0) -> DeviceWeights:
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
                              f"{gm.n_rows}")
-        ks, rows_per_block = gm.tiling.layout()
-        retile(src, qw, perms[key], stream, (ks, rows_per_block) if rows_per_block else None)
+        if gm.tiling.mma:
+            retile_mma(src, qw, stream)
+        else:
+            ks, rows_per_block = gm.tiling.layout()
+            retile(src, qw, perms[key], stream, (ks, rows_per_block) if rows_per_block else None)
         return qw, sc
 
     layers = []

@@ -60,6 +60,7 @@ def test_retile_reference_is_the_gemv_tiling_and_compiles():
     ptx = compile_ptx_sm90(retile._retile_bm, retile.RETILE_BM_SIG)
     assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
     assert_no_local_memory(ptx)
+    assert_no_local_memory(compile_ptx_sm90(retile._retile_mma, retile.RETILE_MMA_SIG))
 
 
 RETILE_SIM = """
@@ -78,11 +79,19 @@ for n, k, ks, rpb in ((40, 640, 2, 16), (37, 1152, 5, 8), (16, 256, 2, 16)):
         want = (retile.retile_reference(src, perm) if bm is None
                 else retile.retile_block_major_reference(src, perm, ks, rpb))
         print(f"n{n}_ks{ks}_{'bm' if bm else 'rows'}", int(np.count_nonzero(dst.copy_to_host() != want)))
+# the tensor-core GEMV's fragment layout: whole 16-row tiles, 1 and 3 groups a row
+from nq.kernels.gemv_mma import mma_layout
+for n, k in ((16, 128), (48, 384)):
+    src = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    dst = cuda.to_device(np.zeros_like(src))
+    retile.retile_mma(cuda.to_device(src), dst)
+    print(f"n{n}_k{k}_mma", int(np.count_nonzero(dst.copy_to_host() != mma_layout(src))))
 """
 
 
 def test_retile_kernels_under_the_simulator():
-    """Both re-tiling kernels (row-major and block-major destination) against the NumPy ones."""
+    """The re-tiling kernels (row-major, block-major and mma destinations) against the NumPy
+    references."""
     from ptx_util import run_under_simulator
     errs, out = run_under_simulator(RETILE_SIM, timeout=600)
-    assert len(errs) == 6 and not any(errs.values()), out
+    assert len(errs) == 8 and not any(errs.values()), out

@@ -174,6 +174,19 @@ def test_retile_block_major_on_the_gpu(n, k, ks, rpb):
                                   retile.retile_block_major_reference(src, perm, ks, rpb))
 
 
+@pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (896, 4864)])
+def test_retile_mma_on_the_gpu(n, k):
+    """The tensor-core GEMV's fragment layout (Tiling.mma's upload) against gemv_mma.mma_layout."""
+    from numba import cuda
+
+    from nq.kernels import retile
+    from nq.kernels.gemv_mma import mma_layout
+    src = np.random.default_rng(n + k).integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    dst = cuda.device_array_like(src)
+    retile.retile_mma(cuda.to_device(src), dst)
+    np.testing.assert_array_equal(dst.copy_to_host(), mma_layout(src))
+
+
 def test_upload_retiles_on_the_gpu_exactly_as_prepare(model):
     """weights_gpu.upload permutes on the device; gemv.prepare is the host reference."""
     from nq.weights_gpu import gemvs

@@ -10,7 +10,8 @@ at memory speed.  The file's layout is uploaded as it is into a staging buffer, 
 with one thread per destination chunk.  `gemv_int4.tile_rows` is the NumPy reference.  For a
 block-major tiling (`Tiling.block_major`) the destination is the flat array of
 `gemv_int4.block_major_rows`: each chunk's place is computed from its row and word (block,
-step, row in the block), in the same kernel pass.
+step, row in the block), in the same kernel pass.  For the tensor-core GEMV (`Tiling.mma`)
+`retile_mma` gathers each fragment word's 8 nibbles from two rows (`gemv_mma.mma_layout`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,43 @@ def _retile_bm(src, dst, perm, ks, rpb):
 RETILE_BM_SIG = "void(uint32[:, ::1], uint32[::1], int32[::1], int64, int64)"
 
 
+def _retile_mma(src, dst):
+    # dst (N*K/8,) uint32 in gemv_mma's fragment order [tile][group][lane][8 words], one thread
+    # a word: lane (g, t)'s word of k16 chunk i gathers W[g|g+8, 2t, 2t+1, 2t+8, 2t+9] of the
+    # chunk from the file's ValueShuffle words (value v of a word sits in slot v/2 if v is
+    # even, 4 + v//2 if odd: columns 2t, 2t+1 are slots t and 4+t of the chunk's first word,
+    # 2t+8, 2t+9 the same slots of its second)
+    n = src.shape[0]
+    k8 = src.shape[1]
+    groups = k8 // 16
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    total = n * k8
+    while i < total:
+        c = i % 8                       # chunk in the group
+        lane = (i // 8) % 32
+        grp = (i // 256) % groups
+        tile = i // (256 * groups)
+        g = lane >> 2
+        t = lane & 3
+        r0 = tile * 16 + g
+        w = grp * 16 + c * 2           # the chunk's first file word in the row
+        a0 = src[r0, w]
+        a1 = src[r0, w + 1]
+        b0 = src[r0 + 8, w]
+        b1 = src[r0 + 8, w + 1]
+        lo = 4 * t
+        hi = 4 * (t + 4)
+        word = (((a0 >> lo) & 0xF) | ((b0 >> lo) & 0xF) << 4 | ((a1 >> lo) & 0xF) << 8
+                | ((b1 >> lo) & 0xF) << 12 | ((a0 >> hi) & 0xF) << 16 | ((b0 >> hi) & 0xF) << 20
+                | ((a1 >> hi) & 0xF) << 24 | ((b1 >> hi) & 0xF) << 28)
+        dst[i] = word
+        i += stride
+
+
+RETILE_MMA_SIG = "void(uint32[:, ::1], uint32[::1])"
+
+
 @functools.cache
 def _jit():
     return cuda.jit(RETILE_SIG)(_retile)
@@ -90,6 +128,23 @@ def _jit():
 @functools.cache
 def _jit_bm():
     return cuda.jit(RETILE_BM_SIG)(_retile_bm)
+
+
+@functools.cache
+def _jit_mma():
+    return cuda.jit(RETILE_MMA_SIG)(_retile_mma)
+
+
+def retile_mma(src, dst, stream=0) -> None:
+    """File-layout (N, K/8) words -> gemv_mma's fragment layout in dst (same shape; the NumPy
+    reference is gemv_mma.mma_layout).  N must be a multiple of 16."""
+    if src.shape != dst.shape or src.dtype != np.uint32 or dst.dtype != np.uint32:
+        raise ValueError(f"retile_mma: src {src.dtype}{src.shape} and dst {dst.dtype}{dst.shape} "
+                         "must be equal-shape uint32")
+    if src.shape[0] % 16 or src.shape[1] % 16:
+        raise ValueError(f"retile_mma: {src.shape} is not whole 16-row tiles of 128-weight groups")
+    blocks = min(4096, -(-src.shape[0] * src.shape[1] // THREADS))
+    _jit_mma()[blocks, THREADS, stream](src, dst.reshape(dst.size))
 
 
 def retile(src, dst, perm, stream=0, block_major=None) -> None:
