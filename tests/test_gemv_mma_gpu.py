@@ -1,4 +1,4 @@
-"""GPU tests of the tensor-core residual GEMV (nq/kernels/gemv_mma.py; H200: -m gpu).
+"""GPU tests of the tensor-core GEMVs (nq/kernels/gemv_mma.py; H200: -m gpu).
 
 Tolerance 1e-4 of the reference's norm: the products of fp16 activations and small integers are
 exact in fp32 and each group's sum is fp32 inside the mma, scaled in fp32, so only fp32
@@ -51,6 +51,31 @@ def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     assert np.isfinite(got).all()
     err = np.linalg.norm((got - x) - (ref - x)) / np.linalg.norm(ref - x)
     assert err < TOL, (tiling.tag(), err)
+
+
+@pytest.mark.parametrize("n,k,tiling", [
+    (18944, 3584, T(ks=4, threads=256, mma=True)),     # the 7B: 2 tiles a block, 592 blocks
+    (18944, 3584, T(ks=2, threads=256, mma=True, min_blocks=3)),
+    (4864, 896, T(ks=7, threads=448, mma=True)),       # 0.5B: 7 groups, one a warp
+    (48, 384, T(ks=2, threads=128, mma=True)),         # a clamped spare tile
+])
+def test_mma_gate_up_against_the_reference(n, k, tiling):
+    """gate_up on the tensor cores: fp16 output (2^-11 a element) of fp32 sums, so 1e-3."""
+    rng = np.random.default_rng(n + tiling.ks)
+    parts = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
+              rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)) for _ in range(2)]
+    x = (rng.standard_normal(k) * 2).astype(np.float32)
+    x[rng.integers(0, k)] = 900.0                       # a "massive activation" channel
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+    g = M.GateUpMmaGemv(PRESETS["7b"], n, k, tiling)
+    pq, ps = g.prepare(parts)
+    out = cuda.to_device(np.full(n, np.nan, np.float16))
+    g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out, 0)
+    got = out.copy_to_host().astype(np.float64)
+    ref = G.ref_gate_up(x, nw, PRESETS["7b"].rms_norm_eps,
+                        *(dequantize_packed(q, s) for q, s in parts))
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3, tiling.tag()
 
 
 def test_mma_gemv_is_deterministic():

@@ -133,6 +133,15 @@ def ref_gate_up(x, norm_w, eps, w_gate, w_up):
     return swiglu(linear(h, w_gate), linear(h, w_up))
 
 
+def pow2_scale_f32(m):
+    """(f, 1/f): powers of two with m*f in [128, 256) (clamped to 2^+-100 for 0 and tiny m).
+    A device function body (the kernels wrap it); the activations' per-group exact scaling."""
+    e = np.int32((mov_b32_u32_from_f32(m) >> _SH23) & 0xFF)
+    ef = min(max(134 - e, -100), 100)
+    return (mov_b32_f32_from_u32(uint32((ef + 127) << 23)),
+            mov_b32_f32_from_u32(uint32((127 - ef) << 23)))
+
+
 # ---- the tile layout (NumPy model; the kernel's address arithmetic mirrors it) ---------------
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +161,7 @@ class Tiling:
     #                      sector groups into L2 at the first load of a run; nothing kept in L1)
     bulk: int = 0        # block_major only: shared-memory stages (2..4) a producer warp fills
     #                      with one cp.async.bulk per (block, step); 0: off (per-lane loads)
-    mma: bool = False    # o_proj/down on the tensor cores (nq/kernels/gemv_mma.py): then ks is
+    mma: bool = False    # o_proj/down/gate_up on the tensor cores (nq/kernels/gemv_mma.py): ks is
     #                      the warps a 16-row tile's groups are split over, and the weights
     #                      have the mma fragment layout (not yet measured on the device)
 
@@ -546,12 +555,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % RL) < n_out, s, j)
         return r0, r1, r2, r3
 
-    def pow2_scale(m):
-        # (f, 1/f): powers of two with m*f in [128, 256) (clamped to 2^+-100 for 0 and tiny m)
-        e = np.int32((mov_b32_u32_from_f32(m) >> _SH23) & 0xFF)
-        ef = min(max(134 - e, -100), 100)
-        return (mov_b32_f32_from_u32(uint32((ef + 127) << 23)),
-                mov_b32_f32_from_u32(uint32((127 - ef) << 23)))
+    pow2_scale = pow2_scale_f32
 
     def piece_load(xin, norm_w, g, lane):
         # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
@@ -1241,6 +1245,9 @@ def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> Residual
 def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> GateUpGemv:
     """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix."""
     i = cfg.intermediate_size
+    if tiling is not None and tiling.mma:
+        from nq.kernels.gemv_mma import GateUpMmaGemv
+        return GateUpMmaGemv(cfg, i, cfg.hidden_size, tiling)
     return GateUpGemv(cfg, i, cfg.hidden_size, 2 * i, tiling)
 
 

@@ -1,4 +1,5 @@
-"""The residual INT4 GEMVs (o_proj, down: x += W . a) with the dot products on the tensor cores.
+"""INT4 GEMVs with the dot products on the tensor cores: o_proj and down (x += W . a) and
+gate_up (silu(Wg . h) * (Wu . h), h = rmsnorm(x)).
 
 Why: ncu reads the CUDA-core GEMV (gemv_int4) for down as issue-bound, not memory-bound (0.61
 instructions issued a cycle per scheduler, DRAM at 38 % of peak; docs/KERNELS_GEMV.md).  Per 8
@@ -23,6 +24,11 @@ coordinates).  Memory order: [tile][group][lane][8 words] -- a group (128 column
 of a tile is 1 KB, each lane's 32 bytes of it two 16-byte loads.  Scales stay in the file's
 (N, K/128) layout (a lane reads rows g and g+8).
 
+gate_up's warp holds a tile of gate rows and the same rows of up (the stacked matrix's tile
++ N/16), so each B fragment serves 32 rows; its activations are staged as gemv_int4 stages
+them (x * norm_w times a power of two f_g per group that puts the group's absmax in [128,
+256): exact, and fp16 cannot overflow), the group sums are scaled by 1/f_g, the rows by rstd.
+
 A block is TILES = threads / 32 / ks row tiles of 16 rows; the `ks` warps of a tile split its
 groups (warp w: groups w, w + ks, ...), each accumulating fp32 `mma(A, B) * scale` per group
 (the products of fp16 are exact, the sums fp32: closer to the fp64 reference than gemv_int4's
@@ -35,22 +41,25 @@ and one thread a row adds them in a fixed order: deterministic, one writer per x
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kernels.gemv_int4 import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
-                                  _SH8, _SIXTEENTH, Tiling, _need, ref_o_proj)
+                                  _SH8, _SIXTEENTH, Tiling, _need, pow2_scale_f32, ref_o_proj)
 from nq.loader.quant import unpack_value_shuffle
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvta_to_shared_u32,
-                    fma_rn_f16x2, griddepcontrol_launch_dependents, griddepcontrol_wait,
-                    ld_global_nc_u16, ld_global_nc_v4_u32, ld_shared_v2_u32_at, lop3_b32,
-                    mma_sync_m16n8k16_f16_f32)
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
+                    cvta_to_shared_u32, fma_rn_f16x2, griddepcontrol_launch_dependents,
+                    griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32,
+                    ld_global_nc_v4_f32, ld_global_nc_v4_u32, ld_shared_v2_u32_at, lop3_b32,
+                    mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, st_global_u16,
+                    unpack_f16x2_to_f32)
 
 TILE = 16          # rows of an mma tile (m16)
 CHUNK = 16         # columns of an mma step (k16)
-KINDS = ("o_proj", "down")
+KINDS = ("o_proj", "down", "gate_up")
 ref_residual = ref_o_proj   # x + W . a, both kinds
 
 
@@ -117,22 +126,29 @@ def check_tiling(n_out: int, k: int, t: Tiling) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(kind: str, n_out: int, k: int, t: Tiling):
-    """The cuda.jit kernel body and its signature: x (N,) fp32 += W . a, a (K,) fp16."""
+def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
+    """The cuda.jit kernel body and its signature.  o_proj / down: x (N,) fp32 += W . a, a (K,)
+    fp16.  gate_up: out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w), with the
+    weights [gate; up] stacked (2I rows): a warp's tile of gate rows and the same rows of up
+    share each B fragment."""
     if kind not in KINDS:
-        raise ValueError(f"gemv_mma: kind {kind!r} is not one of {KINDS} (x += W . a)")
+        raise ValueError(f"gemv_mma: kind {kind!r} is not one of {KINDS}")
     check_tiling(n_out, k, t)
     KW = t.ks
     TPB = t.threads
-    TILES = TPB // 32 // KW
+    WARPS = TPB // 32
+    TILES = WARPS // KW
     G = k // GROUP_SIZE
     NT = n_out // TILE
+    NMAT = 2 if kind == "gate_up" else 1
     NPAIR = -(-G // (2 * KW))         # two-group iterations of a warp (the last may be short)
     CH = k // CHUNK                   # k16 chunks
     AW = k // 2                       # staged activation words (fp16 pairs)
-    RED = TILES * KW * TILE           # the warps' row partials
-    STAGE = -(-CH // TPB)
-    ZERO = uint32(0)
+    RED = TILES * KW * TILE * NMAT    # the warps' row partials
+    STAGE = -(-CH // TPB)             # residual kinds: chunks a thread stages
+    NSTAGE = -(-G // WARPS)           # gate_up: groups a warp stages
+    EPS = np.float32(eps)
+    INV_K = np.float32(1.0 / k)
 
     def load_group(qw, sc, wbase, sbase, grp):
         # the lane's 8 words of group grp of its tile (words from wbase, 256 a group) and the
@@ -144,8 +160,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling):
         s1 = uint32(ld_global_nc_u16(sc, sbase + 8 * G + grp))
         return (w0, w1, w2, w3, w4, w5, w6, w7, s0, s1)
 
-    def mma_word(q, baddr, d):
-        # one k16 chunk: the word's 8 weights as the A fragment, the staged activations as B
+    def dequant_mma(q, b0, b1, d):
+        # one k16 chunk: the word's 8 weights as the A fragment (gemv_int4's dequant), times B
         lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
         hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
         q8 = q >> _SH8
@@ -155,26 +171,36 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling):
         a1 = fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72)
         a2 = add_rn_f16x2(lo1, _NEG1032)
         a3 = fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72)
-        b0, b1 = ld_shared_v2_u32_at(baddr)
         return mma_sync_m16n8k16_f16_f32(a0, a1, a2, a3, b0, b1, d[0], d[1], d[2], d[3])
 
-    def group_dot(cur, abase, grp, t4):
-        """(row g, row g+8) fp32 sums of one group, times their scales.  Written out, not
-        looped: the tuple's elements need literal indices to stay in registers."""
-        z = float32(0.0)
-        d = (z, z, z, z)
-        b = abase + uint32(grp * (GROUP_SIZE // CHUNK) * 32) + uint32(t4 * 8)  # chunk stride 32 B
-        d = mma_word(cur[0], b, d)
-        d = mma_word(cur[1], b + uint32(32), d)
-        d = mma_word(cur[2], b + uint32(64), d)
-        d = mma_word(cur[3], b + uint32(96), d)
-        d = mma_word(cur[4], b + uint32(128), d)
-        d = mma_word(cur[5], b + uint32(160), d)
-        d = mma_word(cur[6], b + uint32(192), d)
-        d = mma_word(cur[7], b + uint32(224), d)
-        return d[0] * cvt_f32_f16(cur[8]), d[2] * cvt_f32_f16(cur[9])
+    def chunk(qa, qb, baddr, da, db):
+        # the chunk's B fragment, loaded once, against the tile (and, gate_up, the up tile)
+        b0, b1 = ld_shared_v2_u32_at(baddr)
+        da = dequant_mma(qa, b0, b1, da)
+        if NMAT == 2:
+            db = dequant_mma(qb, b0, b1, db)
+        return da, db
 
-    def stage(a, act):
+    def group_dot(ca, cb, abase, grp, t4):
+        """Rows g and g+8 of one group (and of the up tile, gate_up), fp32, times their weight
+        scales.  Written out, not looped: tuple elements need literal indices to stay in
+        registers.  cb is the up tile's loads (gate_up) or ca again (unused)."""
+        z = float32(0.0)
+        da = (z, z, z, z)
+        db = da
+        b = abase + uint32(grp * (GROUP_SIZE // CHUNK) * 32) + uint32(t4 * 8)  # chunk stride 32 B
+        da, db = chunk(ca[0], cb[0], b, da, db)
+        da, db = chunk(ca[1], cb[1], b + uint32(32), da, db)
+        da, db = chunk(ca[2], cb[2], b + uint32(64), da, db)
+        da, db = chunk(ca[3], cb[3], b + uint32(96), da, db)
+        da, db = chunk(ca[4], cb[4], b + uint32(128), da, db)
+        da, db = chunk(ca[5], cb[5], b + uint32(160), da, db)
+        da, db = chunk(ca[6], cb[6], b + uint32(192), da, db)
+        da, db = chunk(ca[7], cb[7], b + uint32(224), da, db)
+        return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
+                db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
+
+    def stage_fp16(a, act):
         # chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7): lane t's B
         # fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
         for it in range(STAGE):
@@ -192,106 +218,252 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling):
                 act[w + 6] = p3
                 act[w + 7] = p7
 
-    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
-    load_group, mma_word, group_dot, stage = (dev(f) for f in (load_group, mma_word, group_dot, stage))
-
-    def kernel(a, qw, sc, x):
-        act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
-        red = cuda.shared.array(RED, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
-        g = lane >> 2
-        t4 = lane & 3
-        tl = warp // KW
-        kw = warp - tl * KW
-        # a tile past the matrix (the last block's) is clamped: it loads words that exist and
-        # its sums are not written
-        tile = min(cuda.blockIdx.x * TILES + tl, NT - 1)
-        wbase = (tile * G * 32 + lane) * 8
-        sbase = (tile * TILE + g) * G
-        # weights depend on nothing upstream: the first group's loads go before the wait
-        ga_buf = load_group(qw, sc, wbase, sbase, min(kw, G - 1))
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        stage(a, act)
+    def stage_norm(x, norm_w, act, invf, ssum):
+        """gate_up: stage x * norm_w in the same order, each group multiplied by the power of
+        two f_g that puts its absmax in [128, 256) (exact; fp16 cannot overflow whatever x
+        holds; invf[g] = 1/f_g undoes it in fp32), and return rstd.  A warp stages groups
+        warp, warp + WARPS, ...; lane l holds the group's values 4l..4l+3: pairs 2(l%4) and
+        2(l%4)+1 of chunk l//4, which land at words 2j (j < 4) or 2(j-4)+1 of the chunk."""
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.threadIdx.x >> 5
+        ss = float32(0.0)
+        for it in range(NSTAGE):
+            grp = it * WARPS + warp
+            base = min(grp, G - 1) * GROUP_SIZE + lane * 4
+            x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+            n0, n1 = unpack_f16x2_to_f32(w01)
+            n2, n3 = unpack_f16x2_to_f32(w23)
+            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+            m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
+            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
+            f, fi = pow2_scale(m)
+            if grp < G:
+                ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
+                w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8 + (2 * j if j < 4 else 2 * j - 7)
+                act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+                act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                if lane == 0:
+                    invf[grp] = fi
+        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 16)
+        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 8)
+        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 4)
+        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
+        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
+        if lane == 0:
+            ssum[warp] = ss
         cuda.syncthreads()
-        abase = cvta_to_shared_u32(act)
+        tot = float32(0.0)
+        for w_ in range(WARPS):
+            tot += ssum[w_]
+        return float32(1.0) / math.sqrt(tot * INV_K + EPS)
+
+    def mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf):
+        """The warp's groups kw, kw + KW, ..., two an iteration, into two register sets that
+        take turns (no copies): each group's loads are issued a group ahead of its math.  The
+        conditions are the same for the whole warp: the mma sees all 32 lanes.  ca/cb: the
+        first group's loads (issued before griddepcontrol.wait)."""
         acc0 = float32(0.0)
         acc1 = float32(0.0)
-        # The warp's groups kw, kw + KW, ... two an iteration, into two register sets that
-        # take turns (no copies): each group's loads are issued a group ahead of its math.
-        # The conditions are the same for the whole warp: the mma sees all 32 lanes.
+        acc2 = float32(0.0)
+        acc3 = float32(0.0)
         for it in range(NPAIR):
             ga = kw + 2 * it * KW
             gb = ga + KW
-            gb_buf = load_group(qw, sc, wbase, sbase, min(gb, G - 1))
+            na = load_group(qw, sc, wa, sa, min(gb, G - 1))
+            nb = na
+            if NMAT == 2:
+                nb = load_group(qw, sc, wb, sb, min(gb, G - 1))
             if ga < G:
-                v0, v1 = group_dot(ga_buf, abase, ga, t4)
-                acc0 += v0
-                acc1 += v1
-            ga_buf = load_group(qw, sc, wbase, sbase, min(gb + KW, G - 1))
+                v0, v1, v2, v3 = group_dot(ca, cb, abase, ga, t4)
+                fi = invf[ga] if NMAT == 2 else float32(1.0)
+                acc0 += v0 * fi
+                acc1 += v1 * fi
+                acc2 += v2 * fi
+                acc3 += v3 * fi
+            ca = load_group(qw, sc, wa, sa, min(gb + KW, G - 1))
+            if NMAT == 2:
+                cb = load_group(qw, sc, wb, sb, min(gb + KW, G - 1))
+            else:
+                cb = ca
             if gb < G:
-                v0, v1 = group_dot(gb_buf, abase, gb, t4)
-                acc0 += v0
-                acc1 += v1
+                v0, v1, v2, v3 = group_dot(na, nb, abase, gb, t4)
+                fi = invf[gb] if NMAT == 2 else float32(1.0)
+                acc0 += v0 * fi
+                acc1 += v1 * fi
+                acc2 += v2 * fi
+                acc3 += v3 * fi
+        return acc0, acc1, acc2, acc3
+
+    def roles():
+        # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
+        # matrix: the last block's spare tile loads words that exist and is not written)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        tl = warp // KW
+        tile = min(cuda.blockIdx.x * TILES + tl, NT - 1)
+        return lane, lane >> 2, lane & 3, tl, warp - tl * KW, tile
+
+    def put_partials(red, tl, kw, g, t4, acc):
+        # lane t = 0 of each row pair: the warp's sums of rows g, g+8 (and the up tile's)
         if t4 == 0:
-            red[(tl * KW + kw) * TILE + g] = acc0
-            red[(tl * KW + kw) * TILE + g + 8] = acc1
-        cuda.syncthreads()
-        if tid < TILES * TILE:
-            r = tid % TILE
-            tl2 = tid // TILE
-            s = float32(0.0)
-            for w_ in range(KW):
-                s += red[(tl2 * KW + w_) * TILE + r]
-            row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
-            if row < n_out:
-                x[row] += s
+            o = (tl * KW + kw) * TILE * NMAT + g
+            red[o] = acc[0]
+            red[o + 8] = acc[1]
+            if NMAT == 2:
+                red[o + TILE] = acc[2]
+                red[o + TILE + 8] = acc[3]
+
+    def row_sum(red, tl, r, m):
+        # row r of tile tl (matrix m: 0, or 1 for up): the KW warps' partials in a fixed order
+        s = float32(0.0)
+        for w_ in range(KW):
+            s += red[(tl * KW + w_) * TILE * NMAT + m * TILE + r]
+        return s
+
+    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
+    pow2_scale = dev(pow2_scale_f32)
+    load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, mainloop, roles, \
+        put_partials, row_sum = (dev(f) for f in (
+            load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, mainloop, roles,
+            put_partials, row_sum))
+
+    if NMAT == 1:
+        def kernel(a, qw, sc, x):
+            act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(RED, float32)
+            lane, g, t4, tl, kw, tile = roles()
+            wa = (tile * G * 32 + lane) * 8
+            sa = (tile * TILE + g) * G
+            # weights depend on nothing upstream: the first group's loads go before the wait
+            ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
+            griddepcontrol_wait()
+            griddepcontrol_launch_dependents()
+            stage_fp16(a, act)
+            cuda.syncthreads()
+            # (red stands in for invf, which only gate_up reads)
+            acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wa, sa, kw, t4, ca, ca, red)
+            put_partials(red, tl, kw, g, t4, acc)
+            cuda.syncthreads()
+            tid = cuda.threadIdx.x
+            if tid < TILES * TILE:
+                tl2 = tid // TILE
+                row = (cuda.blockIdx.x * TILES + tl2) * TILE + tid % TILE
+                if row < n_out:
+                    x[row] += row_sum(red, tl2, tid % TILE, 0)
+        sig = "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
+    else:
+        def kernel(x, norm_w, qw, sc, out):
+            act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(RED, float32)
+            invf = cuda.shared.array(G, float32)
+            ssum = cuda.shared.array(WARPS, float32)
+            lane, g, t4, tl, kw, tile = roles()
+            wa = (tile * G * 32 + lane) * 8                  # gate rows: tile
+            sa = (tile * TILE + g) * G
+            wb = ((tile + NT) * G * 32 + lane) * 8           # up rows: the same rows, NT tiles on
+            sb = ((tile + NT) * TILE + g) * G
+            ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
+            cb = load_group(qw, sc, wb, sb, min(kw, G - 1))
+            griddepcontrol_wait()
+            griddepcontrol_launch_dependents()
+            rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+            acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wb, sb, kw, t4, ca, cb, invf)
+            put_partials(red, tl, kw, g, t4, acc)
+            cuda.syncthreads()
+            tid = cuda.threadIdx.x
+            if tid < TILES * TILE:
+                tl2 = tid // TILE
+                r = tid % TILE
+                row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
+                if row < n_out:
+                    gt = row_sum(red, tl2, r, 0) * rstd
+                    up = row_sum(red, tl2, r, 1) * rstd
+                    y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv_int4's put_swiglu
+                    st_global_u16(out, row, cvt_rn_f16_f32(y))
+        sig = "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
 
     kernel.__name__ = f"gemv_mma_{kind}_n{n_out}_k{k}_{t.tag()}"
     kernel.__qualname__ = kernel.__name__
-    return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
+    return kernel, sig
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind, n_out, k, t):
-    pyfunc, sig = build_kernel(kind, n_out, k, t)
+def _compiled(kind, n_out, k, t, eps):
+    pyfunc, sig = build_kernel(kind, n_out, k, t, eps)
     if SIMULATOR:
         return cuda.jit(pyfunc)
     bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
     return cuda.jit(sig, launch_bounds=bounds)(pyfunc)
 
 
-class ResidualMmaGemv:
-    """o_proj / down on the tensor cores: the interface of gemv_int4.ResidualGemv (prepare once
-    on the host, then `g(a, qw, sc, x, stream)`), with its own weight layout (`mma_layout`)."""
+class _MmaGemv:
+    """A compiled tensor-core GEMV: gemv_int4's launcher interface (prepare once on the host,
+    then call), with its own weight layout (`mma_layout`; upload: `retile.retile_mma`)."""
 
-    def __init__(self, kind: str, cfg: ModelConfig, n_out: int, k: int, tiling: Tiling):
+    kind = ""
+
+    def __init__(self, cfg: ModelConfig, n_out: int, k: int, tiling: Tiling):
         check_tiling(n_out, k, tiling)
-        self.kind, self.n_out, self.k, self.n_rows, self.tiling = kind, n_out, k, n_out, tiling
-        self.kernel = _compiled(kind, n_out, k, tiling)
+        self.n_out, self.k, self.tiling = n_out, k, tiling
+        self.n_rows = n_out * (2 if self.kind == "gate_up" else 1)   # weight rows
+        self.kernel = _compiled(self.kind, n_out, k, tiling, float(cfg.rms_norm_eps))
         self.block = tiling.threads
         self.smem = 0
         self.grid = -(-n_out // tiling.rows_per_block())
-        self.name = f"gemv_mma_{kind}_n{n_out}_k{k}_{tiling.tag()}"
+        self.name = f"gemv_mma_{self.kind}_n{n_out}_k{k}_{tiling.tag()}"
 
     def prepare(self, parts):
-        """[(qweight (N, K/8) uint32, scales (N, K/128) fp16)] in file layout -> (qw, sc)."""
-        if len(parts) != 1:
-            raise ValueError(f"{self.name}: prepare takes one (qweight, scales) pair, got {len(parts)}")
-        q, s = (np.asarray(p) for p in parts[0])
-        if q.dtype != np.uint32 or q.shape != (self.n_out, self.k // 8):
-            raise ValueError(f"{self.name}: qweight must be uint32 {(self.n_out, self.k // 8)}, "
-                             f"got {q.dtype} {q.shape}")
-        if s.dtype != np.float16 or s.shape != (self.n_out, self.k // GROUP_SIZE):
-            raise ValueError(f"{self.name}: scales must be fp16 {(self.n_out, self.k // GROUP_SIZE)}, "
-                             f"got {s.dtype} {s.shape}")
+        """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] in file layout, stacked
+        along the rows (gate_up: [gate; up]) -> (qw, sc) to upload."""
+        qs, ss = [np.asarray(q) for q, _ in parts], [np.asarray(s) for _, s in parts]
+        for q, s in zip(qs, ss):
+            if q.dtype != np.uint32 or q.ndim != 2 or q.shape[1] * 8 != self.k:
+                raise ValueError(f"{self.name}: qweight must be uint32 (N, {self.k // 8}), got "
+                                 f"{q.dtype} {q.shape}")
+            if s.dtype != np.float16 or s.shape != (q.shape[0], self.k // GROUP_SIZE):
+                raise ValueError(f"{self.name}: scales must be fp16 "
+                                 f"{(q.shape[0], self.k // GROUP_SIZE)}, got {s.dtype} {s.shape}")
+        q, s = np.concatenate(qs), np.concatenate(ss)
+        if q.shape[0] != self.n_rows:
+            raise ValueError(f"{self.name}: {q.shape[0]} weight rows, expected {self.n_rows}")
         return mma_layout(q), np.ascontiguousarray(s)
 
+    def _weights(self, qw, sc):
+        _need(qw, f"{self.name} qweight", np.uint32, (self.n_rows, self.k // 8))
+        _need(sc, f"{self.name} scales", np.float16, (self.n_rows, self.k // GROUP_SIZE), 2)
+        return qw.reshape(qw.size), sc.reshape(sc.size)
+
+
+class ResidualMmaGemv(_MmaGemv):
+    """o_proj / down: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a, a fp16 (K,)."""
+
+    def __init__(self, kind: str, cfg: ModelConfig, n_out: int, k: int, tiling: Tiling):
+        self.kind = kind
+        super().__init__(cfg, n_out, k, tiling)
+
     def __call__(self, a, qw, sc, x, stream=0):
-        _need(qw, f"{self.name} qweight", np.uint32, (self.n_out, self.k // 8))
-        _need(sc, f"{self.name} scales", np.float16, (self.n_out, self.k // GROUP_SIZE), 2)
+        qw, sc = self._weights(qw, sc)
         _need(a, f"{self.name} a", np.float16, (self.k,), 16)
         _need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, 0](a, qw.reshape(qw.size), sc.reshape(sc.size), x)
+        self.kernel[self.grid, self.block, stream, 0](a, qw, sc, x)
+
+
+class GateUpMmaGemv(_MmaGemv):
+    """gate_up: `g(x, norm_w, qw, sc, out, stream)`, out fp16 (I,) = silu(Wg . h) * (Wu . h),
+    h = rmsnorm(x, norm_w); prepare([(gate_qw, gate_sc), (up_qw, up_sc)])."""
+
+    kind = "gate_up"
+
+    def __call__(self, x, norm_w, qw, sc, out, stream=0):
+        qw, sc = self._weights(qw, sc)
+        _need(x, f"{self.name} x", np.float32, (self.k,))
+        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        _need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out)
