@@ -133,6 +133,21 @@ def ref_gate_up(x, norm_w, eps, w_gate, w_up):
     return swiglu(linear(h, w_gate), linear(h, w_up))
 
 
+def dequant_word(q):
+    """A word's 8 weights as 4 fp16x2 pairs (the ValueShuffle order's (w0,w1), (w2,w3), (w4,w5),
+    (w6,w7)): (q & 0x000F000F) ^ 0x64086408 is 1032+n, minus 1032; (q & 0x00F000F0) ^
+    0x64806480 is 1152+16n, times 1/16 minus 72; the same on q >> 8.  9 instructions.  A device
+    function body (gemv_mma wraps it: its words are mma A fragments in this order; dot8 below
+    keeps these instructions interleaved with its fmas)."""
+    lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
+    hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
+    q8 = q >> _SH8
+    lo1 = lop3_b32(q8, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
+    hi1 = lop3_b32(q8, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
+    return (add_rn_f16x2(lo0, _NEG1032), fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72),
+            add_rn_f16x2(lo1, _NEG1032), fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72))
+
+
 def pow2_scale_f32(m):
     """(f, 1/f): powers of two with m*f in [128, 256) (clamped to 2^+-100 for 0 and tiny m).
     A device function body (the kernels wrap it); the activations' per-group exact scaling."""
@@ -455,7 +470,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO)
 
     def dot8(q, a, h0, h1):
-        # 8 weights of word q times the 8 fp16 activations a (4 pairs), into fp16x2 h0, h1
+        # 8 weights of word q times the 8 fp16 activations a (4 pairs), into fp16x2 h0, h1.
+        # dequant_word's instructions, each pair's fma right after it: the order every figure
+        # in docs/PERF.md was measured with (calling dequant_word gives the same values but
+        # another PTX order and SASS schedule; compare on the device before switching)
         lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
         hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
         q8 = q >> _SH8
@@ -555,7 +573,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % RL) < n_out, s, j)
         return r0, r1, r2, r3
 
-    pow2_scale = pow2_scale_f32
 
     def piece_load(xin, norm_w, g, lane):
         # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
@@ -690,6 +707,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
 
     dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
+    pow2_scale = dev(pow2_scale_f32)
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
         load_step, pow2_scale, piece_load, piece_put, stage, seg_sum, mainloop = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step,

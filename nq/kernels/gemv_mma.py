@@ -47,15 +47,13 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels.gemv_int4 import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
-                                  _SH8, _SIXTEENTH, Tiling, _need, pow2_scale_f32, ref_o_proj)
+from nq.kernels.gemv_int4 import Tiling, _need, dequant_word, pow2_scale_f32, ref_o_proj
 from nq.loader.quant import unpack_value_shuffle
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
-                    cvta_to_shared_u32, fma_rn_f16x2, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32,
-                    ld_global_nc_v4_f32, ld_global_nc_v4_u32, ld_shared_v2_u32_at, lop3_b32,
-                    mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, st_global_u16,
-                    unpack_f16x2_to_f32)
+from nq.ptx import (SIMULATOR, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
+                    griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
+                    ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
+                    ld_shared_v2_u32_at, mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32,
+                    st_global_u16, unpack_f16x2_to_f32)
 
 TILE = 16          # rows of an mma tile (m16)
 CHUNK = 16         # columns of an mma step (k16)
@@ -162,15 +160,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
 
     def dequant_mma(q, b0, b1, d):
         # one k16 chunk: the word's 8 weights as the A fragment (gemv_int4's dequant), times B
-        lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
-        hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
-        q8 = q >> _SH8
-        lo1 = lop3_b32(q8, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
-        hi1 = lop3_b32(q8, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
-        a0 = add_rn_f16x2(lo0, _NEG1032)
-        a1 = fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72)
-        a2 = add_rn_f16x2(lo1, _NEG1032)
-        a3 = fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72)
+        a0, a1, a2, a3 = dequant(q)
         return mma_sync_m16n8k16_f16_f32(a0, a1, a2, a3, b0, b1, d[0], d[1], d[2], d[3])
 
     def chunk(qa, qb, baddr, da, db):
@@ -236,11 +226,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             n2, n3 = unpack_f16x2_to_f32(w23)
             p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
             m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
-            m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
+            off = 16
+            while off > 0:
+                m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
+                off >>= 1
             f, fi = pow2_scale(m)
             if grp < G:
                 ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
@@ -250,11 +239,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
                 act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
                 if lane == 0:
                     invf[grp] = fi
-        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 16)
-        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 8)
-        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 4)
-        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
-        ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
+        off = 16
+        while off > 0:
+            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, off)
+            off >>= 1
         if lane == 0:
             ssum[warp] = ss
         cuda.syncthreads()
@@ -263,15 +251,25 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             tot += ssum[w_]
         return float32(1.0) / math.sqrt(tot * INV_K + EPS)
 
+    def add_group(acc, ca, cb, abase, grp, t4, invf):
+        # acc + group grp's sums (none past the last group; gate_up's undo its staging's f_g)
+        a0, a1, a2, a3 = acc
+        if grp < G:
+            v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
+            fi = invf[grp] if NMAT == 2 else float32(1.0)
+            a0 += v0 * fi
+            a1 += v1 * fi
+            a2 += v2 * fi
+            a3 += v3 * fi
+        return a0, a1, a2, a3
+
     def mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf):
         """The warp's groups kw, kw + KW, ..., two an iteration, into two register sets that
         take turns (no copies): each group's loads are issued a group ahead of its math.  The
         conditions are the same for the whole warp: the mma sees all 32 lanes.  ca/cb: the
         first group's loads (issued before griddepcontrol.wait)."""
-        acc0 = float32(0.0)
-        acc1 = float32(0.0)
-        acc2 = float32(0.0)
-        acc3 = float32(0.0)
+        z = float32(0.0)
+        acc = (z, z, z, z)
         for it in range(NPAIR):
             ga = kw + 2 * it * KW
             gb = ga + KW
@@ -279,26 +277,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             nb = na
             if NMAT == 2:
                 nb = load_group(qw, sc, wb, sb, min(gb, G - 1))
-            if ga < G:
-                v0, v1, v2, v3 = group_dot(ca, cb, abase, ga, t4)
-                fi = invf[ga] if NMAT == 2 else float32(1.0)
-                acc0 += v0 * fi
-                acc1 += v1 * fi
-                acc2 += v2 * fi
-                acc3 += v3 * fi
+            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
             ca = load_group(qw, sc, wa, sa, min(gb + KW, G - 1))
+            cb = ca
             if NMAT == 2:
                 cb = load_group(qw, sc, wb, sb, min(gb + KW, G - 1))
-            else:
-                cb = ca
-            if gb < G:
-                v0, v1, v2, v3 = group_dot(na, nb, abase, gb, t4)
-                fi = invf[gb] if NMAT == 2 else float32(1.0)
-                acc0 += v0 * fi
-                acc1 += v1 * fi
-                acc2 += v2 * fi
-                acc3 += v3 * fi
-        return acc0, acc1, acc2, acc3
+            acc = add_group(acc, na, nb, abase, gb, t4, invf)
+        return acc
 
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
@@ -328,11 +313,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         return s
 
     dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
-    pow2_scale = dev(pow2_scale_f32)
-    load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, mainloop, roles, \
-        put_partials, row_sum = (dev(f) for f in (
-            load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, mainloop, roles,
-            put_partials, row_sum))
+    dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
+    load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, mainloop, \
+        roles, put_partials, row_sum = (dev(f) for f in (
+            load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,
+            mainloop, roles, put_partials, row_sum))
 
     if NMAT == 1:
         def kernel(a, qw, sc, x):
