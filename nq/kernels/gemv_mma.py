@@ -295,6 +295,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         tile = min(cuda.blockIdx.x * TILES + tl, NT - 1)
         return lane, lane >> 2, lane & 3, tl, warp - tl * KW, tile
 
+    def tile_bases(tile, lane, g):
+        # where the lane's words of a tile start (256 a group) and its row g's scales
+        return (tile * G * 32 + lane) * 8, (tile * TILE + g) * G
+
+    def out_row():
+        # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
+        # threads below TILES * TILE have one (row -1 otherwise, or past the matrix)
+        tid = cuda.threadIdx.x
+        tl2 = tid // TILE
+        r = tid % TILE
+        row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
+        return tl2, r, row if tid < TILES * TILE and row < n_out else -1
+
     def put_partials(red, tl, kw, g, t4, acc):
         # lane t = 0 of each row pair: the warp's sums of rows g, g+8 (and the up tile's)
         if t4 == 0:
@@ -315,17 +328,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
     dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, mainloop, \
-        roles, put_partials, row_sum = (dev(f) for f in (
+        roles, tile_bases, out_row, put_partials, row_sum = (dev(f) for f in (
             load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,
-            mainloop, roles, put_partials, row_sum))
+            mainloop, roles, tile_bases, out_row, put_partials, row_sum))
 
     if NMAT == 1:
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED, float32)
             lane, g, t4, tl, kw, tile = roles()
-            wa = (tile * G * 32 + lane) * 8
-            sa = (tile * TILE + g) * G
+            wa, sa = tile_bases(tile, lane, g)
             # weights depend on nothing upstream: the first group's loads go before the wait
             ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
             griddepcontrol_wait()
@@ -336,12 +348,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wa, sa, kw, t4, ca, ca, red)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
-            tid = cuda.threadIdx.x
-            if tid < TILES * TILE:
-                tl2 = tid // TILE
-                row = (cuda.blockIdx.x * TILES + tl2) * TILE + tid % TILE
-                if row < n_out:
-                    x[row] += row_sum(red, tl2, tid % TILE, 0)
+            tl2, r, row = out_row()
+            if row >= 0:
+                x[row] += row_sum(red, tl2, r, 0)
         sig = "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
     else:
         def kernel(x, norm_w, qw, sc, out):
@@ -350,10 +359,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             invf = cuda.shared.array(G, float32)
             ssum = cuda.shared.array(WARPS, float32)
             lane, g, t4, tl, kw, tile = roles()
-            wa = (tile * G * 32 + lane) * 8                  # gate rows: tile
-            sa = (tile * TILE + g) * G
-            wb = ((tile + NT) * G * 32 + lane) * 8           # up rows: the same rows, NT tiles on
-            sb = ((tile + NT) * TILE + g) * G
+            wa, sa = tile_bases(tile, lane, g)               # gate rows: tile
+            wb, sb = tile_bases(tile + NT, lane, g)          # up rows: the same rows, NT tiles on
             ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
             cb = load_group(qw, sc, wb, sb, min(kw, G - 1))
             griddepcontrol_wait()
@@ -362,16 +369,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wb, sb, kw, t4, ca, cb, invf)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
-            tid = cuda.threadIdx.x
-            if tid < TILES * TILE:
-                tl2 = tid // TILE
-                r = tid % TILE
-                row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
-                if row < n_out:
-                    gt = row_sum(red, tl2, r, 0) * rstd
-                    up = row_sum(red, tl2, r, 1) * rstd
-                    y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv_int4's put_swiglu
-                    st_global_u16(out, row, cvt_rn_f16_f32(y))
+            tl2, r, row = out_row()
+            if row >= 0:
+                gt = row_sum(red, tl2, r, 0) * rstd
+                up = row_sum(red, tl2, r, 1) * rstd
+                y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv_int4's put_swiglu
+                st_global_u16(out, row, cvt_rn_f16_f32(y))
         sig = "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
 
     kernel.__name__ = f"gemv_mma_{kind}_n{n_out}_k{k}_{t.tag()}"
