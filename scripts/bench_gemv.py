@@ -38,12 +38,15 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
     # waves over 132 SMs (288 blocks of qkv's 16 rows put 3 blocks on some SMs, 2 on others)
     "qkv": [G.default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
             T(7, threads=288)],
-    "o_proj": [G.default_tiling("o_proj", H, H), T(14, threads=448), T(7, threads=224)],
+    # o_proj and down default to the tensor cores; the CUDA-core default second
+    "o_proj": [G.default_tiling("o_proj", H, H), G.default_tiling("o_proj", H, H, mma=False),
+               T(14, threads=448), T(7, threads=224)],
     # two steps in flight a thread (prefetch=2): down has one step in flight at 16 warps an SM
     # (91 registers at pf2, still one 512-thread block an SM); gate_up's pf2 costs 157
     "gate_up": [G.default_tiling("gate_up", I, H), T(4, threads=128, prefetch=2, span=128),
                 T(4, threads=64, prefetch=2, span=128)],
-    "down": [G.default_tiling("down", H, I), T(16, threads=512, prefetch=2),
+    "down": [G.default_tiling("down", H, I), G.default_tiling("down", H, I, mma=False),
+             T(16, threads=512, prefetch=2),
              T(8, threads=256, prefetch=2)],
 }
 
@@ -150,6 +153,9 @@ def launcher(kind, g, b, qw, sc):
 
 def make(kind, tiling):
     n_out, k, _ = SHAPES[kind]
+    if tiling.mma:   # the tensor-core kernels (nq/kernels/gemv_mma.py)
+        return {"o_proj": G.make_o_proj_gemv, "down": G.make_down_gemv,
+                "gate_up": G.make_gate_up_gemv}[kind](CFG, tiling)
     if kind == "qkv":
         return G.QkvGemv(CFG, n_out, k, n_out, tiling)
     if kind == "gate_up":

@@ -112,7 +112,7 @@ HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
                             ("o_proj", G.Tiling(ks=14, threads=256, prefetch=2))])
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
-    t = tiling or G.default_tiling(kind, n, k)
+    t = tiling or G.default_tiling(kind, n, k, mma=False)   # gemv_int4's kernel
     fn, sig = G.build_kernel(kind, n, k, t, 1e-6, HEADS_7B if kind == "qkv_rope" else None)
     # a min_blocks register cap is part of the tiling (qkv_rope's), so compile with it
     bounds = {"launch_bounds": (t.threads, t.min_blocks)} if t.min_blocks else {}

@@ -301,11 +301,39 @@ def prepare_weights(parts, ks: int, rows_per_block: int = 0) -> tuple[np.ndarray
     return tiled, np.ascontiguousarray(np.concatenate(scs))
 
 
-def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
+def mma_tiling(kind: str, n_out: int, k: int) -> Tiling | None:
+    """The tensor-core tiling (nq/kernels/gemv_mma.py) for o_proj or down, or None where
+    gemv_mma cannot take the shape (N not a multiple of 16, or K's staged activations over 48 KB:
+    the 32B's down).  One 16-row tile a block, its groups split over `ks` warps: half the groups
+    under 32 of them, else the largest divisor of the group count in 8..16, else 16; none
+    under 16 groups (a small o_proj), where the CUDA-core kernel tied or won.
+
+    Measured in the step graph (scripts/step_variants.py, session 5) against gemv_int4's
+    tilings, ms a step at 512: 7B o_proj ks14 -0.048 (beside the mma down), down ks16 -0.069
+    (t1024, two tiles a block: -0.091, the 7B's measured entry); 1.5B o_proj ks6 0.000, down
+    ks14 -0.125 (ks16 -0.103); 14B o_proj ks10 -0.397 (ks8 -0.359, ks20 -0.350), down ks12
+    t384 -0.244 (ks16 t512 -0.104); 3B o_proj ks8 -0.004, down ks16 -0.171; 0.5B down ks16
+    -0.097, but o_proj (7 groups) ks3 +0.012.  gate_up on the tensor cores lost at the 7B
+    (default_tiling's note), so it is not chosen."""
+    if kind not in ("o_proj", "down") or n_out % 16 or k % GROUP_SIZE or 2 * k > 48 * 1024:
+        return None
+    g = k // GROUP_SIZE
+    if g < 16:
+        return None
+    if g < 32:
+        ks = max(1, g // 2)
+    else:
+        ks = max((d for d in range(8, 17) if g % d == 0), default=16)
+    return Tiling(ks=ks, threads=32 * ks, mma=True)
+
+
+def default_tiling(kind: str, n_out: int, k: int, sms: int = 132, mma: bool = True) -> Tiling:
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
 
-    The rule: a single wave whose threads each own >= 1 whole group; spread a row over as
-    many lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
+    mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
+    every size measured; mma=False gives gemv_int4's (CUDA-core) tiling for the shape.  The
+    CUDA-core rule: a single wave whose threads each own >= 1 whole group; spread a row over
+    as many lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
     """
     if kind == "qkv_rope":
         # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
@@ -329,12 +357,28 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> Tiling:
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
         # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
+        # gate_up on the tensor cores lost in the step (session 5): ks2 t256 +0.017 ms (+0.046
+        # beside the mma down), ks2 t128 +0.018, ks4 t256 +0.084, ks1 t128 +0.51, ks7 t224 +0.19
         ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
         # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
         # 25.2 / 19.0 us; regions -0.19 ms) but the whole step went 2.17 -> 2.38 ms (kernel_gap
         # 0.02 -> 0.32 ms): a next kernel's blocks no longer fit beside the running one.
     }
+    # on the tensor cores, against the CUDA-core entries above, in the 7B step (session 5):
+    measured_mma = {
+        # a 16-row tile a block, 14 warps splitting its 28 groups: -0.048 ms a step at 512
+        # beside the mma down (ks7 t448, two tiles a block: -0.007; ks14 t896: +0.030)
+        ("o_proj", 3584, 3584): Tiling(ks=14, threads=448, mma=True),
+        # two tiles a block of 32 warps, 16 a tile: -0.091 ms at 512 and 8K against the
+        # CUDA-core down, which ncu read as issue-bound; ks16 t512 -0.069, ks32 t1024 +0.022,
+        # ks8 t512 +0.11, ks8 t256 +0.16, ks4 t256 +0.61
+        ("down", 3584, 18944): Tiling(ks=16, threads=1024, mma=True),
+    }
+    if mma and (kind, n_out, k) in measured_mma:
+        return measured_mma[(kind, n_out, k)]
+    if mma and mma_tiling(kind, n_out, k) is not None:
+        return mma_tiling(kind, n_out, k)
     if (kind, n_out, k) in measured:
         return measured[(kind, n_out, k)]
     budget = sms * 700
@@ -1140,7 +1184,10 @@ class _Gemv:
             raise ValueError(f"{self.kind}: N={n_out}, K={k}; K must be a multiple of "
                              f"{GROUP_SIZE} and N of 8")
         self.n_out, self.k, self.n_rows = n_out, k, n_rows  # n_rows: weight rows (gate_up: 2N)
-        self.tiling = tiling or default_tiling(self.kind, n_out, k)
+        self.tiling = tiling or default_tiling(self.kind, n_out, k, mma=False)
+        if self.tiling.mma:
+            raise ValueError(f"{self.kind}: tiling {self.tiling.tag()} is a tensor-core tiling; "
+                             f"build it with make_{self.kind}_gemv (nq/kernels/gemv_mma.py)")
         self.eps = float(cfg.rms_norm_eps)
         self.kernel = compile_kernel(self.kind, n_out, k, self.tiling, self.eps, self.heads)
         t = self.tiling
@@ -1254,7 +1301,8 @@ def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvRop
 
 def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
     """o_proj: prepare([(o_qw, o_sc)]); call (attn_out fp16, qw, sc, x, stream)."""
-    if tiling is not None and tiling.mma:
+    tiling = tiling or default_tiling("o_proj", cfg.hidden_size, cfg.q_size)
+    if tiling.mma:
         from nq.kernels.gemv_mma import ResidualMmaGemv
         return ResidualMmaGemv("o_proj", cfg, cfg.hidden_size, cfg.q_size, tiling)
     return ResidualGemv("o_proj", cfg, cfg.hidden_size, cfg.q_size, cfg.hidden_size, tiling)
@@ -1271,7 +1319,8 @@ def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> GateUpG
 
 def make_down_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> ResidualGemv:
     """down: prepare([(down_qw, down_sc)]); call (swiglu_out fp16, qw, sc, x, stream)."""
-    if tiling is not None and tiling.mma:
+    tiling = tiling or default_tiling("down", cfg.hidden_size, cfg.intermediate_size)
+    if tiling.mma:
         from nq.kernels.gemv_mma import ResidualMmaGemv
         return ResidualMmaGemv("down", cfg, cfg.hidden_size, cfg.intermediate_size, tiling)
     return ResidualGemv("down", cfg, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size,
