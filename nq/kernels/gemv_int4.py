@@ -178,7 +178,7 @@ class Tiling:
     #                      with one cp.async.bulk per (block, step); 0: off (per-lane loads)
     mma: bool = False    # o_proj/down/gate_up on the tensor cores (nq/kernels/gemv_mma.py): ks is
     #                      the warps a 16-row tile's groups are split over, and the weights
-    #                      have the mma fragment layout (not yet measured on the device)
+    #                      have the mma fragment layout (o_proj/down's default: mma_tiling)
 
     @property
     def lanes(self) -> int:
