@@ -154,6 +154,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
     from numba import cuda
     from numba.cuda.types import float32, uint32, uint64
 
+    from nq.kernels.warp import dev, warp_sum
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
                         griddepcontrol_launch_dependents, griddepcontrol_wait, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
                         mbarrier_try_wait_parity, unpack_f16x2_to_f32)
@@ -169,6 +170,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
     QSCALE = float32(LOG2E / math.sqrt(D))
     NEG = float32(NEG_BIG)
     FULL = 0xFFFFFFFF
+    wsum = dev(warp_sum)   # nq/kernels/warp.py
     NBARS = 2 * NSTAGE
 
     def attn_split(q, state, table, kv, part_acc, part_ml):
@@ -300,11 +302,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, pps: int, max_splits: in
                 # Every consumer thread arrives (count G*32): each thread's own reads of the
                 # stage are ordered before the refill by its own release.
                 mbarrier_arrive(bar0 + 8 * (NSTAGE + s))
-            l_part += cuda.shfl_xor_sync(FULL, l_part, 16)
-            l_part += cuda.shfl_xor_sync(FULL, l_part, 8)
-            l_part += cuda.shfl_xor_sync(FULL, l_part, 4)
-            l_part += cuda.shfl_xor_sync(FULL, l_part, 2)
-            l_part += cuda.shfl_xor_sync(FULL, l_part, 1)
+            l_part = wsum(l_part)
             for j in range(DPL):
                 part_acc[split, h, lane * DPL + j] = acc[j]
             if lane == 0:
@@ -320,11 +318,12 @@ def _combine_kernel(head_dim: int, max_splits: int, min_pps: int):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
+    from nq.kernels.warp import dev, warp_max, warp_sum
     from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
     D, MAXS, MINP = head_dim, max_splits, min_pps
     NEG = float32(NEG_BIG)
-    FULL = 0xFFFFFFFF
+    wsum, wmax = dev(warp_sum), dev(warp_max)   # nq/kernels/warp.py
     RED = CSG * head_dim
 
     def attn_combine(state, part_acc, part_ml, o):
@@ -348,22 +347,14 @@ def _combine_kernel(head_dim: int, max_splits: int, min_pps: int):
             mx = NEG
             for s in range(tid, n_splits, 32):
                 mx = max(mx, part_ml[s, h, 0])
-            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 16))
-            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 8))
-            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 4))
-            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))
-            mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))
+            mx = wmax(mx)
             den = float32(0.0)
             for s in range(tid, n_splits, 32):
                 w = math.exp2(part_ml[s, h, 0] - mx)
                 wts[s] = w
                 den += part_ml[s, h, 1] * w
             # Fixed butterfly: every lane ends with the same sum, the same every run.
-            den += cuda.shfl_xor_sync(FULL, den, 16)
-            den += cuda.shfl_xor_sync(FULL, den, 8)
-            den += cuda.shfl_xor_sync(FULL, den, 4)
-            den += cuda.shfl_xor_sync(FULL, den, 2)
-            den += cuda.shfl_xor_sync(FULL, den, 1)
+            den = wsum(den)
             if tid == 0:
                 inv[0] = float32(1.0) / den
         cuda.syncthreads()

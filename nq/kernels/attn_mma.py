@@ -190,6 +190,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                   fused: bool = False, warps: int = 0, combine_rows: int = COMBINE_ROWS,
                   trigger_splits: int = 0):
     """attn_mma_g{gqa}_d{head_dim}_kv{num_kv}_c{consumers}_st{nstage}_r{rows_per_copy}_s{max_splits}."""
+    from nq.kernels.warp import dev, warp_max, warp_sum
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_launch_dependents,
                         griddepcontrol_wait, ldmatrix_x4, ldmatrix_x4_trans,
@@ -215,6 +216,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
     ONES = uint32(0x3C003C00)          # two fp16 1.0: the B fragment of l = P . 1
     Z = uint32(0)
     FULL = 0xFFFFFFFF
+    wsum, wmax = dev(warp_sum), dev(warp_max)   # nq/kernels/warp.py
     NBARS = 2 * NST + 2                # full, empty, merge; even, so 16-byte static size
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
@@ -514,12 +516,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
                     cmx[k] = max(cmx[k], part_ml[s, kvh * G + gg, 0])
             for k in range(HPW):
                 mx = cmx[k]
-                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 16))
-                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 8))
-                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 4))
-                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 2))
-                mx = max(mx, cuda.shfl_xor_sync(FULL, mx, 1))
-                cmx[k] = mx
+                cmx[k] = wmax(mx)
             for s in range(lane, n_splits, 32):
                 for k in range(HPW):
                     g = warp + NW * k
@@ -530,11 +527,7 @@ def _split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: 
             for k in range(HPW):
                 g = warp + NW * k
                 den = cden[k]
-                den += cuda.shfl_xor_sync(FULL, den, 16)
-                den += cuda.shfl_xor_sync(FULL, den, 8)
-                den += cuda.shfl_xor_sync(FULL, den, 4)
-                den += cuda.shfl_xor_sync(FULL, den, 2)
-                den += cuda.shfl_xor_sync(FULL, den, 1)
+                den = wsum(den)
                 if lane == 0 and g < G:
                     smf[w0 + INV + g] = float32(1.0) / den
             cuda.syncwarp(FULL)

@@ -88,6 +88,7 @@ from numba import cuda, float32, uint32
 from numba.cuda.types import float16, uint64
 
 from nq.config import GROUP_SIZE, ModelConfig
+from nq.kernels.warp import block_rstd, dev, warp_max, warp_sum
 from nq.kv_cache import PAGE, STATE_LEN, STATE_POS, check_paged_args
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_g2s,
                     cp_async_bulk_prefetch_l2, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
@@ -640,12 +641,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
         else:
             p0, p1, p2, p3 = n0, n1, n2, n3
-        m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 16))
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 8))
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 4))
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 2))
-        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, 1))
+        m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
         f, fi = pow2_scale(m)
         if g >= G:
             return float32(0.0)
@@ -691,11 +687,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 ss += piece_put(c7, g0 + 7 * WARPS, lane, act, invf)
         rstd = float32(1.0)
         if NORM:
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 16)
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 8)
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 4)
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 2)
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, 1)
+            ss = wsum(ss)
             if lane == 0:
                 red[warp] = ss
         if BK:
@@ -704,10 +696,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             return rstd
         cuda.syncthreads()
         if NORM:
-            tot = float32(0.0)
-            for w_ in range(WARPS):
-                tot += red[w_]
-            rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+            rstd = rstd_of(red, WARPS, INV_K, EPS)
         return rstd
 
     def seg_sum(v):
@@ -750,8 +739,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     cur = load_step(qw, sc, row0, s + 1, j)
         return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
 
-    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
-    pow2_scale = dev(pow2_scale_f32)
+    pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
+                                                         block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
         load_step, pow2_scale, piece_load, piece_put, stage, seg_sum, mainloop = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step,
@@ -908,10 +897,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         # stage's RMSNorm tail, after the kernel's __syncthreads (same sum, same order)
         rstd = float32(1.0)
         if NORM:
-            tot = float32(0.0)
-            for w_ in range(WARPS):
-                tot += red[w_]
-            rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+            rstd = rstd_of(red, WARPS, INV_K, EPS)
         return rstd
 
     if BK:  # compiled only when used (numba numbers every function it compiles: the default

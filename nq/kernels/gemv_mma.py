@@ -49,6 +49,7 @@ from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kernels.gemv_int4 import Tiling, _need, dequant_word, pow2_scale_f32, ref_o_proj
+from nq.kernels.warp import block_rstd, dev, warp_max, warp_sum
 from nq.loader.quant import unpack_value_shuffle
 from nq.ptx import (SIMULATOR, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
@@ -226,11 +227,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             n0, n1 = unpack_f16x2_to_f32(w01)
             n2, n3 = unpack_f16x2_to_f32(w23)
             p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-            m = max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))
-            off = 16
-            while off > 0:
-                m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
-                off >>= 1
+            m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
             f, fi = pow2_scale(m)
             if grp < G:
                 ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
@@ -240,17 +237,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
                 act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
                 if lane == 0:
                     invf[grp] = fi
-        off = 16
-        while off > 0:
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, off)
-            off >>= 1
+        ss = wsum(ss)
         if lane == 0:
             ssum[warp] = ss
         cuda.syncthreads()
-        tot = float32(0.0)
-        for w_ in range(WARPS):
-            tot += ssum[w_]
-        return float32(1.0) / math.sqrt(tot * INV_K + EPS)
+        return rstd_of(ssum, WARPS, INV_K, EPS)
 
     def add_group(acc, ca, cb, abase, grp, t4, invf):
         # acc + group grp's sums (none past the last group; gate_up's undo its staging's f_g)
@@ -326,8 +317,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             s += red[(tl * KW + w_) * TILE * NMAT + m * TILE + r]
         return s
 
-    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
+    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, mainloop, \
         roles, tile_bases, out_row, put_partials, row_sum = (dev(f) for f in (
             load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,

@@ -22,13 +22,13 @@ consecutive lanes are consecutive (no bank conflicts).
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.gemv_int4 import STATIC_SMEM_LIMIT, _need
+from nq.kernels.warp import block_rstd, dev, warp_sum
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_v4_u32, ld_shared_v4_f32,
                     unpack_f16x2_to_f32)
@@ -67,7 +67,7 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         acc += p0 * a0 + p1 * a1 + p2 * a2 + p3 * a3
         return acc + (p4 * b0 + p5 * b1 + p6 * b2 + p7 * b3)
 
-    dot_chunk = cuda.jit(device=True, **({} if SIMULATOR else {"forceinline": True}))(dot_chunk)
+    dot_chunk, wsum, rstd_of = dev(dot_chunk), dev(warp_sum), dev(block_rstd)
 
     def kernel(x, norm_w, weight, logits):
         hA = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 0-3
@@ -87,15 +87,11 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         for e in range(tid, k, threads):
             v = x[e]
             ss += v * v
-        for off in (16, 8, 4, 2, 1):
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, off)
+        ss = wsum(ss)
         if lane == 0:
             red[warp] = ss
         cuda.syncthreads()
-        tot = float32(0.0)
-        for w_ in range(WARPS):
-            tot += red[w_]
-        rstd = float32(1.0) / math.sqrt(tot * INV_K + EPS)
+        rstd = rstd_of(red, WARPS, INV_K, EPS)
         for e in range(tid, k, threads):
             h = (x[e] * rstd) * float32(norm_w[e])
             c = e >> 3
@@ -111,8 +107,7 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
                 # issue up to U 16-byte loads, then the math (U words x 4 in registers)
                 ws = load_u(weight, row, lane, c0)
                 acc = dot_u(ws, hA, hB, lane, c0, acc)
-            for off in (16, 8, 4, 2, 1):
-                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+            acc = wsum(acc)
             if lane == 0:
                 logits[row] = acc
 
@@ -161,7 +156,6 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
             acc = dot1(l7, hA, hB, b + 224, acc)
         return acc
 
-    dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
     load1, load_u, dot1, dot_u = (dev(f) for f in (load1, load_u, dot1, dot_u))
     if not 1 <= U <= 8:
         raise ValueError("lm_head: unroll must be 1..8")

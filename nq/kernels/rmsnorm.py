@@ -4,7 +4,8 @@ residual first (x += r, written back, then h = norm(x) * w).
 Decode fuses the norm into the qkv and gate_up GEMV prologues (gemv_int4.py); this kernel is
 for prefill, the final norm before lm_head if the engine wants it separate, and tests.
 One block of 256 threads per row: the sum of squares is reduced in fp32 (per-thread partials,
-warp xor-shuffles, then 8 warp sums in shared memory), as HF's fp32 variance.
+warp xor-shuffles, then 8 warp sums in shared memory; nq/kernels/warp.py), as HF's fp32
+variance.
 """
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ def rmsnorm_reference(x, w, eps, residual=None):
 @functools.cache
 def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
     """rmsnorm_h{hidden}_eps{eps}{_res}."""
-    import math
-
     from numba import cuda
     from numba.cuda.types import float16, float32
 
+    from nq.kernels.warp import block_rstd, dev, warp_sum
     from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
     H, EPS, RES = hidden, float32(eps), with_residual
+    INV_H = np.float32(1.0 / hidden)     # times 1/H, as the fused norms in the decode GEMVs
     NW = THREADS // 32
+    wsum, rstd_of = dev(warp_sum), dev(block_rstd)
 
     def rmsnorm(x, r, w, h):
         # x (T, H) f32 (updated in place when RES); r (T, H) f32 (ignored unless RES)
@@ -52,15 +54,11 @@ def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
                 v += r[row, i]
                 x[row, i] = v
             ss += v * v
-        for off in (16, 8, 4, 2, 1):
-            ss += cuda.shfl_xor_sync(0xFFFFFFFF, ss, off)
+        ss = wsum(ss)
         if tid % 32 == 0:
             red[tid // 32] = ss
         cuda.syncthreads()
-        tot = float32(0.0)
-        for j in range(NW):
-            tot += red[j]
-        inv = float32(1.0) / math.sqrt(tot / float32(H) + EPS)
+        inv = rstd_of(red, NW, INV_H, EPS)
         for i in range(tid, H, THREADS):
             # Each thread re-reads the x it wrote itself: no cross-thread hazard.
             h[row, i] = float16((x[row, i] * inv) * float32(w[i]))
