@@ -50,7 +50,7 @@ def test_layout_round_trip_and_refusals():
         M.build_kernel("qkv", 64, 256, t)
     with pytest.raises(ValueError, match="gemv_int4's"):
         M.build_kernel("down", 64, 256, G.Tiling(ks=2, threads=128, mma=True, block_major=True))
-    with pytest.raises(ValueError, match="prefetch 1"):
+    with pytest.raises(ValueError, match="prefetch 1 or 2"):
         M.build_kernel("down", 64, 256, G.Tiling(ks=2, threads=128, prefetch=0, mma=True))
     with pytest.raises(ValueError, match="not an mma tiling"):
         M.check_tiling(64, 256, G.Tiling(ks=2, threads=128))
@@ -60,6 +60,7 @@ def test_layout_round_trip_and_refusals():
     ("down", 3584, 18944, G.Tiling(ks=8, threads=512, mma=True)),
     ("o_proj", 3584, 3584, G.Tiling(ks=4, threads=256, mma=True)),
     ("gate_up", 18944, 3584, G.Tiling(ks=4, threads=256, mma=True)),
+    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, prefetch=2, mma=True)),
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = M.build_kernel(kind, n, k, tiling)
@@ -95,10 +96,14 @@ SIM_SCRIPT = textwrap.dedent('''
 
     # (name, N, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second iteration
     # is its second half, empty); 3 tiles over blocks of 2 (the last block's second tile is
-    # clamped and not written); 4 warps a tile over 3 groups (one warp has none)
+    # clamped and not written); 4 warps a tile over 3 groups (one warp has none); prefetch 2:
+    # 5 groups over 2 warps (warp 1's third group is past the end), and 8 groups on one warp
+    # (three 3-group iterations, the last one short)
     for name, n, k, t in [("t2_kw2", 32, 384, G.Tiling(ks=2, threads=128, mma=True)),
                           ("tail", 48, 384, G.Tiling(ks=2, threads=128, mma=True)),
-                          ("kw4", 16, 384, G.Tiling(ks=4, threads=128, mma=True))]:
+                          ("kw4", 16, 384, G.Tiling(ks=4, threads=128, mma=True)),
+                          ("pf2", 32, 640, G.Tiling(ks=2, threads=128, prefetch=2, mma=True)),
+                          ("pf2_kw1", 32, 1024, G.Tiling(ks=1, threads=64, prefetch=2, mma=True))]:
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
         a = (rng.standard_normal(k) * 3).astype(np.float16)
@@ -114,22 +119,24 @@ SIM_SCRIPT = textwrap.dedent('''
         print(name, float(np.linalg.norm(delta - (ref - x)) / np.linalg.norm(ref - x)), flush=True)
 
     # gate_up: 2 tiles a block over 3 tiles (a clamped spare tile), 3 groups over 2 warps, a
-    # "massive activation" channel in x (the per-group power-of-two staging keeps fp16 finite)
-    n, k = 48, 384
-    g = M.GateUpMmaGemv(cfg, n, k, G.Tiling(ks=2, threads=128, mma=True))
-    parts = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
-              rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)) for _ in range(2)]
-    x = (rng.standard_normal(k) * 3).astype(np.float32)
-    x[5] = 4.0e4
-    nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
-    pq, ps = g.prepare(parts)
-    out = cuda.to_device(np.full(n, np.nan, np.float16))
-    g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out)
-    got = out.copy_to_host().astype(np.float64)
-    ref = G.ref_gate_up(x, nw, cfg.rms_norm_eps, *(dequantize_packed(q, s) for q, s in parts))
-    ok = np.isfinite(got).all()
-    print("gate_up", float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if ok else float("inf"),
-          flush=True)
+    # "massive activation" channel in x (the per-group power-of-two staging keeps fp16 finite);
+    # then the same with two groups' loads in flight (prefetch 2)
+    for name, pf in [("gate_up", 1), ("gate_up_pf2", 2)]:
+        n, k = 48, 384
+        g = M.GateUpMmaGemv(cfg, n, k, G.Tiling(ks=2, threads=128, prefetch=pf, mma=True))
+        parts = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
+                  rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)) for _ in range(2)]
+        x = (rng.standard_normal(k) * 3).astype(np.float32)
+        x[5] = 4.0e4
+        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
+        pq, ps = g.prepare(parts)
+        out = cuda.to_device(np.full(n, np.nan, np.float16))
+        g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out)
+        got = out.copy_to_host().astype(np.float64)
+        ref = G.ref_gate_up(x, nw, cfg.rms_norm_eps, *(dequantize_packed(q, s) for q, s in parts))
+        ok = np.isfinite(got).all()
+        print(name, float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if ok else float("inf"),
+              flush=True)
 ''')
 
 
@@ -138,7 +145,8 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_kw2", "tail", "kw4", "gate_up"}, stdout
+    assert set(errs) == {"t2_kw2", "tail", "kw4", "pf2", "pf2_kw1", "gate_up", "gate_up_pf2"}, \
+        stdout
     for name, e in errs.items():
         # gate_up: its fp16 output rounds each element by up to 2^-11 (as gemv_int4's)
-        assert e < (1e-3 if name == "gate_up" else 1e-5), (name, e)
+        assert e < (1e-3 if name.startswith("gate_up") else 1e-5), (name, e)

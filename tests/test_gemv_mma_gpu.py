@@ -45,6 +45,9 @@ def run(kind, n, k, tiling, seed):
     ("o_proj", 3584, 3584, T(ks=8, threads=512, mma=True)),    # 28 over 8: short last pair
     ("down", 896, 4864, T(ks=4, threads=384, mma=True)),       # 0.5B: 56 tiles over blocks of 3
     ("o_proj", 48, 384, T(ks=2, threads=128, mma=True)),       # a clamped tile in the last block
+    ("down", 3584, 18944, T(ks=16, threads=1024, prefetch=2, mma=True)),   # two groups ahead
+    ("down", 3584, 18944, T(ks=16, threads=512, prefetch=2, mma=True)),
+    ("o_proj", 3584, 3584, T(ks=14, threads=448, prefetch=2, mma=True)),   # 2 groups a warp
 ])
 def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     got, ref, x = run(kind, n, k, tiling, seed=n + k + tiling.ks)
@@ -58,6 +61,7 @@ def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     (18944, 3584, T(ks=2, threads=256, mma=True, min_blocks=3)),
     (4864, 896, T(ks=7, threads=448, mma=True)),       # 0.5B: 7 groups, one a warp
     (48, 384, T(ks=2, threads=128, mma=True)),         # a clamped spare tile
+    (18944, 3584, T(ks=2, threads=256, prefetch=2, mma=True)),
 ])
 def test_mma_gate_up_against_the_reference(n, k, tiling):
     """gate_up on the tensor cores: fp16 output (2^-11 a element) of fp32 sums, so 1e-3."""

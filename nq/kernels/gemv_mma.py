@@ -112,10 +112,10 @@ def check_tiling(n_out: int, k: int, t: Tiling) -> None:
     if n_out % TILE or k % GROUP_SIZE:
         raise ValueError(f"gemv_mma: N={n_out} must be a multiple of {TILE} (an mma tile) and "
                          f"K={k} of {GROUP_SIZE}")
-    if kw < 1 or t.threads % (32 * kw) or t.threads > 1024 or int(t.prefetch) != 1:
+    if kw < 1 or t.threads % (32 * kw) or t.threads > 1024 or int(t.prefetch) not in (1, 2):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*ks "
                          f"(ks = warps a tile's groups are split over), at most 1024, and "
-                         f"prefetch 1 (a group's loads are always issued a group ahead)")
+                         f"prefetch 1 or 2 (groups whose loads are in flight ahead of the math)")
     if t.rows != 1 or t.block_major or t.bulk or t.stream or t.l2_steps:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rows, block_major, bulk, stream and "
                          f"l2_steps are gemv_int4's; an mma tiling takes ks, threads, prefetch "
@@ -141,7 +141,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
     G = k // GROUP_SIZE
     NT = n_out // TILE
     NMAT = 2 if kind == "gate_up" else 1
+    PF2 = int(t.prefetch) == 2        # two groups' loads in flight ahead of the math, not one
     NPAIR = -(-G // (2 * KW))         # two-group iterations of a warp (the last may be short)
+    NTRIP = -(-G // (3 * KW))         # PF2: three-group iterations
     CH = k // CHUNK                   # k16 chunks
     AW = k // 2                       # staged activation words (fp16 pairs)
     RED = TILES * KW * TILE * NMAT    # the warps' row partials
@@ -277,6 +279,33 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
+    def mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf):
+        """mainloop with two groups' loads in flight at each group's math: three register sets
+        (c, n, x) take turns, three groups an iteration.  ca/cb and na/nb: the warp's first two
+        groups' loads (issued before griddepcontrol.wait)."""
+        z = float32(0.0)
+        acc = (z, z, z, z)
+        for it in range(NTRIP):
+            g0 = kw + 3 * it * KW
+            g1 = g0 + KW
+            g2 = g1 + KW
+            xa = load_group(qw, sc, wa, sa, min(g2, G - 1))
+            xb = xa
+            if NMAT == 2:
+                xb = load_group(qw, sc, wb, sb, min(g2, G - 1))
+            acc = add_group(acc, ca, cb, abase, g0, t4, invf)
+            ca = load_group(qw, sc, wa, sa, min(g2 + KW, G - 1))
+            cb = ca
+            if NMAT == 2:
+                cb = load_group(qw, sc, wb, sb, min(g2 + KW, G - 1))
+            acc = add_group(acc, na, nb, abase, g1, t4, invf)
+            na = load_group(qw, sc, wa, sa, min(g2 + 2 * KW, G - 1))
+            nb = na
+            if NMAT == 2:
+                nb = load_group(qw, sc, wb, sb, min(g2 + 2 * KW, G - 1))
+            acc = add_group(acc, xa, xb, abase, g2, t4, invf)
+        return acc
+
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
         # matrix: the last block's spare tile loads words that exist and is not written)
@@ -320,9 +349,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, mainloop, \
-        roles, tile_bases, out_row, put_partials, row_sum = (dev(f) for f in (
+        mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum = (dev(f) for f in (
             load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,
-            mainloop, roles, tile_bases, out_row, put_partials, row_sum))
+            mainloop, mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum))
 
     if NMAT == 1:
         def kernel(a, qw, sc, x):
@@ -332,12 +361,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             wa, sa = tile_bases(tile, lane, g)
             # weights depend on nothing upstream: the first group's loads go before the wait
             ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
+            na = ca
+            if PF2:
+                na = load_group(qw, sc, wa, sa, min(kw + KW, G - 1))
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
             stage_fp16(a, act)
             cuda.syncthreads()
             # (red stands in for invf, which only gate_up reads)
-            acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wa, sa, kw, t4, ca, ca, red)
+            abase = cvta_to_shared_u32(act)
+            if PF2:
+                acc = mainloop_pf2(qw, sc, abase, wa, sa, wa, sa, kw, t4, ca, ca, na, na, red)
+            else:
+                acc = mainloop(qw, sc, abase, wa, sa, wa, sa, kw, t4, ca, ca, red)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
             tl2, r, row = out_row()
@@ -355,10 +391,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             wb, sb = tile_bases(tile + NT, lane, g)          # up rows: the same rows, NT tiles on
             ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
             cb = load_group(qw, sc, wb, sb, min(kw, G - 1))
+            na, nb = ca, cb
+            if PF2:
+                na = load_group(qw, sc, wa, sa, min(kw + KW, G - 1))
+                nb = load_group(qw, sc, wb, sb, min(kw + KW, G - 1))
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
             rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-            acc = mainloop(qw, sc, cvta_to_shared_u32(act), wa, sa, wb, sb, kw, t4, ca, cb, invf)
+            abase = cvta_to_shared_u32(act)
+            if PF2:
+                acc = mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf)
+            else:
+                acc = mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
             tl2, r, row = out_row()
