@@ -54,6 +54,12 @@ def test_layout_round_trip_and_refusals():
         M.build_kernel("down", 64, 256, G.Tiling(ks=2, threads=128, prefetch=0, mma=True))
     with pytest.raises(ValueError, match="not an mma tiling"):
         M.check_tiling(64, 256, G.Tiling(ks=2, threads=128))
+    with pytest.raises(ValueError, match="splits must be 1..2"):
+        M.build_kernel("down", 64, 256, G.Tiling(ks=1, threads=64, splits=3, mma=True))
+    with pytest.raises(ValueError, match="splits is for o_proj and down"):
+        M.build_kernel("gate_up", 64, 256, G.Tiling(ks=1, threads=64, splits=2, mma=True))
+    with pytest.raises(ValueError, match="unsupported tiling"):   # gemv_int4 has no split-K
+        G.build_kernel("down", 64, 256, G.Tiling(ks=2, splits=2), 1e-6)
 
 
 @pytest.mark.parametrize("kind,n,k,tiling", [
@@ -61,6 +67,7 @@ def test_layout_round_trip_and_refusals():
     ("o_proj", 3584, 3584, G.Tiling(ks=4, threads=256, mma=True)),
     ("gate_up", 18944, 3584, G.Tiling(ks=4, threads=256, mma=True)),
     ("down", 3584, 18944, G.Tiling(ks=16, threads=512, prefetch=2, mma=True)),
+    ("down", 3584, 18944, G.Tiling(ks=8, threads=256, splits=4, mma=True)),
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = M.build_kernel(kind, n, k, tiling)
@@ -71,6 +78,8 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     ptx_util.assert_no_local_memory(ptx)
     if kind == "gate_up":
         ptx_util.assert_uses(ptx, "shfl.sync.bfly.b32", "st.global.u16", "ld.global.nc.v4.f32")
+    if tiling.splits > 1:   # the arrival count and the release/acquire fences
+        ptx_util.assert_uses(ptx, "atom.global.add", "membar.gl")
     # one mma and four lop3 per word, eight words a group
     assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") % 8 == 0
     assert ptx_util.count(ptx, "lop3.b32") == 4 * ptx_util.count(ptx, "mma.sync.aligned.m16n8k16")
@@ -103,7 +112,12 @@ SIM_SCRIPT = textwrap.dedent('''
                           ("tail", 48, 384, G.Tiling(ks=2, threads=128, mma=True)),
                           ("kw4", 16, 384, G.Tiling(ks=4, threads=128, mma=True)),
                           ("pf2", 32, 640, G.Tiling(ks=2, threads=128, prefetch=2, mma=True)),
-                          ("pf2_kw1", 32, 1024, G.Tiling(ks=1, threads=64, prefetch=2, mma=True))]:
+                          ("pf2_kw1", 32, 1024, G.Tiling(ks=1, threads=64, prefetch=2, mma=True)),
+                          # split-K: 5 groups over 3 splits of 2 (the last short), 3 tiles over
+                          # blocks of 2 (a clamped tile); 8 groups over 2 splits, prefetch 2
+                          ("sk3", 48, 640, G.Tiling(ks=1, threads=64, splits=3, mma=True)),
+                          ("sk2_pf2", 32, 1024, G.Tiling(ks=2, threads=64, splits=2, prefetch=2,
+                                                         mma=True))]:
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
         a = (rng.standard_normal(k) * 3).astype(np.float16)
@@ -114,6 +128,11 @@ SIM_SCRIPT = textwrap.dedent('''
         xd = cuda.to_device(x)
         g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd)
         got = xd.copy_to_host().astype(np.float64)
+        if t.splits > 1:   # a second launch: the counters were left at zero, the same bits
+            xd2 = cuda.to_device(x)
+            g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd2)
+            assert np.array_equal(xd2.copy_to_host(), xd.copy_to_host()), name
+            assert not g._split[1].copy_to_host().any(), name
         ref = M.ref_residual(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
         delta = got - x            # the dot products alone, against the reference's
         print(name, float(np.linalg.norm(delta - (ref - x)) / np.linalg.norm(ref - x)), flush=True)
@@ -145,8 +164,8 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_kw2", "tail", "kw4", "pf2", "pf2_kw1", "gate_up", "gate_up_pf2"}, \
-        stdout
+    assert set(errs) == {"t2_kw2", "tail", "kw4", "pf2", "pf2_kw1", "sk3", "sk2_pf2", "gate_up",
+                         "gate_up_pf2"}, stdout
     for name, e in errs.items():
         # gate_up: its fp16 output rounds each element by up to 2^-11 (as gemv_int4's)
         assert e < (1e-3 if name.startswith("gate_up") else 1e-5), (name, e)

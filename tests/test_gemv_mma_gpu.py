@@ -48,6 +48,10 @@ def run(kind, n, k, tiling, seed):
     ("down", 3584, 18944, T(ks=16, threads=1024, prefetch=2, mma=True)),   # two groups ahead
     ("down", 3584, 18944, T(ks=16, threads=512, prefetch=2, mma=True)),
     ("o_proj", 3584, 3584, T(ks=14, threads=448, prefetch=2, mma=True)),   # 2 groups a warp
+    ("down", 3584, 18944, T(ks=16, threads=1024, splits=2, mma=True)),     # split-K
+    ("down", 3584, 18944, T(ks=8, threads=256, splits=4, mma=True)),       # 896 blocks
+    ("down", 3584, 18944, T(ks=4, threads=128, splits=5, mma=True)),       # 148 groups: 30 a split
+    ("o_proj", 3584, 3584, T(ks=7, threads=224, splits=2, mma=True)),
 ])
 def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     got, ref, x = run(kind, n, k, tiling, seed=n + k + tiling.ks)
@@ -82,11 +86,32 @@ def test_mma_gate_up_against_the_reference(n, k, tiling):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3, tiling.tag()
 
 
-def test_mma_gemv_is_deterministic():
-    t = T(ks=8, threads=512, mma=True)
-    a, _, _ = run("down", 3584, 18944, t, seed=3)
-    b, _, _ = run("down", 3584, 18944, t, seed=3)
+@pytest.mark.parametrize("tiling", [T(ks=8, threads=512, mma=True),
+                                    T(ks=8, threads=256, splits=4, mma=True)], ids=lambda t: t.tag())
+def test_mma_gemv_is_deterministic(tiling):
+    a, _, _ = run("down", 3584, 18944, tiling, seed=3)
+    b, _, _ = run("down", 3584, 18944, tiling, seed=3)
     assert np.array_equal(a, b)   # one writer per row, the warps' partials added in a fixed order
+
+
+def test_split_k_counters_rearm_and_replays_agree():
+    """Split-K's last block zeroes its counter: launch after launch on one GEMV object (as the
+    step graph replays it, 28 layers a step) gives the same bits, and the counters end at 0."""
+    rng = np.random.default_rng(5)
+    n, k = 3584, 18944
+    g = M.ResidualMmaGemv("down", PRESETS["7b"], n, k, T(ks=8, threads=256, splits=4, mma=True))
+    pq, ps = g.prepare([(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
+                         rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))])
+    a = cuda.to_device((rng.standard_normal(k) * 3).astype(np.float16))
+    pq, ps = cuda.to_device(pq), cuda.to_device(ps)
+    x0 = rng.standard_normal(n).astype(np.float32)
+    outs = []
+    for _ in range(5):
+        xd = cuda.to_device(x0)
+        g(a, pq, ps, xd, 0)
+        outs.append(xd.copy_to_host())
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    assert not g._split[1].copy_to_host().any()
 
 
 def test_mma_gemv_does_not_spill_on_the_device():

@@ -180,6 +180,8 @@ class Tiling:
     mma: bool = False    # o_proj/down/gate_up on the tensor cores (nq/kernels/gemv_mma.py): ks is
     #                      the warps a 16-row tile's groups are split over, and the weights
     #                      have the mma fragment layout (o_proj/down's default: mma_tiling)
+    splits: int = 1      # mma o_proj/down only: blocks a tile's groups are split over (split-K;
+    #                      the last block of a tile to finish adds the partials in split order)
 
     @property
     def lanes(self) -> int:
@@ -192,7 +194,8 @@ class Tiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_l2p{self.l2_steps}" if self.l2_steps else "")
                 + ("_bm" if self.block_major else "") + ("_st" if self.stream else "")
-                + (f"_bk{self.bulk}" if self.bulk else "") + ("_mma" if self.mma else ""))
+                + (f"_bk{self.bulk}" if self.bulk else "") + ("_mma" if self.mma else "")
+                + (f"_sk{self.splits}" if self.splits != 1 else ""))
 
     @property
     def block(self) -> int:
@@ -480,7 +483,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     INV_K = np.float32(1.0 / k)
     ZERO = np.uint32(0)
     if not (1 <= KS <= 32 and t.span in (32, 128) and RLW <= 4 and TPB % 32 == 0
-            and int(t.prefetch) in (0, 1, 2)
+            and int(t.prefetch) in (0, 1, 2) and t.splits == 1
             and (NMAT == 1 or RL <= 2)
             and TPB % P == 0 and TPB <= 1024):
         raise ValueError(f"unsupported tiling {t} for {kind}")

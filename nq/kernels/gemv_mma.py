@@ -46,7 +46,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kernels.gemv_int4 import Tiling, _need, dequant_word, pow2_scale_f32, ref_o_proj
@@ -124,6 +124,9 @@ def check_tiling(n_out: int, k: int, t: Tiling) -> None:
     if k * 2 > 48 * 1024:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
                          f"48 KB static shared memory limit")
+    if t.splits < 1 or t.splits > k // GROUP_SIZE:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: splits must be 1..{k // GROUP_SIZE} (the "
+                         f"blocks a tile's {k // GROUP_SIZE} groups are split over)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,13 +145,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
     G = k // GROUP_SIZE
     NT = n_out // TILE
     NMAT = 2 if kind == "gate_up" else 1
+    S = int(t.splits)                 # split-K: blocks a tile's groups are split over
+    if S > 1 and NMAT == 2:
+        raise ValueError("gemv_mma: splits is for o_proj and down (x += W . a); gate_up's "
+                         "SwiGLU needs a row's whole sums")
+    GS = -(-G // S)                   # groups of a split (the last may be short)
     PF2 = int(t.prefetch) == 2        # two groups' loads in flight ahead of the math, not one
-    NPAIR = -(-G // (2 * KW))         # two-group iterations of a warp (the last may be short)
-    NTRIP = -(-G // (3 * KW))         # PF2: three-group iterations
-    CH = k // CHUNK                   # k16 chunks
-    AW = k // 2                       # staged activation words (fp16 pairs)
+    NPAIR = -(-GS // (2 * KW))        # two-group iterations of a warp (the last may be short)
+    NTRIP = -(-GS // (3 * KW))        # PF2: three-group iterations
+    CHS = GS * (GROUP_SIZE // CHUNK)  # k16 chunks a block stages (its split's)
+    AW = CHS * 8                      # staged activation words (fp16 pairs)
     RED = TILES * KW * TILE * NMAT    # the warps' row partials
-    STAGE = -(-CH // TPB)             # residual kinds: chunks a thread stages
+    STAGE = -(-CHS // TPB)            # residual kinds: chunks a thread stages
     NSTAGE = -(-G // WARPS)           # gate_up: groups a warp stages
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
@@ -195,15 +203,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
                 db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
 
-    def stage_fp16(a, act):
-        # chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7): lane t's B
-        # fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
+    def stage_fp16(a, act, c0, c1):
+        # chunks c0..c1-1 (the block's split); chunk c's 8 fp16 pairs p0..p7 stored as
+        # (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word 8 (c - c0): lane t's B fragment (b0 = pair t,
+        # b1 = pair t + 4) is then 8 contiguous bytes
         for it in range(STAGE):
-            c = it * TPB + cuda.threadIdx.x
-            if c < CH:
+            c = c0 + it * TPB + cuda.threadIdx.x
+            if c < c1:
                 p0, p1, p2, p3 = ld_global_nc_v4_u32(a, c * CHUNK)
                 p4, p5, p6, p7 = ld_global_nc_v4_u32(a, c * CHUNK + 8)
-                w = c * 8
+                w = (c - c0) * 8
                 act[w] = p0
                 act[w + 1] = p4
                 act[w + 2] = p1
@@ -246,10 +255,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         cuda.syncthreads()
         return rstd_of(ssum, WARPS, INV_K, EPS)
 
-    def add_group(acc, ca, cb, abase, grp, t4, invf):
-        # acc + group grp's sums (none past the last group; gate_up's undo its staging's f_g)
+    def add_group(acc, ca, cb, abase, grp, t4, invf, gend):
+        # acc + group grp's sums (none from gend, the split's end; gate_up's undo f_g)
         a0, a1, a2, a3 = acc
-        if grp < G:
+        if grp < gend:
             v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
             fi = invf[grp] if NMAT == 2 else float32(1.0)
             a0 += v0 * fi
@@ -258,29 +267,30 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             a3 += v3 * fi
         return a0, a1, a2, a3
 
-    def mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf):
-        """The warp's groups kw, kw + KW, ..., two an iteration, into two register sets that
-        take turns (no copies): each group's loads are issued a group ahead of its math.  The
-        conditions are the same for the whole warp: the mma sees all 32 lanes.  ca/cb: the
-        first group's loads (issued before griddepcontrol.wait)."""
+    def mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf, gend):
+        """The warp's groups kw, kw + KW, ... below gend (kw: absolute, the split's first group
+        plus the warp's share), two an iteration, into two register sets that take turns (no
+        copies): each group's loads are issued a group ahead of its math.  The conditions are
+        the same for the whole warp: the mma sees all 32 lanes.  ca/cb: the first group's
+        loads (issued before griddepcontrol.wait)."""
         z = float32(0.0)
         acc = (z, z, z, z)
         for it in range(NPAIR):
             ga = kw + 2 * it * KW
             gb = ga + KW
-            na = load_group(qw, sc, wa, sa, min(gb, G - 1))
+            na = load_group(qw, sc, wa, sa, min(gb, gend - 1))
             nb = na
             if NMAT == 2:
-                nb = load_group(qw, sc, wb, sb, min(gb, G - 1))
-            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
-            ca = load_group(qw, sc, wa, sa, min(gb + KW, G - 1))
+                nb = load_group(qw, sc, wb, sb, min(gb, gend - 1))
+            acc = add_group(acc, ca, cb, abase, ga, t4, invf, gend)
+            ca = load_group(qw, sc, wa, sa, min(gb + KW, gend - 1))
             cb = ca
             if NMAT == 2:
-                cb = load_group(qw, sc, wb, sb, min(gb + KW, G - 1))
-            acc = add_group(acc, na, nb, abase, gb, t4, invf)
+                cb = load_group(qw, sc, wb, sb, min(gb + KW, gend - 1))
+            acc = add_group(acc, na, nb, abase, gb, t4, invf, gend)
         return acc
 
-    def mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf):
+    def mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf, gend):
         """mainloop with two groups' loads in flight at each group's math: three register sets
         (c, n, x) take turns, three groups an iteration.  ca/cb and na/nb: the warp's first two
         groups' loads (issued before griddepcontrol.wait)."""
@@ -290,44 +300,46 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             g0 = kw + 3 * it * KW
             g1 = g0 + KW
             g2 = g1 + KW
-            xa = load_group(qw, sc, wa, sa, min(g2, G - 1))
+            xa = load_group(qw, sc, wa, sa, min(g2, gend - 1))
             xb = xa
             if NMAT == 2:
-                xb = load_group(qw, sc, wb, sb, min(g2, G - 1))
-            acc = add_group(acc, ca, cb, abase, g0, t4, invf)
-            ca = load_group(qw, sc, wa, sa, min(g2 + KW, G - 1))
+                xb = load_group(qw, sc, wb, sb, min(g2, gend - 1))
+            acc = add_group(acc, ca, cb, abase, g0, t4, invf, gend)
+            ca = load_group(qw, sc, wa, sa, min(g2 + KW, gend - 1))
             cb = ca
             if NMAT == 2:
-                cb = load_group(qw, sc, wb, sb, min(g2 + KW, G - 1))
-            acc = add_group(acc, na, nb, abase, g1, t4, invf)
-            na = load_group(qw, sc, wa, sa, min(g2 + 2 * KW, G - 1))
+                cb = load_group(qw, sc, wb, sb, min(g2 + KW, gend - 1))
+            acc = add_group(acc, na, nb, abase, g1, t4, invf, gend)
+            na = load_group(qw, sc, wa, sa, min(g2 + 2 * KW, gend - 1))
             nb = na
             if NMAT == 2:
-                nb = load_group(qw, sc, wb, sb, min(g2 + 2 * KW, G - 1))
-            acc = add_group(acc, xa, xb, abase, g2, t4, invf)
+                nb = load_group(qw, sc, wb, sb, min(g2 + 2 * KW, gend - 1))
+            acc = add_group(acc, xa, xb, abase, g2, t4, invf, gend)
         return acc
 
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
-        # matrix: the last block's spare tile loads words that exist and is not written)
+        # matrix: the last block's spare tile loads words that exist and is not written, the
+        # block's tile block tb and split sl: blocks tb*S .. tb*S + S-1 share the tiles)
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
         tl = warp // KW
-        tile = min(cuda.blockIdx.x * TILES + tl, NT - 1)
-        return lane, lane >> 2, lane & 3, tl, warp - tl * KW, tile
+        tb = cuda.blockIdx.x // S
+        tile = min(tb * TILES + tl, NT - 1)
+        return lane, lane >> 2, lane & 3, tl, warp - tl * KW, tile, tb, cuda.blockIdx.x - tb * S
 
     def tile_bases(tile, lane, g):
         # where the lane's words of a tile start (256 a group) and its row g's scales
         return (tile * G * 32 + lane) * 8, (tile * TILE + g) * G
 
-    def out_row():
+    def out_row(tb):
         # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
         # threads below TILES * TILE have one (row -1 otherwise, or past the matrix)
         tid = cuda.threadIdx.x
         tl2 = tid // TILE
         r = tid % TILE
-        row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
+        row = (tb * TILES + tl2) * TILE + r
         return tl2, r, row if tid < TILES * TILE and row < n_out else -1
 
     def put_partials(red, tl, kw, g, t4, acc):
@@ -354,40 +366,84 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,
             mainloop, mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum))
 
-    if NMAT == 1:
+    def residual_sums(a, qw, sc, act, red):
+        """o_proj / down up to the warps' partials in `red`: (row, tl2, r, tb, sl) for
+        row_sum(red, tl2, r, 0), the row's sum over the block's split; row -1 for threads
+        without one."""
+        lane, g, t4, tl, kw, tile, tb, sl = roles()
+        gbeg = sl * GS                  # the block's split: groups gbeg .. gend - 1
+        gend = min(gbeg + GS, G)
+        wa, sa = tile_bases(tile, lane, g)
+        # weights depend on nothing upstream: the first group's loads go before the wait
+        ca = load_group(qw, sc, wa, sa, min(gbeg + kw, gend - 1))
+        na = ca
+        if PF2:
+            na = load_group(qw, sc, wa, sa, min(gbeg + kw + KW, gend - 1))
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        stage_fp16(a, act, gbeg * (GROUP_SIZE // CHUNK), gend * (GROUP_SIZE // CHUNK))
+        cuda.syncthreads()
+        # group_dot addresses absolute groups; the block staged only its split's
+        abase = cvta_to_shared_u32(act) - uint32(gbeg * (GROUP_SIZE // CHUNK) * 32)
+        # (red stands in for invf, which only gate_up reads)
+        if PF2:
+            acc = mainloop_pf2(qw, sc, abase, wa, sa, wa, sa, gbeg + kw, t4, ca, ca, na, na,
+                               red, gend)
+        else:
+            acc = mainloop(qw, sc, abase, wa, sa, wa, sa, gbeg + kw, t4, ca, ca, red, gend)
+        put_partials(red, tl, kw, g, t4, acc)
+        cuda.syncthreads()
+        tl2, r, row = out_row(tb)
+        return row, tl2, r, tb, sl
+
+    residual_sums = dev(residual_sums)
+
+    if NMAT == 1 and S == 1:
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED, float32)
-            lane, g, t4, tl, kw, tile = roles()
-            wa, sa = tile_bases(tile, lane, g)
-            # weights depend on nothing upstream: the first group's loads go before the wait
-            ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
-            na = ca
-            if PF2:
-                na = load_group(qw, sc, wa, sa, min(kw + KW, G - 1))
-            griddepcontrol_wait()
-            griddepcontrol_launch_dependents()
-            stage_fp16(a, act)
-            cuda.syncthreads()
-            # (red stands in for invf, which only gate_up reads)
-            abase = cvta_to_shared_u32(act)
-            if PF2:
-                acc = mainloop_pf2(qw, sc, abase, wa, sa, wa, sa, kw, t4, ca, ca, na, na, red)
-            else:
-                acc = mainloop(qw, sc, abase, wa, sa, wa, sa, kw, t4, ca, ca, red)
-            put_partials(red, tl, kw, g, t4, acc)
-            cuda.syncthreads()
-            tl2, r, row = out_row()
+            row, tl2, r, tb, sl = residual_sums(a, qw, sc, act, red)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
         sig = "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
+    elif NMAT == 1:
+        def kernel(a, qw, sc, x, part, count):
+            """Split-K: part (S, N) fp32 scratch, count (TB,) int32 arrival counters (zero
+            between launches).  As attn_mma's fused combine: every thread's partial store is
+            ordered before thread 0's release fence by the barrier, thread 0 counts the block
+            in; the last of a tile block's S blocks fences again (acquire), zeroes the counter
+            for the next launch, and its threads add the S partials to x in split order, so
+            the result does not depend on which block finished last."""
+            act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(RED, float32)
+            flag = cuda.shared.array(1, int32)
+            row, tl2, r, tb, sl = residual_sums(a, qw, sc, act, red)
+            if row >= 0:
+                part[sl * n_out + row] = row_sum(red, tl2, r, 0)
+            cuda.syncthreads()
+            if cuda.threadIdx.x == 0:
+                last = int32(0)
+                cuda.threadfence()   # release: the block's partials, before its arrival
+                if cuda.atomic.add(count, tb, 1) == S - 1:
+                    count[tb] = 0
+                    cuda.threadfence()   # acquire: the other splits' partials
+                    last = int32(1)
+                flag[0] = last
+            cuda.syncthreads()       # and the barrier passes the acquire on to every thread
+            if flag[0] != 0 and row >= 0:
+                tot = part[row]
+                for j in range(1, S):
+                    tot += part[j * n_out + row]
+                x[row] += tot
+        sig = ("void(float16[::1], uint32[::1], float16[::1], float32[::1], float32[::1], "
+               "int32[::1])")
     else:
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(AW, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED, float32)
             invf = cuda.shared.array(G, float32)
             ssum = cuda.shared.array(WARPS, float32)
-            lane, g, t4, tl, kw, tile = roles()
+            lane, g, t4, tl, kw, tile, tb, sl = roles()
             wa, sa = tile_bases(tile, lane, g)               # gate rows: tile
             wb, sb = tile_bases(tile + NT, lane, g)          # up rows: the same rows, NT tiles on
             ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
@@ -401,12 +457,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
             abase = cvta_to_shared_u32(act)
             if PF2:
-                acc = mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf)
+                acc = mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf,
+                                   G)
             else:
-                acc = mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf)
+                acc = mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf, G)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
-            tl2, r, row = out_row()
+            tl2, r, row = out_row(tb)
             if row >= 0:
                 gt = row_sum(red, tl2, r, 0) * rstd
                 up = row_sum(red, tl2, r, 1) * rstd
@@ -441,7 +498,8 @@ class _MmaGemv:
         self.kernel = _compiled(self.kind, n_out, k, tiling, float(cfg.rms_norm_eps))
         self.block = tiling.threads
         self.smem = 0
-        self.grid = -(-n_out // tiling.rows_per_block())
+        self.tile_blocks = -(-n_out // tiling.rows_per_block())
+        self.grid = self.tile_blocks * tiling.splits     # split-K: S blocks a tile block
         self.name = f"gemv_mma_{self.kind}_n{n_out}_k{k}_{tiling.tag()}"
 
     def prepare(self, parts):
@@ -472,12 +530,23 @@ class ResidualMmaGemv(_MmaGemv):
     def __init__(self, kind: str, cfg: ModelConfig, n_out: int, k: int, tiling: Tiling):
         self.kind = kind
         super().__init__(cfg, n_out, k, tiling)
+        # split-K: the partials' scratch and the arrival counters, made here (not inside a graph
+        # capture) and shared by every launch of this GEMV: launches on one stream run in
+        # order, and the last block of a tile block leaves its counter at zero again.  Not
+        # for launches of one object on two streams at once.
+        self._split = None
+        if tiling.splits > 1:
+            self._split = (cuda.device_array(tiling.splits * n_out, np.float32),
+                           cuda.to_device(np.zeros(self.tile_blocks, np.int32)))
 
     def __call__(self, a, qw, sc, x, stream=0):
         qw, sc = self._weights(qw, sc)
         _need(a, f"{self.name} a", np.float16, (self.k,), 16)
         _need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, 0](a, qw, sc, x)
+        if self.tiling.splits == 1:
+            self.kernel[self.grid, self.block, stream, 0](a, qw, sc, x)
+            return
+        self.kernel[self.grid, self.block, stream, 0](a, qw, sc, x, *self._split)
 
 
 class GateUpMmaGemv(_MmaGemv):
