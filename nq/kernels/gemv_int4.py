@@ -181,7 +181,8 @@ class Tiling:
     #                      the warps a 16-row tile's groups are split over, and the weights
     #                      have the mma fragment layout (o_proj/down's default: mma_tiling)
     splits: int = 1      # mma o_proj/down only: blocks a tile's groups are split over (split-K;
-    #                      the last block of a tile to finish adds the partials in split order)
+    #                      the last block of a tile to finish adds the partials in split order;
+    #                      measured, lost: opt-in)
 
     @property
     def lanes(self) -> int:

@@ -9,8 +9,9 @@ dequant instructions build the A fragment of one `mma.sync.m16n8k16` (fp16 in, f
 which replaces the 4 fmas, and one 8-byte B fragment of activations serves the 16 rows of the
 tile: ~10 instructions per 8 weights instead of ~14.  The default for o_proj and down
 (`gemv_int4.mma_tiling`; the 7B step -0.14 ms, docs/KERNELS_GEMV.md); gate_up here lost on
-the H200, so it is opt-in (`Tiling(mma=True)`), as is `prefetch=2` (two groups' loads in
-flight instead of one: down +0.04 ms a step).
+the H200, so it is opt-in (`Tiling(mma=True)`), as are `prefetch=2` (two groups' loads in
+flight instead of one: down +0.04 ms a step) and `splits` (split-K over blocks with a
+deterministic last-block combine: down +0.04..+0.17 ms).
 
 The fragment layout decides the weight layout (`mma_layout`, a NumPy model; the kernel's loads
 mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile holds for each
