@@ -182,9 +182,10 @@ print(f"{'step':18s} {'':6s} {total_floor:9.3f} {itl:9.3f} {100 * total_floor / 
 print("kernel_gap (launch and host overhead inside the graph):", round(run["breakdown"][0]["kernel_gap_ms"], 3), "ms")
 """),
     md("""
-The GEMVs that read most (gate_up, down) run closest to the floor; the small ones (qkv,
-o_proj) and attention at short context are dominated by fixed per-launch costs, which is
-where `docs/PERF.md` expects the next 0.25 ms to come from.
+gate_up and lm_head, which read the most, run closest to the floor; down (on the tensor cores,
+notebook 03) is next; the small ones (qkv, o_proj) and attention at short context are held by
+the fixed cost of a dependent kernel, not by their bytes (`docs/PERF.md` has the list of what
+was tried and what is left).
 """),
     code("""
 try:
@@ -203,6 +204,140 @@ if plt is not None:
 ]
 
 
+MMA = [
+    md("""
+# The tensor-core GEMV: an INT4 word as the A fragment of an mma
+
+`nq/kernels/gemv_mma.py` runs o_proj and down (x += W . a) on the tensor cores.  Why: on the
+CUDA cores the 7B's down GEMV was issue-bound, not memory-bound (ncu: 38 % of DRAM peak);
+per 8 weights it spent 9 instructions on the dequant and 4 `fma.f16x2` on the dot.  Here the
+same 9 instructions produce the A operand of one `mma.sync.m16n8k16` (fp16 in, fp32 out),
+which replaces the 4 fmas, and one 8-byte B fragment of activations serves all 16 rows of a
+tile.  Measured in the 7B step graph: -0.14 ms a token (2.03 -> 1.88 ms, `docs/PERF.md`).
+
+The trick is the weight layout: the upload re-orders each 16-row tile so that the word a lane
+loads *is* its A fragment after the ValueShuffle dequant.  This notebook checks that on a CPU
+with the Python twins of the PTX instructions, then looks at the kernel's PTX.
+"""),
+    code("""
+import os, sys
+sys.path.insert(0, os.getcwd())  # run from the repository root
+import numpy as np
+from nq import ptx as P
+from nq.ptx.mma import a_coords, mma_m16n8k16_f16_f32_warp
+from nq.kernels import gemv_mma as M
+from nq.loader.quant import quantize_int4, pack_value_shuffle
+
+rng = np.random.default_rng(7)
+w = rng.standard_normal((16, 128)).astype(np.float32)   # one 16-row tile, one group of 128
+q, scales = quantize_int4(w)                             # int8 in [-7, 7], fp16 (16, 1)
+file_words = pack_value_shuffle(q)                       # (16, 16): the file's row-major words
+frag = M.mma_layout(file_words).reshape(32, 8)           # [lane][8 words]: a warp's group
+print("lane 5 loads the words", [hex(int(u)) for u in frag[5, :2]], "...")
+"""),
+    md("""
+Word j of lane (g, t) = (lane // 4, lane % 4) covers columns 16j..16j+15 of the group.  The
+dequant of notebook 01 (`lop3`, `add.f16x2`, `fma.f16x2`) turns it into four fp16x2 registers;
+the PTX ISA says register a_r of lane (g, t) must hold A[g + 8(r % 2), 2t + 8(r // 2) + {0, 1}]
+(`nq.ptx.mma.a_coords`).  Every lane, every word:
+"""),
+    code("""
+def dequant_word(u):            # the 9 instructions of nq/kernels/gemv_int4.dequant_word
+    regs = []
+    for v in (u, u >> 8):
+        regs.append(P.add_rn_f16x2.twin(P.lop3_b32.twin(v, 0x000F000F, 0x64086408, P.LUT_AND_XOR),
+                                        0xE408E408))
+        regs.append(P.fma_rn_f16x2.twin(P.lop3_b32.twin(v, 0x00F000F0, 0x64806480, P.LUT_AND_XOR),
+                                        0x2C002C00, 0xD480D480))
+    return [int(r) for r in regs]   # a0, a1, a2, a3
+
+def halves(u):
+    return np.array([u & 0xFFFF, u >> 16], np.uint16).view(np.float16).astype(np.float32)
+
+for lane in range(32):
+    for j in range(8):
+        for r, reg in enumerate(dequant_word(int(frag[lane, j]))):
+            for half, value in enumerate(halves(reg)):
+                row, col = a_coords(lane, r, half)
+                assert value == q[row, 16 * j + col]
+print("all 32 lanes x 8 words are A fragments of the tile, exactly")
+"""),
+    md("""
+B is 16x8 (K x N).  Its 8 columns are all the activation vector, so every column of D is the
+dot product; lane (g, t) holds rows g (d0) and g + 8 (d2).  The kernel stages `a` in shared
+memory so that a lane's b0, b1 are one 8-byte load.  Eight mmas (one per word) make a group;
+the group's fp32 sum times the row's scale is added to the warp's accumulator.  The whole-warp
+model of the mma (`mma_m16n8k16_f16_f32_warp`) against NumPy:
+"""),
+    code("""
+a = (rng.standard_normal(128) * 2).astype(np.float16)
+def pair(x0, x1):
+    return int(np.array([x0, x1], np.float16).view(np.uint32)[0])
+
+d = np.zeros((32, 4), np.float32)
+for j in range(8):
+    A = np.array([dequant_word(int(frag[lane, j])) for lane in range(32)], np.uint32)
+    c = a[16 * j:16 * j + 16]
+    B = np.array([[pair(c[2 * (l % 4)], c[2 * (l % 4) + 1]),
+                   pair(c[2 * (l % 4) + 8], c[2 * (l % 4) + 9])] for l in range(32)], np.uint32)
+    d = mma_m16n8k16_f16_f32_warp(A, B, d)
+rows = np.concatenate([d[0::4, 0], d[0::4, 2]])           # lanes t = 0: rows 0..7, then 8..15
+want = q.astype(np.float64) @ a.astype(np.float64)
+print("max |mma - q.a| =", np.abs(rows - want).max())   # fp16 x small integers: exact in fp32
+y = rows * scales[:, 0].astype(np.float32)               # then the row's scale
+"""),
+    md("""
+## The kernel
+
+`build_kernel` specialises one kernel per (kind, N, K, tiling).  The 7B's down: a block of 32
+warps holds two tiles; the 16 warps of a tile split its 148 groups (`Tiling.ks`), each with
+the next group's loads in flight; their partials meet in shared memory and one thread a row
+adds them in a fixed order (deterministic).  The PTX for sm_90, no GPU needed:
+"""),
+    code("""
+from tests.ptx_util import compile_ptx_sm90, count
+from nq.config import PRESETS
+from nq.kernels import gemv_int4 as G
+
+cfg = PRESETS["7b"]
+t = G.default_tiling("down", cfg.hidden_size, cfg.intermediate_size)
+pyfunc, sig = M.build_kernel("down", cfg.hidden_size, cfg.intermediate_size, t)
+ptx = compile_ptx_sm90(pyfunc, sig)
+print(t.tag())
+for ins in ("mma.sync.aligned.m16n8k16", "lop3.b32", "ld.global.nc.v4.u32", "ld.shared.v2.u32",
+            "ld.local", "st.local"):
+    print(f"{ins:28s}", count(ptx, ins))
+"""),
+    md("""
+Per group a warp issues 8 mmas and 32 `lop3` (4 per word); the loop body handles two groups
+(two register sets taking turns), hence 16 and 64, and nothing spills to local memory.  To
+try another shape, change the tiling and time it inside the whole step graph on a GPU, e.g.
+
+    python3 scripts/step_variants.py --ctx 512,8192 "down.ks=8" "down.threads=512" "o_proj.mma=0"
+
+(`docs/KERNELS_GEMV.md` lists what was measured: more warps a tile, two groups in flight,
+split-K across blocks, gate_up on the tensor cores).
+"""),
+    code("""
+from numba import cuda
+
+if cuda.is_available():
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    n, k = cfg.hidden_size, cfg.intermediate_size
+    g = G.make_down_gemv(cfg)                     # the default: gemv_mma on the tensor cores
+    qw, sc = quantize_pack(rng.standard_normal((n, k)).astype(np.float32) / 100)
+    pq, ps = g.prepare([(qw, sc)])                # the file layout -> mma_layout
+    act = (rng.standard_normal(k)).astype(np.float16)
+    x = np.zeros(n, np.float32)
+    xd = cuda.to_device(x)
+    g(cuda.to_device(act), cuda.to_device(pq), cuda.to_device(ps), xd)
+    ref = dequantize_packed(qw, sc).astype(np.float64) @ act.astype(np.float64)
+    got = xd.copy_to_host()
+    print("relative error against fp64:", np.linalg.norm(got - ref) / np.linalg.norm(ref))
+""", "gpu"),
+]
+
+
 def write(name, cells):
     nb = {"nbformat": 4, "nbformat_minor": 5,
           "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -216,3 +351,4 @@ def write(name, cells):
 if __name__ == "__main__":
     write("01_int4_valueshuffle.ipynb", INT4)
     write("02_decode_step_floor.ipynb", FLOOR)
+    write("03_tensor_core_gemv.ipynb", MMA)
