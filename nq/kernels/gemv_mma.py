@@ -268,6 +268,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             a3 += v3 * fi
         return a0, a1, a2, a3
 
+    def load_both(qw, sc, wa, sa, wb, sb, grp):
+        # group grp's loads of the warp's tile and (gate_up) of the up tile; else the same twice
+        xa = load_group(qw, sc, wa, sa, grp)
+        xb = xa
+        if NMAT == 2:
+            xb = load_group(qw, sc, wb, sb, grp)
+        return xa, xb
+
     def mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf, gend):
         """The warp's groups kw, kw + KW, ... below gend (kw: absolute, the split's first group
         plus the warp's share), two an iteration, into two register sets that take turns (no
@@ -279,15 +287,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         for it in range(NPAIR):
             ga = kw + 2 * it * KW
             gb = ga + KW
-            na = load_group(qw, sc, wa, sa, min(gb, gend - 1))
-            nb = na
-            if NMAT == 2:
-                nb = load_group(qw, sc, wb, sb, min(gb, gend - 1))
+            na, nb = load_both(qw, sc, wa, sa, wb, sb, min(gb, gend - 1))
             acc = add_group(acc, ca, cb, abase, ga, t4, invf, gend)
-            ca = load_group(qw, sc, wa, sa, min(gb + KW, gend - 1))
-            cb = ca
-            if NMAT == 2:
-                cb = load_group(qw, sc, wb, sb, min(gb + KW, gend - 1))
+            ca, cb = load_both(qw, sc, wa, sa, wb, sb, min(gb + KW, gend - 1))
             acc = add_group(acc, na, nb, abase, gb, t4, invf, gend)
         return acc
 
@@ -301,20 +303,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             g0 = kw + 3 * it * KW
             g1 = g0 + KW
             g2 = g1 + KW
-            xa = load_group(qw, sc, wa, sa, min(g2, gend - 1))
-            xb = xa
-            if NMAT == 2:
-                xb = load_group(qw, sc, wb, sb, min(g2, gend - 1))
+            xa, xb = load_both(qw, sc, wa, sa, wb, sb, min(g2, gend - 1))
             acc = add_group(acc, ca, cb, abase, g0, t4, invf, gend)
-            ca = load_group(qw, sc, wa, sa, min(g2 + KW, gend - 1))
-            cb = ca
-            if NMAT == 2:
-                cb = load_group(qw, sc, wb, sb, min(g2 + KW, gend - 1))
+            ca, cb = load_both(qw, sc, wa, sa, wb, sb, min(g2 + KW, gend - 1))
             acc = add_group(acc, na, nb, abase, g1, t4, invf, gend)
-            na = load_group(qw, sc, wa, sa, min(g2 + 2 * KW, gend - 1))
-            nb = na
-            if NMAT == 2:
-                nb = load_group(qw, sc, wb, sb, min(g2 + 2 * KW, gend - 1))
+            na, nb = load_both(qw, sc, wa, sa, wb, sb, min(g2 + 2 * KW, gend - 1))
             acc = add_group(acc, xa, xb, abase, g2, t4, invf, gend)
         return acc
 
@@ -362,10 +355,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
-    load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, mainloop, \
-        mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum = (dev(f) for f in (
-            load_group, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group,
-            mainloop, mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum))
+    load_group, load_both, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, \
+        mainloop, mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum = (
+            dev(f) for f in (load_group, load_both, dequant_mma, chunk, group_dot, stage_fp16,
+                             stage_norm, add_group, mainloop, mainloop_pf2, roles, tile_bases,
+                             out_row, put_partials, row_sum))
 
     def residual_sums(a, qw, sc, act, red):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, tb, sl) for
@@ -447,12 +441,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             lane, g, t4, tl, kw, tile, tb, sl = roles()
             wa, sa = tile_bases(tile, lane, g)               # gate rows: tile
             wb, sb = tile_bases(tile + NT, lane, g)          # up rows: the same rows, NT tiles on
-            ca = load_group(qw, sc, wa, sa, min(kw, G - 1))
-            cb = load_group(qw, sc, wb, sb, min(kw, G - 1))
+            ca, cb = load_both(qw, sc, wa, sa, wb, sb, min(kw, G - 1))
             na, nb = ca, cb
             if PF2:
-                na = load_group(qw, sc, wa, sa, min(kw + KW, G - 1))
-                nb = load_group(qw, sc, wb, sb, min(kw + KW, G - 1))
+                na, nb = load_both(qw, sc, wa, sa, wb, sb, min(kw + KW, G - 1))
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
             rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
