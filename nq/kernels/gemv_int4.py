@@ -380,10 +380,10 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132, mma: bool = Tr
         # ks8 t512 +0.11, ks8 t256 +0.16, ks4 t256 +0.61
         ("down", 3584, 18944): Tiling(ks=16, threads=1024, mma=True),
     }
-    if mma and (kind, n_out, k) in measured_mma:
-        return measured_mma[(kind, n_out, k)]
-    if mma and mma_tiling(kind, n_out, k) is not None:
-        return mma_tiling(kind, n_out, k)
+    if mma:
+        t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
+        if t is not None:
+            return t
     if (kind, n_out, k) in measured:
         return measured[(kind, n_out, k)]
     budget = sms * 700
@@ -1052,6 +1052,24 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         # Roles: threads 0..TPB-1 are the consumers (the tiling's segments and rows, as
         # without bulk), warp TPB/32 the producer.  Both __syncthreads (after the barrier
         # init, and stage's) are here, outside the role branches.
+        def bk_prologue(src, norm_w, qw, sc, act, invf, red, bars, ring):
+            # the barriers and the ring; the consumers' first scales, early loads and staging
+            # of src (x and norm_w, or a); the producer's first copies; the __syncthreads
+            tid = cuda.threadIdx.x
+            bar0, ring0, rw = bk_enter(bars, ring)
+            row0, j = start(qw, sc)
+            sbs = (ZERO, ZERO, ZERO, ZERO)
+            if tid < TPB:
+                sbs = bk_scales(sc, row0, 0, j)
+                early(qw, row0, j)
+                stage(src, norm_w, act, invf, red)
+            else:
+                bk_produce_first(qw, ring0, bar0)
+            cuda.syncthreads()
+            return tid, bar0, ring0, rw, row0, j, sbs
+
+        bk_prologue = dev(bk_prologue)
+
         if kind == "qkv":
             def kernel(x, norm_w, qw, sc, bias, out):
                 act = cuda.shared.array(UWORDS, uint32, alignment=_ALIGN)
@@ -1059,17 +1077,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 red = cuda.shared.array(WARPS, float32)
                 bars = cuda.shared.array(NBARS, uint64)
                 ring = cuda.shared.array(0, uint32)
-                tid = cuda.threadIdx.x
-                bar0, ring0, rw = bk_enter(bars, ring)
-                row0, j = start(qw, sc)
-                sbs = (ZERO, ZERO, ZERO, ZERO)
-                if tid < TPB:
-                    sbs = bk_scales(sc, row0, 0, j)
-                    early(qw, row0, j)
-                    stage(x, norm_w, act, invf, red)
-                else:
-                    bk_produce_first(qw, ring0, bar0)
-                cuda.syncthreads()
+                tid, bar0, ring0, rw, row0, j, sbs = bk_prologue(x, norm_w, qw, sc, act, invf,
+                                                                 red, bars, ring)
                 if tid < TPB:
                     rstd = bk_rstd(red)
                     acc = bk_mainloop(ring, rw, bar0, sc, act, invf, row0, j, sbs)
@@ -1091,17 +1100,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 red = cuda.shared.array(WARPS, float32)
                 bars = cuda.shared.array(NBARS, uint64)
                 ring = cuda.shared.array(0, uint32)
-                tid = cuda.threadIdx.x
-                bar0, ring0, rw = bk_enter(bars, ring)
-                row0, j = start(qw, sc)
-                sbs = (ZERO, ZERO, ZERO, ZERO)
-                if tid < TPB:
-                    sbs = bk_scales(sc, row0, 0, j)
-                    early(qw, row0, j)
-                    stage(a, a, act, invf, red)
-                else:
-                    bk_produce_first(qw, ring0, bar0)
-                cuda.syncthreads()
+                tid, bar0, ring0, rw, row0, j, sbs = bk_prologue(a, a, qw, sc, act, invf, red,
+                                                                 bars, ring)
                 if tid < TPB:
                     acc = bk_mainloop(ring, rw, bar0, sc, act, invf, row0, j, sbs)
                     if j == 0:
