@@ -311,6 +311,22 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             acc = add_group(acc, xa, xb, abase, g2, t4, invf, gend)
         return acc
 
+    def first_loads(qw, sc, wa, sa, wb, sb, g0, gend):
+        # the warp's first group's loads (PF2: and its second's), for before griddepcontrol.wait:
+        # weights depend on nothing upstream
+        ca, cb = load_both(qw, sc, wa, sa, wb, sb, min(g0, gend - 1))
+        na, nb = ca, cb
+        if PF2:
+            na, nb = load_both(qw, sc, wa, sa, wb, sb, min(g0 + KW, gend - 1))
+        return ca, cb, na, nb
+
+    def run_loop(qw, sc, abase, wa, sa, wb, sb, g0, t4, first, invf, gend):
+        # the tiling's main loop over the warp's groups g0, g0 + KW, ... below gend
+        ca, cb, na, nb = first
+        if PF2:
+            return mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, g0, t4, ca, cb, na, nb, invf, gend)
+        return mainloop(qw, sc, abase, wa, sa, wb, sb, g0, t4, ca, cb, invf, gend)
+
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
         # matrix: the last block's spare tile loads words that exist and is not written, the
@@ -356,10 +372,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_group, load_both, dequant_mma, chunk, group_dot, stage_fp16, stage_norm, add_group, \
-        mainloop, mainloop_pf2, roles, tile_bases, out_row, put_partials, row_sum = (
+        mainloop, mainloop_pf2, first_loads, run_loop, roles, tile_bases, out_row, \
+        put_partials, row_sum = (
             dev(f) for f in (load_group, load_both, dequant_mma, chunk, group_dot, stage_fp16,
-                             stage_norm, add_group, mainloop, mainloop_pf2, roles, tile_bases,
-                             out_row, put_partials, row_sum))
+                             stage_norm, add_group, mainloop, mainloop_pf2, first_loads,
+                             run_loop, roles, tile_bases, out_row, put_partials, row_sum))
 
     def residual_sums(a, qw, sc, act, red):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, tb, sl) for
@@ -369,11 +386,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         gbeg = sl * GS                  # the block's split: groups gbeg .. gend - 1
         gend = min(gbeg + GS, G)
         wa, sa = tile_bases(tile, lane, g)
-        # weights depend on nothing upstream: the first group's loads go before the wait
-        ca = load_group(qw, sc, wa, sa, min(gbeg + kw, gend - 1))
-        na = ca
-        if PF2:
-            na = load_group(qw, sc, wa, sa, min(gbeg + kw + KW, gend - 1))
+        first = first_loads(qw, sc, wa, sa, wa, sa, gbeg + kw, gend)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage_fp16(a, act, gbeg * (GROUP_SIZE // CHUNK), gend * (GROUP_SIZE // CHUNK))
@@ -381,11 +394,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
         # group_dot addresses absolute groups; the block staged only its split's
         abase = cvta_to_shared_u32(act) - uint32(gbeg * (GROUP_SIZE // CHUNK) * 32)
         # (red stands in for invf, which only gate_up reads)
-        if PF2:
-            acc = mainloop_pf2(qw, sc, abase, wa, sa, wa, sa, gbeg + kw, t4, ca, ca, na, na,
-                               red, gend)
-        else:
-            acc = mainloop(qw, sc, abase, wa, sa, wa, sa, gbeg + kw, t4, ca, ca, red, gend)
+        acc = run_loop(qw, sc, abase, wa, sa, wa, sa, gbeg + kw, t4, first, red, gend)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row(tb)
@@ -441,19 +450,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6):
             lane, g, t4, tl, kw, tile, tb, sl = roles()
             wa, sa = tile_bases(tile, lane, g)               # gate rows: tile
             wb, sb = tile_bases(tile + NT, lane, g)          # up rows: the same rows, NT tiles on
-            ca, cb = load_both(qw, sc, wa, sa, wb, sb, min(kw, G - 1))
-            na, nb = ca, cb
-            if PF2:
-                na, nb = load_both(qw, sc, wa, sa, wb, sb, min(kw + KW, G - 1))
+            first = first_loads(qw, sc, wa, sa, wb, sb, kw, G)
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
             rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-            abase = cvta_to_shared_u32(act)
-            if PF2:
-                acc = mainloop_pf2(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, na, nb, invf,
-                                   G)
-            else:
-                acc = mainloop(qw, sc, abase, wa, sa, wb, sb, kw, t4, ca, cb, invf, G)
+            acc = run_loop(qw, sc, cvta_to_shared_u32(act), wa, sa, wb, sb, kw, t4, first, invf,
+                           G)
             put_partials(red, tl, kw, g, t4, acc)
             cuda.syncthreads()
             tl2, r, row = out_row(tb)
