@@ -90,12 +90,12 @@ assert np.array_equal(dequantize_packed(packed, scales), q.astype(np.float32) * 
     md("""
 ## The kernel that does this
 
-`nq/kernels/gemv_int4.py` builds one kernel per (kind, N, K, tiling) at JIT time. Numba
+`nq/kernels/int4/gemv.py` builds one kernel per (kind, N, K, tiling) at JIT time. Numba
 compiles it to PTX for sm_90 with no GPU present; the wrappers' instructions appear verbatim.
 """),
     code("""
 from tests.ptx_util import compile_ptx_sm90, count
-from nq.kernels import gemv_int4 as G
+from nq.kernels.int4 import gemv as G
 from nq.config import PRESETS
 
 cfg = PRESETS["7b"]
@@ -208,7 +208,7 @@ MMA = [
     md("""
 # The tensor-core GEMV: an INT4 word as the A fragment of an mma
 
-`nq/kernels/gemv_mma.py` runs o_proj and down (x += W . a) on the tensor cores.  Why: on the
+`nq/kernels/int4/gemv_mma.py` runs o_proj and down (x += W . a) on the tensor cores.  Why: on the
 CUDA cores the 7B's down GEMV was issue-bound, not memory-bound (ncu: 38 % of DRAM peak);
 per 8 weights it spent 9 instructions on the dequant and 4 `fma.f16x2` on the dot.  Here the
 same 9 instructions produce the A operand of one `mma.sync.m16n8k16` (fp16 in, fp32 out),
@@ -225,7 +225,7 @@ sys.path.insert(0, os.getcwd())  # run from the repository root
 import numpy as np
 from nq import ptx as P
 from nq.ptx.mma import a_coords, mma_m16n8k16_f16_f32_warp
-from nq.kernels import gemv_mma as M
+from nq.kernels.int4 import gemv_mma as M
 from nq.loader.quant import quantize_int4, pack_value_shuffle
 
 rng = np.random.default_rng(7)
@@ -242,7 +242,7 @@ the PTX ISA says register a_r of lane (g, t) must hold A[g + 8(r % 2), 2t + 8(r 
 (`nq.ptx.mma.a_coords`).  Every lane, every word:
 """),
     code("""
-def dequant_word(u):            # the 9 instructions of nq/kernels/gemv_int4.dequant_word
+def dequant_word(u):            # the 9 instructions of nq/kernels/int4/gemv.dequant_word
     regs = []
     for v in (u, u >> 8):
         regs.append(P.add_rn_f16x2.twin(P.lop3_b32.twin(v, 0x000F000F, 0x64086408, P.LUT_AND_XOR),
@@ -297,7 +297,7 @@ adds them in a fixed order (deterministic).  The PTX for sm_90, no GPU needed:
     code("""
 from tests.ptx_util import compile_ptx_sm90, count
 from nq.config import PRESETS
-from nq.kernels import gemv_int4 as G
+from nq.kernels.int4 import gemv as G
 
 cfg = PRESETS["7b"]
 t = G.default_tiling("down", cfg.hidden_size, cfg.intermediate_size)

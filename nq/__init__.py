@@ -7,7 +7,7 @@ Where things live (the folders follow the data):
   nq/text     tokenizer, chat template, FIM prompts, streaming detokenisation
   nq/ptx      one wrapper per PTX instruction, each with a Python twin
   nq/kernels  every piece of device code
-  nq/engine   the GPU orchestrator: weights, KV pages, decode graphs
+  nq/runtime/engine   the GPU orchestrator: weights, KV pages, decode graphs
   nq/cli      the `nq` command
 """
 __version__ = "0.1.0"

@@ -9,55 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 from pathlib import Path
 
-DEFAULT_REPO = "Qwen/Qwen2.5-Coder-7B-Instruct"
+from nq.loader.resolve import DEFAULT_REPO, resolve_model
 
 
 def _err(msg: str) -> int:
     print(f"nq: error: {msg}", file=sys.stderr)
     return 2
-
-
-# ---- model resolution -----------------------------------------------------------------------
-def cache_dir() -> Path:
-    """Where packed models live: $NQ_CACHE, else $XDG_CACHE_HOME/nq, else ~/.cache/nq."""
-    if os.environ.get("NQ_CACHE"):
-        return Path(os.environ["NQ_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "nq"
-
-
-def resolve_model(model: str | None, revision: str | None = None) -> Path:
-    """A `.nanoqwen` path for -m: a packed file as is; an HF snapshot folder or a repo id
-    (default: Qwen2.5-Coder-7B-Instruct) downloaded and packed once into the cache."""
-    from nq.loader.hf import pack, resolve_snapshot
-
-    model = model or DEFAULT_REPO
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path
-    if model.endswith(".nanoqwen"):
-        raise FileNotFoundError(f"{model}: no such file; pack one with `nq pack SRC {model}`")
-    # A snapshot folder in the HF cache is named after its commit, so a new revision packs anew.
-    key = (str(path.resolve()) if path.is_dir() else model).strip("/").replace("/", "--")
-    if not path.is_dir() and (revision is None or re.fullmatch(r"[0-9a-f]{40}", revision)):
-        # A repo id packed before is used without asking the hub (the HF copy may be pruned,
-        # or the machine offline); `--revision` or `nq pack` fetches another revision.
-        packed = sorted(cache_dir().glob(f"{key}--{revision or '*'}.nanoqwen"),
-                        key=lambda p: p.stat().st_mtime)
-        if packed:
-            return packed[-1]
-    snapshot = resolve_snapshot(str(path) if path.is_dir() else model, revision=revision)
-    out = cache_dir() / f"{key}--{snapshot.name}.nanoqwen"
-    if not out.exists():
-        print(f"nq: packing {snapshot} into {out} (once)", file=sys.stderr)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        pack(snapshot, out)
-    return out
 
 
 # ---- subcommands ----------------------------------------------------------------------------
@@ -124,7 +84,7 @@ def make_backend(name: str, nf, ctx: int):
             raise RuntimeError(f"this GPU is sm_{cc[0]}{cc[1]}; nq's kernels use Hopper (sm_90) "
                                "instructions (cp.async.bulk, mbarrier): use an H100/H200, or "
                                "--backend numpy")
-        from nq.engine import Engine
+        from nq.runtime.engine import Engine
         eng = Engine.from_file(nf, max_len=ctx)
         print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
         return eng
@@ -202,7 +162,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from nq.bench import run  # lazy: numba and torch load only for `nq bench`
+    from nq.tools.bench import run  # lazy: numba and torch load only for `nq bench`
     return run(args)
 
 
@@ -276,12 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(s)
     s.set_defaults(func=cmd_chat)
 
-    from nq.verify import add_parser as add_verify
+    from nq.tools.verify import add_parser as add_verify
     add_verify(sub)
 
     s = sub.add_parser("bench", help="prefill/decode speed as a llama-bench table, with the ITL "
                                      "breakdown, copy ceiling and torch peers (GPU)")
-    from nq.bench import add_arguments
+    from nq.tools.bench import add_arguments
     add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p

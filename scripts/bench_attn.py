@@ -26,7 +26,7 @@ def log(*a):
 def time_graph(fn, stream, reps):
     """ms per replay of a graph capturing fn(stream) (warmed up once, eagerly)."""
     from numba import cuda
-    from nq.graphs import CapturedGraph
+    from nq.runtime.graphs import CapturedGraph
     fn(stream)
     stream.synchronize()
     g = CapturedGraph(stream, lambda: fn(stream))
@@ -75,8 +75,12 @@ def main():
     from numba import cuda
 
     from nq.config import PRESETS
-    from nq.kernels import argmax, attn_decode, attn_mma, embed, rmsnorm, rope_kv
-    from nq.kv_cache import make_state, pages_for, pool_shape
+    from nq.kernels import embed, rmsnorm, rope_kv
+    from nq.kernels import sampling as argmax
+    from nq.kernels.attention import combine as attn_decode
+    from nq.kernels.attention import decode as attn_mma
+    from nq.paged import pages_for, pool_shape
+    from nq.runtime.kv_cache import make_state
 
     cfg = PRESETS["7b"]
     L = cfg.num_layers

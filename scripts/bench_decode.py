@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nq.bench import bytes_per_token, copy_ceiling_gbs  # shared with nq bench
+from nq.tools.bench import bytes_per_token, copy_ceiling_gbs  # shared with nq bench
 from nq.config import PRESETS  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
-    from nq.engine import Engine
+    from nq.runtime.engine import Engine
 
     cfg = PRESETS[args.random]
     ctxs = [int(c) for c in args.ctx.split(",") if c]

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from nq.config import PRESETS  # noqa: E402
-from nq.kernels import gemv_int4 as G  # noqa: E402
+from nq.kernels.int4 import gemv as G  # noqa: E402
 from nq.kernels import lm_head as L  # noqa: E402
 
 CFG = PRESETS["7b"]
@@ -153,7 +153,7 @@ def launcher(kind, g, b, qw, sc):
 
 def make(kind, tiling):
     n_out, k, _ = SHAPES[kind]
-    if tiling.mma:   # the tensor-core kernels (nq/kernels/gemv_mma.py)
+    if tiling.mma:   # the tensor-core kernels (nq/kernels/int4/gemv_mma.py)
         return {"o_proj": G.make_o_proj_gemv, "down": G.make_down_gemv,
                 "gate_up": G.make_gate_up_gemv}[kind](CFG, tiling)
     if kind == "qkv":

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import bench_gemv as B  # noqa: E402
-from nq.kernels import gemv_int4 as G  # noqa: E402
+from nq.kernels.int4 import gemv as G  # noqa: E402
 
 
 def parse_tiling(kind: str, spec: str) -> G.Tiling:

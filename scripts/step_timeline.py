@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nq.bench import at_context
+    from nq.tools.bench import at_context
     from nq.config import PRESETS
-    from nq.engine import Engine
+    from nq.runtime.engine import Engine
 
     eng = Engine.random(PRESETS[a.random], max_len=a.ctx + a.steps + 64)
     at_context(eng, a.ctx, ahead=a.steps + 16)

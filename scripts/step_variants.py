@@ -10,7 +10,7 @@ options (`Engine.variant`), recaptures it and times decode steps at each context
         "down.prefetch=2" "down.prefetch=2 down.threads=256" "attn.early=1" --leave-out
 
 A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
-gate_up, down; fields of nq.kernels.gemv_int4.Tiling -- a new ks reads the weights in the
+gate_up, down; fields of nq.kernels.int4.gemv.Tiling -- a new ks reads the weights in the
 wrong order, which is fine for timing random weights and nothing else) or `attn` (keywords of
 attn_mma_launcher; attn.fused=1: the combine in the split kernel), or rope.fused=1 (the
 qkv_rope GEMV instead of qkv + rope_kv; its tiling: qkv_rope.field=value).  The baseline is timed first and last
@@ -55,14 +55,14 @@ def parse_variant(text: str, defaults: dict) -> tuple[dict, dict, bool | None]:
 
 
 def itl(eng, ctx: int, steps: int) -> float:
-    from nq.bench import at_context
+    from nq.tools.bench import at_context
     at_context(eng, ctx, ahead=steps + 8)
     return statistics.median(eng.time_steps(steps))
 
 
 def regs(eng) -> dict:
     """Registers per thread of the step's GEMV kernels (numba dispatchers)."""
-    from nq.weights_gpu import gemvs
+    from nq.runtime.weights import gemvs
     out = {}
     tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
     for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
@@ -84,16 +84,16 @@ def main(argv=None) -> int:
     ap.add_argument("--leave-out", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from nq.engine import Engine
-    from nq.graphs import CapturedGraph
-    from nq.weights_gpu import gemvs
+    from nq.runtime.engine import Engine
+    from nq.runtime.graphs import CapturedGraph
+    from nq.runtime.weights import gemvs
 
     ctxs = [int(c) for c in a.ctx.split(",")]
     cfg = PRESETS[a.random]
     t0 = time.perf_counter()
     eng = Engine.random(cfg, max_len=max(ctxs) + 16 * a.steps + 64)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
-    from nq.kernels.gemv_int4 import make_qkv_rope_gemv
+    from nq.kernels.int4.gemv import make_qkv_rope_gemv
     defaults = {k: g.tiling for k, g in gemvs(cfg).items()}
     defaults["qkv_rope"] = make_qkv_rope_gemv(cfg).tiling
     results = []

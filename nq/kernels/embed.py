@@ -1,6 +1,6 @@
 """Token embedding: state[STATE_TOKEN] -> residual x fp32 (hidden,) from the fp16 table.
 
-The token id is read on device (nq/kv_cache.py's state layout), so the decode graph that
+The token id is read on device (nq/runtime/kv_cache.py's state layout), so the decode graph that
 starts with this kernel replays unchanged at every step.  Grid ceil(hidden/256), block 256:
 a 7 KiB row is one coalesced read.
 """
@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from nq.kv_cache import STATE_TOKEN
+from nq.paged import STATE_TOKEN
 
 THREADS = 256
 

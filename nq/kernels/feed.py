@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from nq.kv_cache import STATE_POS, STATE_TOKEN
+from nq.paged import STATE_POS, STATE_TOKEN
 from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
 

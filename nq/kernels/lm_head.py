@@ -27,8 +27,7 @@ import numpy as np
 from numba import cuda, float32
 
 from nq.config import ModelConfig
-from nq.kernels.gemv_int4 import STATIC_SMEM_LIMIT, _need
-from nq.kernels.warp import block_rstd, dev, warp_sum
+from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, need, sm_count, warp_sum
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_v4_u32, ld_shared_v4_f32,
                     unpack_f16x2_to_f32)
@@ -171,13 +170,6 @@ def _compiled(vocab, k, eps, threads, unroll):
     return cuda.jit(sig, launch_bounds=(threads,))(pyfunc)
 
 
-def _sm_count() -> int:
-    try:
-        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    except Exception:  # no GPU (simulator, offline compile): the H200's count
-        return 132
-
-
 class LmHead:
     """logits fp32 (V,) = weight fp16 (V, H) . rmsnorm(x, norm_w); see the module doc."""
 
@@ -187,14 +179,14 @@ class LmHead:
         self.threads, self.unroll = threads, unroll
         self.kernel = _compiled(self.vocab, self.k, float(cfg.rms_norm_eps), threads, unroll)
         rows_per_block = threads // 32
-        self.grid = grid or min(-(-self.vocab // rows_per_block), _sm_count() * blocks_per_sm)
+        self.grid = grid or min(-(-self.vocab // rows_per_block), sm_count() * blocks_per_sm)
         self.name = f"lm_head_fp16_v{self.vocab}_k{self.k}_t{threads}_u{unroll}"
 
     def __call__(self, x, norm_w, weight, logits, stream=0):
-        _need(x, f"{self.name} x", np.float32, (self.k,), 4)
-        _need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 2)
-        _need(weight, f"{self.name} weight", np.float16, (self.vocab, self.k))
-        _need(logits, f"{self.name} logits", np.float32, (self.vocab,), 4)
+        need(x, f"{self.name} x", np.float32, (self.k,), 4)
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 2)
+        need(weight, f"{self.name} weight", np.float16, (self.vocab, self.k))
+        need(logits, f"{self.name} logits", np.float32, (self.vocab,), 4)
         self.kernel[self.grid, self.threads, stream](x, norm_w, weight, logits)
 
 

@@ -4,7 +4,7 @@ residual first (x += r, written back, then h = norm(x) * w).
 Decode fuses the norm into the qkv and gate_up GEMV prologues (gemv_int4.py); this kernel is
 for prefill, the final norm before lm_head if the engine wants it separate, and tests.
 One block of 256 threads per row: the sum of squares is reduced in fp32 (per-thread partials,
-warp xor-shuffles, then 8 warp sums in shared memory; nq/kernels/warp.py), as HF's fp32
+warp xor-shuffles, then 8 warp sums in shared memory; nq/kernels/common.py), as HF's fp32
 variance.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
     from numba import cuda
     from numba.cuda.types import float16, float32
 
-    from nq.kernels.warp import block_rstd, dev, warp_sum
+    from nq.kernels.common import block_rstd, dev, warp_sum
     from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
     H, EPS, RES = hidden, float32(eps), with_residual

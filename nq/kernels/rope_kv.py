@@ -1,7 +1,7 @@
 """RoPE on q and k of one decode token, and the K/V store into the paged cache.
 
 Input is the qkv GEMV's fp32 output (q_size + 2*kv_size,), bias already added, laid out
-[q heads | k heads | v heads].  The position comes from state[STATE_POS] (nq/kv_cache.py), so
+[q heads | k heads | v heads].  The position comes from state[STATE_POS] (nq/runtime/kv_cache.py), so
 the captured graph replays unchanged.  Outputs:
     q_out  (num_heads*head_dim,) fp32   rotated q; attention keeps scores in fp32, and fp32 q
                                         costs 14 KiB of reads per layer, nothing next to KV
@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from nq.kv_cache import PAGE, STATE_POS, check_paged_args
+from nq.paged import PAGE, STATE_POS, check_paged_args
 
 
 # ---- NumPy reference ---------------------------------------------------------------------------

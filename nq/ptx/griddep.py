@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL): let the next kernel start before this one ends.
 
-In a CUDA graph whose kernel-to-kernel edges are *programmatic* (nq/graphs.py makes them so),
+In a CUDA graph whose kernel-to-kernel edges are *programmatic* (nq/runtime/graphs.py makes them so),
 a kernel's CTAs may be scheduled while its predecessor is still running: as soon as every CTA
 of the predecessor has executed `griddepcontrol.launch_dependents` (or exited).  The early
 kernel may do anything that does not depend on the predecessor -- issue its weight loads,

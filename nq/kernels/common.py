@@ -1,0 +1,112 @@
+"""What every kernel family shares: the shared-memory limits, launcher argument checks, the
+dynamic shared-memory opt-in, and the device-function bodies (warp butterflies, RMSNorm's
+block tail).
+
+Limits (sm_90):
+    STATIC_SMEM_LIMIT  48 KiB: static shared memory numba can give a block (no opt-in exists
+                       for static arrays), and dynamic memory a launch gets without opting in
+    SMEM_OPTIN_LIMIT   227 KiB: static + dynamic shared memory of one block once the kernel
+                       has opted in (`allow_smem`)
+
+The device bodies:
+
+They are plain Python bodies; a kernel builder wraps them with `dev` (numba device functions,
+force-inlined outside the simulator), so each kernel gets its own inlined copy and the PTX is
+what the body would be written in place.  `block_rstd` takes the block's shape as arguments;
+after inlining they are the builder's constants again.
+
+RMSNorm in a decode kernel's prologue: each thread squares its share of x, `warp_sum` adds a
+warp's 32 partials (every lane gets the total), lane 0 writes it to `red[warp]`, the block
+syncs, and `block_rstd` adds the warp sums in warp order (deterministic: every block of every
+kernel computes the same rstd for the same x) into 1/sqrt(mean + eps).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from nq.ptx import SIMULATOR
+
+FULL = 0xFFFFFFFF
+STATIC_SMEM_LIMIT = 48 * 1024
+SMEM_OPTIN_LIMIT = 227 * 1024
+
+
+# ---- launcher helpers ---------------------------------------------------------------------------
+
+def device_addr(a) -> int:
+    """The address a (device or simulator) array's data starts at."""
+    cai = getattr(a, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai else np.asarray(getattr(a, "_ary", a)).ctypes.data
+
+
+def need(a, what, dtype, shape, align=16) -> None:
+    """Refuse an argument whose dtype, shape, contiguity or alignment a kernel cannot take."""
+    if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: expected {np.dtype(dtype)} {tuple(shape)}, got {a.dtype} {tuple(a.shape)}")
+    contig = a.is_c_contiguous() if hasattr(a, "is_c_contiguous") else a.flags.c_contiguous
+    if not contig:
+        raise ValueError(f"{what}: must be C-contiguous")
+    if device_addr(a) % align:
+        raise ValueError(f"{what}: device address must be {align}-byte aligned")
+
+
+def allow_smem(kernel, nbytes: int) -> None:
+    """Opt the kernel into more than 48 KiB of dynamic shared memory (cuFuncSetAttribute);
+    a no-op under the simulator."""
+    if SIMULATOR:
+        return
+    if nbytes > SMEM_OPTIN_LIMIT:
+        raise ValueError(f"{nbytes} bytes of shared memory: more than sm_90's {SMEM_OPTIN_LIMIT}")
+    from numba.cuda.cudadrv import driver as drv
+    from numba.cuda.cudadrv.driver import binding
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    for k in kernel.overloads.values():
+        fn = k._codelibrary.get_cufunc()
+        drv.driver.cuKernelSetAttribute(attr, int(nbytes), fn.handle, fn.device.id)
+
+
+def sm_count() -> int:
+    """The current device's SM count; the H200's 132 where there is none (simulator, offline)."""
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # noqa: BLE001 -- no GPU here
+        return 132
+
+
+# ---- device-function bodies ----------------------------------------------------------------------
+
+# numba device functions, force-inlined on the device (the simulator refuses forceinline=)
+dev = functools.partial(cuda.jit, device=True, **({} if SIMULATOR else {"forceinline": True}))
+
+
+def warp_sum(v):
+    """v summed over the warp's 32 lanes by xor butterflies; every lane returns the total."""
+    v += cuda.shfl_xor_sync(FULL, v, 16)
+    v += cuda.shfl_xor_sync(FULL, v, 8)
+    v += cuda.shfl_xor_sync(FULL, v, 4)
+    v += cuda.shfl_xor_sync(FULL, v, 2)
+    v += cuda.shfl_xor_sync(FULL, v, 1)
+    return v
+
+
+def warp_max(v):
+    """max of v over the warp's 32 lanes; every lane returns it."""
+    v = max(v, cuda.shfl_xor_sync(FULL, v, 16))
+    v = max(v, cuda.shfl_xor_sync(FULL, v, 8))
+    v = max(v, cuda.shfl_xor_sync(FULL, v, 4))
+    v = max(v, cuda.shfl_xor_sync(FULL, v, 2))
+    v = max(v, cuda.shfl_xor_sync(FULL, v, 1))
+    return v
+
+
+def block_rstd(red, nwarps, inv_k, eps):
+    """RMSNorm's 1/sqrt(sum(x^2)/K + eps) from the per-warp sums of squares in shared `red`
+    (after the block's __syncthreads), added in warp order; inv_k = fp32 1/K."""
+    tot = float32(0.0)
+    for w in range(nwarps):
+        tot += red[w]
+    return float32(1.0) / math.sqrt(tot * inv_k + eps)

@@ -1,0 +1,356 @@
+"""The GPU engine: weights on the device, KV pages, and decode as one captured CUDA graph.
+
+One decode step (this file never holds a kernel body; nq/kernels does):
+
+    feed       state.token = prompt[pos - start] while inside the prompt (prefill = replays)
+    embed      x = emb[state.token]                                   x: (hidden,) fp32
+    per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
+               q, KV page[pos] = rope(qkv)                            in its epilogue (qkv_rope;
+                                                                      FUSE_ROPE=False: rope_kv)
+               o    = paged_attention(q, pages[0..pos])               attn_mma split + combine
+               x   += o @ Wo                                          GEMV, residual epilogue
+               a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
+               x   += a @ Wd                                          GEMV, residual epilogue
+    lm_head    logits = rmsnorm(x) @ Wlm                              fp16 GEMV
+    argmax     state.token = argmax(logits); out_ids[step] = token; pos += 1; step += 1
+
+Everything that changes per step lives in device memory (`state`, the block table), so the
+step is captured once and replayed.  One graph serves every position: the kernels read `pos`
+on the device and pages are reserved ahead, so nothing differs at a page boundary
+(docs/KERNELS.md says why the seed's two graphs are not needed here).
+"""
+from __future__ import annotations
+
+
+import numpy as np
+
+from nq.config import ModelConfig
+from nq.runtime.graphs import CapturedGraph
+from nq.paged import STATE_LEN, STATE_POS, STATE_STEP, STATE_TOKEN, pages_for, pool_shape
+from nq.runtime.kv_cache import KVCacheFull, PageAllocator, Sequence, release, reserve
+
+
+def memset_zero(arr, stream) -> None:
+    """Zero a numba device array asynchronously (no host buffer of its size)."""
+    from numba.core import config
+    if config.ENABLE_CUDASIM:  # the simulator's arrays are host arrays
+        arr.copy_to_device(np.zeros(arr.shape, arr.dtype))
+        return
+    from cuda.bindings import driver as cu
+    from nq.runtime.graphs import _check, stream_handle
+    ptr = arr.__cuda_array_interface__["data"][0]
+    _check(cu.cuMemsetD8Async(ptr, 0, arr.nbytes, stream_handle(stream)))
+
+
+# attn_mma_launcher options of the step ("fused": the combine in the split kernel's last CTA,
+# using self.attn_counters); chosen in the whole step graph by scripts/step_variants.py.
+# Measured in the step (docs/PERF.md): early copies -0.007 ms; min_pps 2 (at least two pages a
+# split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing at 8K; two rows a bulk copy
+# (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K; fused +0.35 ms (one CTA merging
+# 114 KB of partials is slower than the kernel boundary it saves).
+ATTN_OPTIONS = {"fused": False, "early": True, "min_pps": 2, "rows_per_copy": 2}
+# True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
+# a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, session 4).
+FUSE_ROPE = True
+
+
+class Engine:
+    """Batch-1 decode of one sequence on the GPU (the `--backend gpu` of `nq generate`).
+
+    Backend interface of nq/generate.py: `reset()`, `prefill(ids) -> logits`,
+    `decode(token) -> logits` (host sampling), and `generate_ids(...)` (greedy on the device,
+    the host reading each token one step late).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True,
+                 pdl: bool = True):
+        from numba import cuda
+
+        from nq.kernels import rope_kv
+        from nq.kernels.attention import decode as attn_mma
+
+        self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
+        self.stream = cuda.stream()
+        s = self.stream
+        c = cfg
+        # ---- decode state and scratch: allocated once; graphs keep pointing at them -------
+        self.n_pages = pages_for(self.max_len) + 1
+        self.alloc = PageAllocator(self.n_pages)
+        self.seq = Sequence(max_pages=pages_for(self.max_len))
+        self.kv = cuda.device_array(pool_shape(c, self.n_pages), np.float16)  # (L, pages, Hkv, 2, 16, D)
+        memset_zero(self.kv, s)  # never-written slots must not hold NaN bit patterns
+        self.d_table = cuda.to_device(self.seq.table, stream=s)              # (max_pages,) int32
+        self.state = cuda.to_device(np.zeros(STATE_LEN, np.int32), stream=s)  # kv_cache.py layout
+        self.out_ids = cuda.device_array(self.max_len, np.int32)              # ring, by step
+        self.prompt = cuda.device_array(self.max_len, np.int32)               # (max_len,) ids
+        self.feed_meta = cuda.to_device(np.zeros(2, np.int32), stream=s)      # [start, length]
+        self.x = cuda.device_array(c.hidden_size, np.float32)                 # residual stream
+        self.qkv = cuda.device_array(c.qkv_size, np.float32)
+        self.q = cuda.device_array(c.q_size, np.float32)                      # rotated q
+        self.o = cuda.device_array(c.q_size, np.float16)                      # attention output
+        self.a = cuda.device_array(c.intermediate_size, np.float16)           # SwiGLU output
+        self.logits = cuda.device_array(c.vocab_size, np.float32)
+        self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
+        self.part_acc, self.part_ml = attn_mma.attn_mma_workspace(c)
+        self.attn_counters = attn_mma.attn_mma_counters(c)  # the fused combine's (stay zero)
+        self.steps = self._build_steps()
+        self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
+        self._h_tok = cuda.pinned_array(2, np.int32)
+        self.graph = None
+        self.pdl = pdl
+        if use_graph:
+            self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
+            self.capture(pdl)
+        self.reset()
+
+    def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
+                     fuse_rope: bool | None = None) -> list:
+        """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
+        Shapes are checked here, once.  tilings / attn: see `variant`."""
+        from nq.kernels import embed, feed, lm_head, rope_kv
+        from nq.kernels import sampling as argmax
+        from nq.kernels.attention import decode as attn_mma
+        from nq.kernels.int4.gemv import make_qkv_rope_gemv
+        from nq.runtime.weights import gemvs
+
+        c, weights = self.cfg, self.w
+        opts = dict(ATTN_OPTIONS, **(attn or {}))
+        fused = opts.pop("fused")
+        tilings = dict(tilings or {})
+        rope_tiling = tilings.pop("qkv_rope", None)
+        g = gemvs(c, tilings, check_layout)
+        qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
+            FUSE_ROPE if fuse_rope is None else fuse_rope) else None
+        if (qkv_rope is not None and check_layout
+                and qkv_rope.tiling.layout() != g["qkv"].tiling.layout()):
+            raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
+                             f"the uploaded qkv weights ({g['qkv'].tiling.tag()}); keep ks")
+        steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
+                 ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
+        for i, L in enumerate(weights.layers):
+            kv_i = self.kv[i]
+            if qkv_rope is not None:
+                steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
+                    self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.state, self.inv_freq,
+                    self.d_table, kv_i, self.q, st)))
+            else:
+                steps += [
+                    ("qkv_gemv", lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s,
+                                                          L.qkv_b, self.qkv, st)),
+                    ("rope_kv_append", rope_kv.rope_kv_launcher(
+                        c, self.qkv, self.state, self.inv_freq, self.d_table, kv_i, self.q))]
+            steps += [
+                ("paged_attention", attn_mma.attn_mma_launcher(
+                    c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
+                    self.part_ml, counters=self.attn_counters if fused else None, **opts)),
+                ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
+                ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
+                                                                L.gu_s, self.a, st)),
+                ("down", lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st)),
+            ]
+        head = lm_head.make_lm_head(c)
+        steps.append(("lm_head", lambda st: head(self.x, weights.norm, weights.lm_head,
+                                                 self.logits, st)))
+        steps.append(("sample", argmax.argmax_launcher(self.logits, self.state, self.out_ids,
+                                                       argmax.argmax_workspace())))
+        return steps
+
+    def variant(self, tilings=None, attn=None, check_layout: bool = True,
+                fuse_rope: bool | None = None) -> None:
+        """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
+        ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
+        and attention launcher options (attn_mma_launcher keywords), warm it up and recapture.
+        The decode state is kept; `variant()` restores the defaults.  check_layout=False
+        allows another ks (timing random weights only: the outputs are then wrong)."""
+        self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope)
+        self.run_eager()
+        self.stream.synchronize()
+        if self.graph is not None:
+            self.capture(self.pdl)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
+        from nq.runtime.weights import upload
+        return cls(nf.config, upload(nf), max_len=max_len, **kw)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, **kw) -> "Engine":
+        """Random weights of cfg's shape made on the GPU (benchmarks: no download, no host copy)."""
+        from nq.runtime.weights import random_device_weights
+        return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
+
+    def capture(self, pdl: bool = True) -> None:
+        """(Re)capture the step graph; with pdl its kernel edges are programmatic (each kernel's
+        weight prefetch overlaps the previous kernel's tail: nq/runtime/graphs.py, nq/ptx/griddep.py)."""
+        self.stream.synchronize()
+        self.pdl = pdl
+        self.graph = CapturedGraph(self.stream, self.run_eager, name="decode", programmatic=pdl)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def run_eager(self, regions=None) -> None:
+        """Launch one step's kernels (only those of `regions`, if given) without a graph."""
+        for region, launch in self.steps:
+            if regions is None or region in regions:
+                launch(self.stream)
+
+    @property
+    def regions(self) -> list[str]:
+        """The step's regions in order (RMSNorm is fused into the qkv, gate_up and lm_head
+        GEMVs, so it has no region of its own)."""
+        return list(dict.fromkeys(r for r, _ in self.steps))
+
+    def step(self) -> None:
+        """Enqueue one decode step (graph replay, or eager launches without a graph)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run_eager()
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache (host view; valid after a synchronize)."""
+        return self._pos
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens (a chat turn that re-tokenised differently): later
+        positions stay reserved and are overwritten by the next prefill."""
+        self.stream.synchronize()
+        self._pos = min(int(n), self._pos)
+
+    def reset(self) -> None:
+        self.stream.synchronize()
+        release(self.alloc, self.seq)
+        self._pos = 0
+        self._write_state(token=0, pos=0, step=0)
+        # no prompt: `feed` must not put an old prompt's token over a decode(token)
+        self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
+
+    def _write_state(self, token: int, pos: int, step: int) -> None:
+        h = self._h_state
+        h[:] = 0
+        h[STATE_TOKEN], h[STATE_POS], h[STATE_STEP] = token, pos, step
+        self.state.copy_to_device(h, stream=self.stream)
+
+    def _reserve(self, n_tokens: int) -> None:
+        if n_tokens > self.max_len:
+            raise KVCacheFull(f"context of {n_tokens} tokens exceeds this engine's {self.max_len}; "
+                              "raise -c")
+        reserve(self.alloc, self.seq, n_tokens)
+        if self.seq.dirty:
+            self.d_table.copy_to_device(self.seq.table, stream=self.stream)
+            self.seq.dirty = False
+
+    def _start_prompt(self, ids) -> int:
+        """Upload ids as the tokens following the cache; returns their count."""
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("prefill: no tokens")
+        start = self._pos
+        self._reserve(start + ids.size)
+        self.stream.synchronize()  # the pinned/host buffers below are reused
+        self.prompt[: ids.size].copy_to_device(ids, stream=self.stream)
+        self.feed_meta.copy_to_device(np.array([start, ids.size], np.int32), stream=self.stream)
+        self._write_state(token=int(ids[0]), pos=start, step=0)
+        return int(ids.size)
+
+    # ---- host-sampled interface ---------------------------------------------------------------
+    def prefill(self, ids) -> np.ndarray:
+        """Append ids to the context (one step per token); logits (vocab,) fp32 of the last."""
+        n = self._start_prompt(ids)
+        for _ in range(n):
+            self.step()
+        self._pos += n
+        return self.logits.copy_to_host(stream=self.stream)
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token -> logits (vocab,) fp32."""
+        self._reserve(self._pos + 1)
+        self._write_state(token=int(token), pos=self._pos, step=0)
+        self.step()
+        self._pos += 1
+        return self.logits.copy_to_host(stream=self.stream)
+
+    # ---- greedy on the device -----------------------------------------------------------------
+    def generate_ids(self, prompt_ids, n: int, params, stop_ids=frozenset()):
+        """Yield up to n greedy ids; the host reads token k while step k+1 already runs."""
+        if params.temperature > 0 or params.repeat_penalty != 1.0:
+            from nq.generate import _sampled_ids
+            from nq.sample import Sampler
+            yield from _sampled_ids(self, list(prompt_ids), n, Sampler(params), stop_ids)
+            return
+        p = self._start_prompt(prompt_ids)
+        self._reserve(self._pos + p + n)
+        for _ in range(p - 1):
+            self.step()
+        # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
+        # read after step k is queued, so the GPU never waits for the host.  The consumer may
+        # stop at any yield (a stop id): `finally` then books what the cache holds.
+        produced = 0
+        try:
+            prev = None
+            for k in range(n):
+                self.step()
+                reader = self._enqueue_read(p - 1 + k, k % 2)
+                if prev is not None:
+                    tok = prev()
+                    produced += 1
+                    yield tok
+                    if tok in stop_ids:
+                        return
+                prev = reader
+            tok = prev()
+            produced += 1
+            yield tok
+        finally:
+            # the prompt and every generated token but the last were fed to the cache
+            self._finish(p + max(produced - 1, 0))
+
+    def _enqueue_read(self, index: int, slot: int):
+        """Copy out_ids[index] into pinned slot after the work queued so far; return a reader."""
+        from numba import cuda
+        self.out_ids[index: index + 1].copy_to_host(self._h_tok[slot: slot + 1], stream=self.stream)
+        ev = cuda.event(timing=False)
+        ev.record(self.stream)
+
+        def read() -> int:
+            ev.synchronize()
+            return int(self._h_tok[slot])
+        return read
+
+    def _finish(self, fed: int) -> None:
+        """After generation: the cache holds the prompt plus the generated tokens that were fed."""
+        self.stream.synchronize()
+        self._pos += fed
+
+    def reserve_ahead(self, n_tokens: int) -> None:
+        """Reserve pages for n_tokens more tokens after the cache, for callers that replay
+        steps directly (benchmarks): every step writes K/V at state.pos, and a block-table
+        entry that was never reserved would alias page 0."""
+        self._reserve(self._pos + n_tokens)
+
+    def fake_context(self, length: int) -> None:
+        """Benchmarks only: make the cache `length` tokens long without computing them (the
+        pages hold zeros), so a decode step at 8K or 32K context can be timed in seconds."""
+        self._reserve(length + 1)
+        self._pos = int(length)
+        self._write_state(token=0, pos=self._pos, step=0)
+        self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
+
+    # ---- timing -------------------------------------------------------------------------------
+    def time_steps(self, n: int, warmup: int = 3) -> list[float]:
+        """Per-step GPU times (ms) of n replays from the current state, measured with events.
+        The steps are real: the cache grows by warmup + n tokens (pages reserved here)."""
+        from numba import cuda
+        self.reserve_ahead(warmup + n + 1)
+        for _ in range(warmup):
+            self.step()
+        evs = [cuda.event() for _ in range(n + 1)]
+        evs[0].record(self.stream)
+        for i in range(n):
+            self.step()
+            evs[i + 1].record(self.stream)
+        evs[-1].synchronize()
+        self._pos += warmup + n
+        return [cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(n)]

@@ -1,0 +1,495 @@
+"""`nq bench`: prefill and decode speed of the GPU engine as a llama-bench table, with the
+ITL broken down by region, the copy ceiling and torch peers measured in the same run.
+
+    nq bench --random 7b -p 512 -n 128 -r 5 --ctx 512,2048,8192,32768 --json out/7b.json
+
+Why one command: a figure is only comparable with the ceiling, clocks and peers of the same
+run, so all of them are measured here, side by side, and written to one JSON file.
+
+What is timed (all on eng.stream, CUDA events, clocks never locked):
+  pp<p>        the prompt: prefill replays the decode graph once per token today, so the
+               TTFT (wall clock, ends with the logits on the host) is what it is
+  tg<n>        n decode steps after the prompt, one event per step
+  tg<n> @ d<c> n decode steps with the cache made c tokens long by eng.fake_context
+               (attention cost depends on the length, not the values)
+  breakdown    per region of eng.regions: a graph of only that region's launches, replayed
+               many times; kernel_gap = ITL - sum(regions)
+The statistics helpers and the table formatter are plain Python (tests/test_bench_cpu.py);
+the torch peers live in nq/tools/peers.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nq.config import PRESETS
+
+NO_GPU = ("nq bench needs an NVIDIA GPU with a working CUDA driver (numba.cuda.is_available() "
+          "is False{why}); run it on the H100/H200, or use `nq generate --backend numpy` here")
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def mean_sd(xs) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for a single value)."""
+    xs = [float(x) for x in xs]
+    if not xs:
+        raise ValueError("mean_sd of no values")
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def percentile(xs, q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(float(x) for x in xs)
+    if not xs:
+        raise ValueError("percentile of no values")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def breakdown(itl_ms: float, regions_ms: dict) -> dict:
+    """The ITL split into regions (step order kept) plus kernel_gap = ITL - sum(regions): launch
+    latency and the tails where one kernel waits for the previous one.  RMSNorm has no region:
+    it is fused into the qkv, gate_up and lm_head GEMVs."""
+    return {"itl_ms": float(itl_ms), "regions_ms": {r: float(v) for r, v in regions_ms.items()},
+            "norms": "fused", "kernel_gap_ms": float(itl_ms) - sum(regions_ms.values())}
+
+
+def kv_bytes(cfg, ctx: float) -> float:
+    """KV cache bytes attention reads at context ctx: K and V, fp16, every layer."""
+    return cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def make_row(test: str, ctx: float, weights_bytes: int, cfg, ceiling_gbs: float,
+             tok_s: list, itl_ms: list | None = None, ttft_ms: list | None = None) -> dict:
+    """One table row from raw per-run tok/s (and pooled per-step ITLs / per-run TTFTs)."""
+    m, sd = mean_sd(tok_s)
+    b = weights_bytes + kv_bytes(cfg, ctx)
+    gbs = b * m / 1e9
+    row = {"test": test, "ctx": ctx, "tok_s_mean": m, "tok_s_sd": sd, "tok_s_runs": list(tok_s),
+           "bytes_per_token": b, "GBs": gbs, "pct_ceiling": 100 * gbs / ceiling_gbs,
+           "ttft_ms": None, "itl_p50_ms": None, "itl_p90_ms": None}
+    if ttft_ms:
+        row["ttft_ms"], row["ttft_ms_sd"] = mean_sd(ttft_ms)
+        row["ttft_ms_runs"] = list(ttft_ms)
+    if itl_ms:
+        row["itl_p50_ms"], row["itl_p90_ms"] = percentile(itl_ms, 50), percentile(itl_ms, 90)
+        row["itl_ms_all"] = list(itl_ms)
+    return row
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def _md(header: list, rows: list, right: set) -> str:
+    """A padded markdown table; columns whose index is in `right` are right-aligned."""
+    w = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    w = [max(3, x) for x in w]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).rjust(w[i]) if i in right else str(c).ljust(w[i])
+                                 for i, c in enumerate(cells)) + " |"
+    sep = "| " + " | ".join(("-" * (w[i] - 1) + ":") if i in right else "-" * w[i]
+                            for i in range(len(w))) + " |"
+    return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_table(model: str, rows: list[dict]) -> str:
+    """llama-bench's table: one row per test, t/s as mean ± sd."""
+    header = ["model", "test", "t/s", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "bytes/token",
+              "GB/s", "% of ceiling"]
+    body = [[model, r["test"], f"{r['tok_s_mean']:.2f} ± {r['tok_s_sd']:.2f}",
+             _f(r["ttft_ms"], ".1f"), _f(r["itl_p50_ms"], ".3f"), _f(r["itl_p90_ms"], ".3f"),
+             f"{r['bytes_per_token'] / 1e9:.3f} GB", f"{r['GBs']:.0f}", f"{r['pct_ceiling']:.1f} %"]
+            for r in rows]
+    return _md(header, body, right=set(range(2, len(header))))
+
+
+def format_breakdown(bds: list[dict]) -> str:
+    """Regions down, one ms / % column pair per context."""
+    header = ["region"]
+    for b in bds:
+        header += [f"ms @ {b['ctx']}", "% of ITL"]
+    regions = list(bds[0]["regions_ms"]) if bds else []
+    body = []
+    for r in regions:
+        row = [r]
+        for b in bds:
+            v = b["regions_ms"][r]
+            row += [f"{v:.4f}", f"{100 * v / b['itl_ms']:.1f}"]
+        body.append(row)
+    body.append(["norms"] + ["fused", "-"] * len(bds))
+    body.append(["kernel_gap"] + [x for b in bds for x in
+                                  (f"{b['kernel_gap_ms']:.4f}", f"{100 * b['kernel_gap_ms'] / b['itl_ms']:.1f}")])
+    body.append(["ITL"] + [x for b in bds for x in (f"{b['itl_ms']:.4f}", "100.0")])
+    return _md(header, body, right=set(range(1, len(header))))
+
+
+def footnotes(args, ceiling_gbs: float) -> str:
+    p, n = args.p, args.n
+    return "\n".join([
+        (f"- pp{p}: prefill replays the decode graph once per prompt token (no batched prefill "
+         f"yet); t/s = {p} / TTFT (wall clock, logits on the host); bytes/token at the mean "
+         f"context {p / 2:g}."),
+        (f"- tg{n}: {n} decode steps after the {p}-token prompt (CUDA graph, one event per "
+         f"step); t/s mean ± sd over {args.r} runs, ITL percentiles over all steps."),
+        ("- tgN @ dC: decode steps with the cache made C tokens long by eng.fake_context; the "
+         "pages hold zeros (attention cost depends on the length, not the values)."),
+        (f"- bytes/token: weights read once per token + KV read at the step's context; ceiling: "
+         f"device-to-device copy in this run, {ceiling_gbs:.0f} GB/s (read + write); clocks "
+         "not locked."),
+    ])
+
+
+# ---- environment ----------------------------------------------------------------------------
+_SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "clocks.sm", "clocks.mem", "clocks.max.sm",
+               "clocks.max.mem", "temperature.gpu", "power.draw")
+
+
+def gpu_clocks() -> dict:
+    """Name, driver and current SM/memory clocks (MHz) of the GPU numba uses: nvidia-smi, else
+    pynvml, else {"error": why}.  Never fails."""
+    bus = None
+    try:
+        from numba import cuda
+        bus = int(cuda.get_current_device().PCI_BUS_ID)
+    except Exception:  # noqa: BLE001 -- no bus id: take the first GPU listed
+        bus = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(_SMI_FIELDS),
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+        rows = [dict(zip(_SMI_FIELDS, (v.strip() for v in line.split(","))))
+                for line in out.strip().splitlines() if line.strip()]
+        pick = [r for r in rows if bus is not None and _bus(r["pci.bus_id"]) == bus] or rows[:1]
+        return {"source": "nvidia-smi", **pick[0]} if pick else {"error": "nvidia-smi listed no GPU"}
+    except Exception as e:  # noqa: BLE001
+        smi_error = f"nvidia-smi: {e}"
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        return {"source": "pynvml", "name": name.decode() if isinstance(name, bytes) else name,
+                "driver_version": str(pynvml.nvmlSystemGetDriverVersion()),
+                "clocks.sm": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "clocks.mem": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{smi_error}; pynvml: {e}"}
+
+
+def _bus(bus_id: str):
+    try:  # "00000000:19:00.0" -> 0x19
+        return int(bus_id.split(":")[1], 16)
+    except (IndexError, ValueError):
+        return None
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    import nq
+    v = {"nq": nq.__version__, "python": platform.python_version(), "numpy": np.__version__}
+    for dist in ("numba", "numba-cuda", "cuda-bindings", "torch"):
+        try:
+            v[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            v[dist] = None
+    try:
+        from cuda.bindings import driver as cu
+
+        from nq.runtime.graphs import _check
+        d = int(_check(cu.cuDriverGetVersion()))
+        v["cuda_driver"] = f"{d // 1000}.{d % 1000 // 10}"
+    except Exception as e:  # noqa: BLE001
+        v["cuda_driver"], v["cuda_driver_error"] = None, str(e)[:200]
+    return v
+
+
+# ---- measurements (GPU) ---------------------------------------------------------------------
+def copy_ceiling_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / s), numba only."""
+    from numba import cuda
+    a = cuda.device_array(nbytes // 4, np.float32)
+    b = cuda.device_array(nbytes // 4, np.float32)
+    s = cuda.stream()
+    for _ in range(3):
+        b.copy_to_device(a, stream=s)
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(s)
+    for _ in range(reps):
+        b.copy_to_device(a, stream=s)
+    e1.record(s)
+    e1.synchronize()
+    ms = cuda.event_elapsed_time(e0, e1) / reps
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bytes_per_token(eng, ctx: int) -> int:
+    """Weights read once per token plus the KV cache read by attention at context ctx."""
+    return int(eng.w.nbytes_per_token + kv_bytes(eng.cfg, ctx))
+
+
+def at_context(eng, ctx: int, ahead: int) -> None:
+    """Cache ctx tokens long (zeros), with pages reserved for `ahead` more steps: each timed
+    step advances state.pos, and an unreserved table entry would alias page 0."""
+    eng.fake_context(ctx)
+    eng.reserve_ahead(ahead + 1)
+
+
+def region_ms(eng, region: str, replays: int) -> float:
+    """GPU time per step of one region alone: a graph of only its launches, replayed."""
+    from numba import cuda
+
+    from nq.runtime.graphs import CapturedGraph
+    eng.stream.synchronize()
+    g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions={region}), name=region,
+                      programmatic=eng.pdl)
+    for _ in range(3):
+        g.replay()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(eng.stream)
+    for _ in range(replays):
+        g.replay()
+    e1.record(eng.stream)
+    e1.synchronize()
+    return cuda.event_elapsed_time(e0, e1) / replays
+
+
+def measure_breakdown(eng, ctx: int, replays: int = 100, steps: int = 32) -> dict:
+    """ITL at ctx (median of `steps` graph replays) split into eng.regions + kernel_gap.
+    'sample' (argmax) advances state.pos on every replay, so it is timed last and the state
+    is put back at ctx afterwards; the other regions leave the state as it was (rope_kv only
+    rewrites the KV slot of pos)."""
+    at_context(eng, ctx, ahead=steps + 8)
+    itl = statistics.median(eng.time_steps(steps))
+    at_context(eng, ctx, ahead=8)
+    order = [r for r in eng.regions if r != "sample"] + [r for r in eng.regions if r == "sample"]
+    ms = {r: region_ms(eng, r, replays) for r in order}
+    at_context(eng, ctx, ahead=8)
+    b = breakdown(itl, {r: ms[r] for r in eng.regions})
+    b["ctx"] = ctx
+    return b
+
+
+def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
+    """The pp, tg and tg @ depth rows (raw figures kept in each row)."""
+    cfg, wbytes = eng.cfg, eng.w.nbytes_per_token
+    prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.p)
+    ttft, tg_tok_s, tg_itl = [], [], []
+    for r in range(args.r + 1):  # run 0 warms up (clocks, caches) and is dropped
+        eng.reset()
+        eng.reserve_ahead(args.p + args.n + 8)  # see at_context
+        t0 = time.perf_counter()
+        eng.prefill(prompt)  # returns once the logits are on the host
+        t = (time.perf_counter() - t0) * 1e3
+        steps = eng.time_steps(args.n, warmup=0)
+        if r:
+            ttft.append(t)
+            tg_tok_s.append(1e3 * len(steps) / sum(steps))
+            tg_itl += steps
+    rows = [make_row(f"pp{args.p}", args.p / 2, wbytes, cfg, ceiling,
+                     [1e3 * args.p / t for t in ttft], ttft_ms=ttft),
+            make_row(f"tg{args.n}", args.p + args.n / 2, wbytes, cfg, ceiling, tg_tok_s, tg_itl)]
+    for c in ctxs:
+        tok_s, itl = [], []
+        for _ in range(args.r):
+            at_context(eng, c, ahead=args.n + 8)
+            steps = eng.time_steps(args.n, warmup=3)
+            tok_s.append(1e3 * len(steps) / sum(steps))
+            itl += steps
+        rows.append(make_row(f"tg{args.n} @ d{c}", c + args.n / 2, wbytes, cfg, ceiling, tok_s, itl))
+        log(f"nq bench: tg{args.n} @ d{c}: {rows[-1]['tok_s_mean']:.1f} tok/s")
+    return rows
+
+
+# ---- plots ----------------------------------------------------------------------------------
+def write_plots(stem: Path, rows: list[dict], bds: list[dict]) -> list[str]:
+    """<stem>_itl_vs_ctx.png and <stem>_breakdown.png; skipped (with a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("nq bench: plots skipped: matplotlib is not installed (pip install matplotlib)")
+        return []
+    paths = []
+    tg = sorted((r for r in rows if r["itl_p50_ms"] is not None), key=lambda r: r["ctx"])
+    if tg:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["ctx"] for r in tg], [r["itl_p50_ms"] for r in tg], "o-", label="ITL p50")
+        ax.plot([r["ctx"] for r in tg], [r["itl_p90_ms"] for r in tg], "x--", label="ITL p90")
+        if bds:
+            ax.plot([b["ctx"] for b in bds], [b["regions_ms"].get("paged_attention", 0) for b in bds],
+                    "s:", label="paged_attention alone")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="context (tokens)", ylabel="ms / token", title="decode ITL vs context")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(str(stem) + "_itl_vs_ctx.png")
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    if bds:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        parts = list(bds[0]["regions_ms"]) + ["kernel_gap"]
+        bottom = [0.0] * len(bds)
+        labels = [str(b["ctx"]) for b in bds]
+        for p in parts:
+            vals = [b["kernel_gap_ms"] if p == "kernel_gap" else b["regions_ms"][p] for b in bds]
+            ax.bar(labels, vals, bottom=bottom, label=p)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        ax.set(xlabel="context (tokens)", ylabel="ms / token",
+               title="ITL breakdown (norms fused into the GEMVs)")
+        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+        paths.append(str(stem) + "_breakdown.png")
+        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+# ---- command line ---------------------------------------------------------------------------
+def _ctx_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ctx wants comma-separated token counts, e.g. "
+                                         f"512,2048,8192; got {text!r}") from None
+    if any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--ctx values must be positive; got {text!r}")
+    return vals
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
+    return v
+
+
+def add_arguments(s: argparse.ArgumentParser) -> None:
+    """The flags of `nq bench` (llama-bench's -m -p -n -r)."""
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
+    src.add_argument("--random", choices=list(PRESETS), metavar="SIZE",
+                     help="random weights of a Qwen2.5 shape made on the GPU: "
+                          + ", ".join(PRESETS))
+    s.add_argument("-p", "--n-prompt", dest="p", type=_positive, default=512,
+                   help="prompt tokens (pp test; default 512)")
+    s.add_argument("-n", "--n-gen", dest="n", type=_positive, default=128,
+                   help="decode steps per test (tg test; default 128)")
+    s.add_argument("-r", "--repetitions", dest="r", type=_positive, default=5,
+                   help="runs per test (default 5)")
+    s.add_argument("--ctx", type=_ctx_list, default=[],
+                   help="decode at these context lengths too, e.g. 512,2048,8192,32768")
+    s.add_argument("--replays", type=_positive, default=100,
+                   help="graph replays per region in the ITL breakdown (default 100)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
+    s.add_argument("--no-peers", action="store_true", help="skip the torch peer chains")
+    s.add_argument("--json", metavar="FILE", help="write every figure and the environment here "
+                                                  "(plots go next to it)")
+
+
+def run(args) -> int:
+    """`nq bench`: returns the exit code (2 without a GPU)."""
+    try:
+        from numba import cuda
+        ok, why = cuda.is_available(), ""
+    except Exception as e:  # noqa: BLE001 -- numba-cuda missing or broken
+        ok, why = False, f": {e}"
+    if not ok:
+        print("nq: error: " + NO_GPU.format(why=why), file=sys.stderr)
+        return 2
+    from nq.runtime.engine import Engine
+
+    env = {"start": gpu_clocks(), "versions": versions()}
+    dev = cuda.get_current_device()
+    env["gpu"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    ctxs = list(args.ctx)
+    max_len = max([args.p] + ctxs) + max(args.n, 32) + 16
+    t0 = time.perf_counter()
+    if args.random:
+        eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed)
+        source = f"random {args.random}"
+    else:
+        from nq.loader.resolve import resolve_model
+        from nq.loader.format import NanoqwenFile
+        path = resolve_model(args.model)
+        eng, source = Engine.from_file(NanoqwenFile(path), max_len=max_len), str(path)
+    build_s = time.perf_counter() - t0
+    cfg = eng.cfg
+    model = f"{cfg.name} INT4 g128" + (" (random)" if args.random else "")
+    ceiling = copy_ceiling_gbs()
+    log(f"nq bench: {model}: engine built in {build_s:.1f} s (weights {eng.w.load_s:.1f} s), "
+        f"{eng.w.nbytes_per_token / 1e9:.3f} GB/token of weights; copy ceiling {ceiling:.0f} GB/s")
+
+    rows = measure_tests(eng, args, ctxs, ceiling)
+    bds = []
+    for c in dict.fromkeys([args.p] + ctxs):
+        bds.append(measure_breakdown(eng, c, replays=args.replays))
+        log(f"nq bench: breakdown @ {c}: ITL {bds[-1]['itl_ms']:.3f} ms, "
+            f"kernel_gap {bds[-1]['kernel_gap_ms']:.3f} ms")
+    # The same step without programmatic dependent launch: what PDL buys (docs/PERF.md).
+    at_context(eng, args.p, ahead=40)  # time_steps(32) runs 36 steps; max_len allows p + 48
+    eng.capture(pdl=False)
+    no_pdl = statistics.median(eng.time_steps(32))
+    eng.capture(pdl=True)
+    log(f"nq bench: ITL @ {args.p} without programmatic dependent launch: {no_pdl:.3f} ms "
+        f"(with: {bds[0]['itl_ms']:.3f} ms)")
+    peers = {}
+    if not args.no_peers:
+        from nq.tools.peers import run_peers
+        peers = run_peers(cfg, args.p, log)
+    env["end"] = gpu_clocks()
+
+    print(format_table(model, rows))
+    print()
+    print(footnotes(args, ceiling))
+    print()
+    print("ITL breakdown (each region alone in its own graph; kernel_gap = ITL - sum of regions):")
+    print(format_breakdown(bds))
+    print(f"\nITL @ {args.p} with programmatic dependent launch {bds[0]['itl_ms']:.3f} ms, "
+          f"without {no_pdl:.3f} ms (same graph, plain kernel edges)")
+    if peers:
+        from nq.tools.peers import format_peers
+        print()
+        print(format_peers(peers, rows, bds[0]))
+    v = env["versions"]
+    print(f"\n{env['gpu']}, driver {env['start'].get('driver_version', '?')} (CUDA "
+          f"{v['cuda_driver'] or '?'}); nq {v['nq']}, numba {v['numba']}, numba-cuda {v['numba-cuda']}, "
+          f"numpy {v['numpy']}, python {v['python']}, torch {v['torch']}")
+    print(f"clocks (MHz) at start: SM {env['start'].get('clocks.sm', '?')}, memory "
+          f"{env['start'].get('clocks.mem', '?')}; at end: SM {env['end'].get('clocks.sm', '?')}, "
+          f"memory {env['end'].get('clocks.mem', '?')}")
+
+    if args.json:
+        out = {"nq_bench": 1, "model": model, "source": source, "config": json.loads(cfg.to_json()),
+               "args": {k: v for k, v in vars(args).items() if k != "func"},
+               "env": env, "build_s": build_s, "load_s": eng.w.load_s,
+               "weights_bytes_per_token": eng.w.nbytes_per_token, "copy_ceiling_GBs": ceiling,
+               "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out["plots"] = write_plots(path.with_suffix(""), rows, bds)
+        path.write_text(json.dumps(out, indent=1))
+        log(f"nq bench: wrote {path}" + "".join(f", {p}" for p in out["plots"]))
+    return 0

@@ -1,0 +1,411 @@
+"""`nq verify -m MODEL`: check this GPU's results against the references, in three tiers.
+
+    unit   each kernel on the model's real shapes (layer 0's weights) against its NumPy
+           reference: the four INT4 GEMVs, lm_head, rope_kv, paged attention, embed, argmax
+    layer  decoder layer 0 through the engine's own launches against nq.ref's layer
+    graph  N prompts x T greedy tokens from the captured decode graph against a reference
+           engine: transformers' Qwen2ForCausalLM in fp32 (batched on the GPU when torch is
+           importable; the fast path for a 7B), else the NumPy engine.  For every prompt that
+           differs, the first divergence is examined: if the reference's top-2 logits there
+           are within rounding of each other (gap below TIE_TOL of the logits' spread), the
+           choice was a coin toss for any fp16 engine and the prompt counts as explained.
+
+Tolerances are the kernel tests' (tests/test_*_gpu.py say why): INT4 GEMVs 5e-3 and lm_head
+1e-5 of the output norm, attention rtol 2e-3 / atol 1e-3, rope q 1e-5, a layer 5e-3.
+The tiers print a pass/fail table; the exit code is 0 only when all pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+import numpy as np
+
+TOL_INT4, TOL_HEAD, TOL_LAYER = 5e-3, 1e-5, 5e-3
+TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that rounding can flip
+
+
+@dataclasses.dataclass
+class Row:
+    tier: str
+    name: str
+    error: float
+    tol: float
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return bool(np.isfinite(self.error)) and self.error <= self.tol
+
+
+def rel(got, ref) -> float:
+    """||got - ref|| / ||ref|| in float64; inf for any non-finite output."""
+    got = np.asarray(got, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@functools.lru_cache(maxsize=1)  # the unit and layer tiers both read layer 0
+def layer_weights(nf, i: int) -> dict:
+    """Host fp32 weights of layer i (ARCHITECTURE.md names), projections dequantised."""
+    from nq.loader.hf import host_names
+    from nq.loader.weights import host_tensor
+    p = f"layers.{i}."
+    return {n: host_tensor(nf, n) for n in host_names(nf.config) if n.startswith(p)}
+
+
+# ---- unit tier --------------------------------------------------------------------------------
+def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
+    from numba import cuda
+
+    from nq.kernels import embed, lm_head, rope_kv
+    from nq.kernels import sampling as argmax
+    from nq.kernels.attention import combine as attn_decode
+    from nq.kernels.attention import decode as attn_mma
+    from nq.kernels.int4 import gemv as G
+    from nq.paged import PAGE, gather_kv, pool_shape
+    from nq.runtime.kv_cache import make_state
+    from nq.runtime.weights import gemvs
+
+    cfg, L, g, rng = nf.config, eng.w.layers[0], gemvs(nf.config), np.random.default_rng(seed)
+    w, p, eps = layer_weights(nf, 0), "layers.0.", cfg.rms_norm_eps
+    s = eng.stream
+    rows = []
+
+    x = rng.standard_normal(cfg.hidden_size).astype(np.float32)
+    out = cuda.device_array(cfg.qkv_size, np.float32)
+    g["qkv"](cuda.to_device(x), L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, out, s)
+    ref = G.ref_qkv(x, w[p + "input_layernorm"], eps,
+                    np.vstack([w[p + f"{n}_proj.weight"] for n in "qkv"]),
+                    np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"]))
+    rows.append(Row("unit", f"qkv GEMV {cfg.qkv_size}x{cfg.hidden_size}", rel(out.copy_to_host(stream=s), ref), TOL_INT4))
+
+    for kind, k, wname in (("o_proj", cfg.q_size, "o_proj"), ("down", cfg.intermediate_size, "down_proj")):
+        a = rng.standard_normal(k).astype(np.float16)
+        dx = cuda.to_device(x)
+        g[kind](cuda.to_device(a), getattr(L, "o_w" if kind == "o_proj" else "down_w"),
+                getattr(L, "o_s" if kind == "o_proj" else "down_s"), dx, s)
+        ref = G.ref_o_proj(a, w[p + f"{wname}.weight"], x)
+        rows.append(Row("unit", f"{kind} GEMV {cfg.hidden_size}x{k} (+residual)",
+                        rel(dx.copy_to_host(stream=s) - x, ref - x), TOL_INT4))
+
+    out = cuda.device_array(cfg.intermediate_size, np.float16)
+    g["gate_up"](cuda.to_device(x), L.post_norm, L.gu_w, L.gu_s, out, s)
+    ref = G.ref_gate_up(x, w[p + "post_attention_layernorm"], eps, w[p + "gate_proj.weight"],
+                        w[p + "up_proj.weight"])
+    rows.append(Row("unit", f"gate_up GEMV + SwiGLU 2x{cfg.intermediate_size}x{cfg.hidden_size}",
+                    rel(out.copy_to_host(stream=s), ref), TOL_INT4))
+
+    logits = cuda.device_array(cfg.vocab_size, np.float32)
+    lm_head.make_lm_head(cfg)(cuda.to_device(x), eng.w.norm, eng.w.lm_head, logits, s)
+    ref = lm_head.ref_lm_head(x, np.asarray(nf.array("norm"), np.float32), eps,
+                              np.asarray(nf.array("lm_head"), np.float32))
+    host_logits = logits.copy_to_host(stream=s)
+    rows.append(Row("unit", f"lm_head fp16 {cfg.vocab_size}x{cfg.hidden_size}", rel(host_logits, ref), TOL_HEAD))
+
+    state, ring, ws = make_state(), cuda.device_array(4, np.int32), argmax.argmax_workspace()
+    argmax.argmax_launcher(logits, state, ring, ws)(s)
+    tok = int(state.copy_to_host(stream=s)[0])
+    rows.append(Row("unit", "argmax", float(tok != int(np.argmax(host_logits))), 0.0,
+                    f"token {tok}"))
+
+    xe = cuda.device_array(cfg.hidden_size, np.float32)
+    embed.embed_launcher(eng.w.embed, make_state(token=tok), xe)(s)
+    rows.append(Row("unit", "embed", rel(xe.copy_to_host(stream=s), np.asarray(nf.array("embed_tokens")[tok], np.float32)), 0.0))
+
+    for pos in (0, 17, min(4095, eng.max_len - 1)):
+        n_pages = pos // PAGE + 2
+        table = rng.permutation(n_pages).astype(np.int32)
+        pool = cuda.to_device(np.zeros(pool_shape(cfg, n_pages)[1:], np.float16))
+        qkv = rng.standard_normal(cfg.qkv_size).astype(np.float32)
+        dq = cuda.device_array(cfg.q_size, np.float32)
+        inv = cuda.to_device(rope_kv.rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+        rope_kv.rope_kv_launcher(cfg, cuda.to_device(qkv), make_state(pos=pos), inv,
+                                 cuda.to_device(table), pool, dq)(s)
+        q_ref, _, _ = rope_kv.rope_kv_reference(cfg, qkv, pos)
+        rows.append(Row("unit", f"rope_kv at position {pos}", rel(dq.copy_to_host(stream=s), q_ref.reshape(-1)), 1e-5))
+
+    for length in (1, 17, min(1000, eng.max_len)):
+        need = -(-length // PAGE)
+        pool_h = rng.standard_normal(pool_shape(cfg, need + 3)[1:]).astype(np.float16)
+        table = np.zeros(need + 1, np.int32)
+        table[:need] = rng.permutation(need + 3)[:need]
+        q = (2.0 * rng.standard_normal(cfg.q_size)).astype(np.float32)
+        o = cuda.device_array(cfg.q_size, np.float16)
+        pa, pm = attn_mma.attn_mma_workspace(cfg)  # the engine's kernel
+        attn_mma.attn_mma_launcher(cfg, cuda.to_device(q), make_state(pos=length - 1),
+                                   cuda.to_device(table), cuda.to_device(pool_h), o, pa, pm)(s)
+        k, v = gather_kv(pool_h, table, length)
+        ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
+        got = o.copy_to_host(stream=s).astype(np.float64).reshape(ref.shape)
+        # the tests' rtol 2e-3 / atol 1e-3, as one number: the worst |err| / (atol + rtol |ref|)
+        err = float(np.max(np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))))
+        rows.append(Row("unit", f"paged attention, {length} tokens", err, 1.0, "max |err|/(atol+rtol|ref|)"))
+    return rows
+
+
+# ---- layer tier -------------------------------------------------------------------------------
+def layer_tier(eng, nf, token: int = 7) -> Row:
+    """Layer 0 at position 0: feed + embed + the layer's launches, eagerly, against nq.ref."""
+    from nq.ref import KVCache, RefModel
+
+    cfg = nf.config
+    eng.reset()
+    eng._start_prompt([token])
+    # steps: feed, embed, then 6 launchers per layer (qkv, rope_kv, attention, o, gate_up, down)
+    for _, launch in eng.steps[:2 + 6]:
+        launch(eng.stream)
+    got = eng.x.copy_to_host(stream=eng.stream)
+    eng.reset()
+    one = cfg.replace(num_layers=1)
+    w = layer_weights(nf, 0)
+    w.update(embed_tokens=np.asarray(nf.array("embed_tokens"), np.float32),
+             norm=np.asarray(nf.array("norm"), np.float32))
+    if not cfg.tie_word_embeddings:
+        w["lm_head"] = w["embed_tokens"]  # unused by .layer; keeps RefModel's name check happy
+    model = RefModel(one, w)
+    x0 = w["embed_tokens"][token][None]
+    ref = model.layer(0, x0, np.array([0]), KVCache(one, max_len=4))[0]
+    return Row("layer", "decoder layer 0 (residual stream after it)", rel(got, ref), TOL_LAYER)
+
+
+# ---- graph tier -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Greedy:
+    """One prompt's reference greedy run: ids, and per step the top-2 gap and the spread."""
+    ids: list
+    gaps: list
+    spreads: list
+
+
+def _top2(logits: np.ndarray) -> tuple[int, float, float]:
+    order = np.argsort(logits)[::-1][:2]
+    return int(order[0]), float(logits[order[0]] - logits[order[1]]), float(logits.max() - logits.min())
+
+
+class NumpyReference:
+    """nq.ref, one prompt at a time (small models; a 7B takes hours this way)."""
+    name = "numpy"
+
+    def __init__(self, nf):
+        from nq.loader.weights import load_host_weights
+        from nq.ref import RefModel
+        self.model = RefModel(nf.config, load_host_weights(nf))
+
+    def greedy(self, prompts, n) -> list[Greedy]:
+        out = []
+        for prompt in prompts:
+            self.model.reset()
+            logits = self.model.forward(np.asarray(prompt))[-1]
+            g = Greedy([], [], [])
+            for _ in range(n):
+                tok, gap, spread = _top2(logits)
+                g.ids.append(tok), g.gaps.append(gap), g.spreads.append(spread)
+                logits = self.model.forward(np.array([tok]))[-1]
+            out.append(g)
+        return out
+
+
+class TorchReference:
+    """transformers' Qwen2ForCausalLM in fp32 with the file's dequantised weights, all prompts
+    in one batch (they have equal lengths, so no padding enters the comparison)."""
+    name = "transformers"
+
+    def __init__(self, nf, device: str = "cuda"):
+        import torch
+        import transformers
+
+        from nq.loader.hf import hf_name, host_names
+        from nq.loader.weights import host_tensor
+
+        cfg = nf.config
+        hcfg = transformers.Qwen2Config(**cfg.to_hf())
+        hcfg._attn_implementation = "eager"
+        self.torch, self.device = torch, device
+        with torch.device(device):
+            self.model = transformers.Qwen2ForCausalLM(hcfg).to(torch.float32).eval()
+        params = dict(self.model.named_parameters())
+        for name in host_names(cfg):  # one tensor at a time: host memory stays one tensor
+            dst = params[hf_name(name)].data
+            if name.endswith("_proj.weight"):  # dequantised where it lands (the host is slow)
+                base = name[:-len(".weight")]
+                dst.copy_(dequantize_packed_torch(torch, nf.array(base + ".qweight"),
+                                                  nf.array(base + ".scales"), device))
+            else:
+                dst.copy_(torch.from_numpy(host_tensor(nf, name)))
+        import inspect
+        fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
+        self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    def greedy(self, prompts, n) -> list[Greedy]:
+        torch = self.torch
+        with torch.no_grad():
+            ids = torch.as_tensor(np.asarray(prompts, np.int64), device=self.device)
+            out = self.model(ids, use_cache=True)
+            logits = out.logits[:, -1].float()
+            runs = [Greedy([], [], []) for _ in prompts]
+            for _ in range(n):
+                top = torch.topk(logits, 2, dim=-1)
+                spread = (logits.max(-1).values - logits.min(-1).values).cpu().numpy()
+                tok = top.indices[:, 0]
+                gap = (top.values[:, 0] - top.values[:, 1]).cpu().numpy()
+                for r, t, gp, sp in zip(runs, tok.cpu().numpy(), gap, spread):
+                    r.ids.append(int(t)), r.gaps.append(float(gp)), r.spreads.append(float(sp))
+                out = self.model(tok[:, None], use_cache=True,
+                                 **{self.cache_kw: getattr(out, self.cache_kw)})
+                logits = out.logits[:, -1].float()
+        return runs
+
+
+def dequantize_packed_torch(torch, packed, scales, device):
+    """nq.loader.quant.dequantize_packed in torch on `device`: ValueShuffle uint32 (N, K/8) +
+    fp16 scales (N, K/128) -> fp32 (N, K).  On the GPU a 7B dequantises in about a second;
+    NumPy on the host took ~100 s of `nq verify`'s 142 s."""
+    from nq.loader.quant import SHUFFLE
+    q = torch.from_numpy(np.ascontiguousarray(packed).view(np.int32)).to(device)  # (N, K/8)
+    n, k8 = q.shape
+    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
+    nib = (q[:, :, None] >> shifts) & 0xF                 # (N, K/8, 8 slots)
+    nib = nib - ((nib & 0x8) << 1)                        # sign-extend 4 bits
+    w = torch.empty_like(nib)
+    w[:, :, list(SHUFFLE)] = nib                          # slot s holds column SHUFFLE[s]
+    sc = torch.from_numpy(np.asarray(scales)).to(device).float()                # (N, K/128)
+    return (w.reshape(n, -1, 128).float() * sc[:, :, None]).reshape(n, k8 * 8)
+
+
+def engine_greedy(backend, prompt, n) -> list[int]:
+    """Greedy ids from any nq backend (the GPU engine decodes them on the device)."""
+    from nq.generate import generate
+    from nq.sample import SamplingParams
+    ids, _ = generate(backend, list(prompt), n, SamplingParams(temperature=0.0, repeat_penalty=1.0))
+    return ids
+
+
+def compare(got: list[list[int]], ref: list[Greedy]) -> dict:
+    """Agreement, and for each differing prompt the first divergence and whether the
+    reference's top-2 logits there were within rounding (gap <= TIE_TOL * spread)."""
+    mismatches = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if list(g) == r.ids:
+            continue
+        k = next((j for j, (a, b) in enumerate(zip(g, r.ids)) if a != b), min(len(g), len(r.ids)))
+        gap = r.gaps[k] if k < len(r.gaps) else float("nan")
+        rel_gap = gap / r.spreads[k] if k < len(r.spreads) and r.spreads[k] > 0 else float("nan")
+        mismatches.append({"prompt": i, "step": k, "engine": g[k] if k < len(g) else None,
+                           "reference": r.ids[k] if k < len(r.ids) else None,
+                           "ref_top2_gap": gap, "gap_over_spread": rel_gap,
+                           "within_rounding": bool(rel_gap <= TIE_TOL)})
+    return {"prompts": len(got), "identical": len(got) - len(mismatches),
+            "mismatches": mismatches,
+            "unexplained": sum(not m["within_rounding"] for m in mismatches)}
+
+
+def graph_tier(backend, reference, prompts, n) -> tuple[Row, dict]:
+    ref = reference.greedy(prompts, n)
+    got = [engine_greedy(backend, p, n) for p in prompts]
+    res = compare(got, ref)
+    detail = (f"{res['identical']}/{res['prompts']} identical; "
+              f"{len(res['mismatches']) - res['unexplained']} near-tie divergences; "
+              f"reference: {reference.name}")
+    name = f"{len(prompts)} prompts x {n} greedy tokens"
+    return Row("graph", name, float(res["unexplained"]), 0.0, detail), res
+
+
+# ---- the command ------------------------------------------------------------------------------
+def make_reference(nf, kind: str = "auto"):
+    """transformers on the GPU when torch is importable (kind auto/torch), else NumPy."""
+    if kind in ("auto", "torch"):
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+            return TorchReference(nf, "cuda" if torch.cuda.is_available() else "cpu")
+        except ImportError:
+            if kind == "torch":
+                raise RuntimeError("--reference torch needs torch and transformers installed") from None
+    return NumpyReference(nf)
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| tier | check | error | tolerance | result | detail |",
+             "| --- | --- | ---: | ---: | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.tier} | {r.name} | {r.error:.3g} | {r.tol:.3g} | "
+                     f"{'pass' if r.passed else 'FAIL'} | {r.detail} |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import json
+
+    from numba import cuda
+
+    from nq.loader.resolve import resolve_model
+    from nq.loader.format import NanoqwenFile
+
+    tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
+    if not tiers or tiers - {"unit", "layer", "graph"}:
+        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, graph "
+              "(comma-separated)", file=sys.stderr)
+        return 2
+    if not cuda.is_available():
+        print("nq verify needs an NVIDIA GPU (numba.cuda.is_available() is False); it checks "
+              "this GPU's kernels against the references", file=sys.stderr)
+        return 2
+    from nq.runtime.engine import Engine
+
+    t0 = time.perf_counter()
+    nf = NanoqwenFile(resolve_model(args.model))
+    cfg = nf.config
+    eng = Engine.from_file(nf, max_len=max(4096, args.prompt_len + args.tokens + 8))
+    rows, report = [], {"model": str(nf.path), "config": cfg.to_json()}
+    secs = {"load": time.perf_counter() - t0}  # upload + kernel compilation
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        secs[name] = time.perf_counter() - t
+        return out
+
+    if "unit" in tiers:
+        rows += timed("unit", lambda: unit_tier(eng, nf))
+    if "layer" in tiers:
+        rows.append(timed("layer", lambda: layer_tier(eng, nf)))
+    if "graph" in tiers:
+        rng = np.random.default_rng(args.seed)
+        hi = min(cfg.vocab_size, 32000)
+        prompts = rng.integers(0, hi, (args.prompts, args.prompt_len)).tolist()
+        ref = timed("reference load", lambda: make_reference(nf, args.reference))
+        row, report["graph"] = timed("graph", lambda: graph_tier(eng, ref, prompts, args.tokens))
+        rows.append(row)
+    seconds = time.perf_counter() - t0
+    report["seconds_by_part"] = secs
+    print(table(rows))
+    print("nq verify: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items()), file=sys.stderr)
+    ok = bool(rows) and all(r.passed for r in rows)
+    gpu = cuda.get_current_device().name
+    gpu = gpu.decode() if isinstance(gpu, bytes) else gpu  # bytes or str across numba-cuda versions
+    print(f"nq verify: {'PASS' if ok else 'FAIL'} in {seconds:.0f} s ({gpu}, {cfg.name})",
+          file=sys.stderr)
+    if args.json:
+        report.update(rows=[dataclasses.asdict(r) | {"passed": r.passed} for r in rows],
+                      seconds=seconds, passed=ok)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if ok else 1
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("verify", help="check this GPU's kernels and decode graph against the "
+                                      "references (unit, layer, graph tiers)")
+    s.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
+    s.add_argument("--tiers", default="unit,layer,graph")
+    s.add_argument("--prompts", type=int, default=100)
+    s.add_argument("--tokens", type=int, default=32)
+    s.add_argument("--prompt-len", type=int, default=16)
+    s.add_argument("--reference", choices=["auto", "torch", "numpy"], default="auto")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json")
+    s.set_defaults(func=run)

@@ -1,0 +1,145 @@
+"""Hash the PTX of every kernel a model's decode step and weight upload compile, offline.
+
+    python3 scripts/ptx_hashes.py --json out.json            # presets 0.5b, 7b, 14b
+    python3 scripts/ptx_hashes.py --compare before.json out.json
+
+Refactors of the kernel tree promise "the default PTX does not change"; this is the proof.
+No GPU is needed: every `cuda.jit(signature, ...)` call made while the step's launchers are
+built is intercepted and compiled to sm_90 PTX with the device lookup stubbed (tests'
+ptx_util).  The hash is of the instructions alone: comments, the `.entry` name and mangled
+symbol names are stripped, so a kernel may be renamed; one changed instruction, operand or
+register number changes it.  `--compare` checks that every kernel of the first file has a
+kernel with the same hash in the second.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def normalise(ptx: str) -> str:
+    """The PTX's instructions: no comments, no blank lines, symbol names replaced by NAME<i>
+    numbered in order of first appearance (kernel and parameter names carry the module path)."""
+    body = re.sub(r"//[^\n]*", "", ptx)
+    names = re.findall(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)", body)
+    names += re.findall(r"\b(_Z[\w$]+)", body)
+    order = {}
+    for n in names:
+        order.setdefault(n, f"NAME{len(order)}")
+    if order:
+        body = re.sub("|".join(re.escape(n) for n in sorted(order, key=len, reverse=True)),
+                      lambda m: order[m.group(0)], body)
+    return "\n".join(line.strip() for line in body.splitlines() if line.strip())
+
+
+def record_compiles():
+    """Patch numba.cuda.jit: kernels (a signature, not device=True) compile to offline PTX and
+    are recorded as (name, ptx); device functions and signature-less calls pass through."""
+    import numba.cuda
+    from ptx_util import compile_ptx_sm90
+
+    real = numba.cuda.jit
+    seen: dict[str, str] = {}
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, _):
+            return lambda *a, **k: None
+
+    def jit(sig=None, **kw):
+        if kw.get("device") or sig is None or callable(sig):
+            return real(sig, **kw) if sig is not None else real(**kw)
+
+        def deco(pyfunc):
+            opts = {k: v for k, v in kw.items() if k in ("launch_bounds", "fastmath", "lineinfo")}
+            name = getattr(pyfunc, "__name__", "kernel")
+            ptx = compile_ptx_sm90(pyfunc, sig, **opts)
+            key = name
+            n = 1
+            while key in seen and seen[key] != ptx:
+                n += 1
+                key = f"{name}#{n}"
+            seen[key] = ptx
+            return Fake(name)
+        return deco
+
+    numba.cuda.jit = jit
+    return seen
+
+
+def build_step_kernels(cfg) -> None:
+    """Build (and so compile) every launcher of cfg's default decode step, the weight upload's
+    kernels and the stand-alone small kernels.  Keep this list in step with
+    nq/runtime/engine.py's `_build_steps` when a kernel joins or leaves the step."""
+    from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
+    from nq.kernels.attention import combine, decode
+    from nq.kernels.int4 import retile
+    from nq.kernels.int4.gemv import make_qkv_rope_gemv
+    from nq.runtime.engine import ATTN_OPTIONS
+    from nq.runtime.weights import gemvs
+
+    gemvs(cfg)
+    make_qkv_rope_gemv(cfg)
+    lm_head.make_lm_head(cfg)
+    o = dict(ATTN_OPTIONS)
+    o.pop("fused")
+    ms = decode.default_max_splits(cfg.num_kv_heads)
+    decode._jit(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads, decode.CONSUMERS, decode.NSTAGE,
+                o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]))
+    combine._jit("combine", cfg.head_dim, ms, o["min_pps"])
+    sampling._jit(cfg.vocab_size)
+    embed._jit(cfg.hidden_size)
+    feed._jit()
+    rope_kv._jit(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    for residual in (True, False):
+        rmsnorm._jit(cfg.hidden_size, float(cfg.rms_norm_eps), residual)
+    retile._jit()
+    retile._jit_mma()
+    fill._kernels()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="0.5b,7b,14b")
+    ap.add_argument("--json", help="write {preset/kernel: {sha256, instructions}} here")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    args = ap.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(Path(p).read_text()) for p in args.compare)
+        by_hash = {}
+        for k, v in after.items():
+            by_hash.setdefault(v["sha256"], []).append(k)
+        missing = [k for k, v in before.items() if v["sha256"] not in by_hash]
+        for k, v in sorted(before.items()):
+            match = by_hash.get(v["sha256"], ["-- CHANGED --"])
+            print(f"{k:70s} {v['sha256'][:12]} {v['instructions']:6d}  {match[0]}")
+        print(f"{len(before) - len(missing)}/{len(before)} kernels instruction-identical")
+        return 1 if missing else 0
+    from nq.config import PRESETS
+    seen = record_compiles()
+    out = {}
+    for p in args.presets.split(","):
+        seen.clear()
+        build_step_kernels(PRESETS[p])
+        for name, ptx in sorted(seen.items()):
+            norm = normalise(ptx)
+            out[f"{p}/{name}"] = {"sha256": hashlib.sha256(norm.encode()).hexdigest(),
+                                  "instructions": norm.count(";")}
+            print(f"{p:5s} {name:64s} {out[f'{p}/{name}']['sha256'][:12]} "
+                  f"{out[f'{p}/{name}']['instructions']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The GPU engine end to end (H200): greedy ids equal the NumPy reference engine's, graph
+replay equals eager launches, prefill+decode equals the reference's logits.
+
+Both sides read the same packed file, so they see identical INT4 weights; the engine keeps
+activations in fp16 between kernels and accumulates in fp32, the reference is fp32 throughout.
+Weights come from nq.ref.random_weights (projections ~ N(0, 1/K)), which gives logits a spread
+of order one, so a greedy choice is decided by the model and not by rounding noise.
+"""
+import numpy as np
+import pytest
+
+from nq.config import ModelConfig, tiny_config
+from nq.loader.format import NanoqwenFile
+from nq.loader.hf import hf_name, pack
+from nq.loader.synth import make_hf_snapshot
+from nq.loader.weights import load_host_weights
+from nq.ref import RefModel, random_weights
+from nq.sample import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+
+CONFIGS = {
+    "d64": tiny_config(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2),
+    "d128-gqa7": tiny_config(head_dim=128, num_heads=7, num_kv_heads=1, num_layers=2,
+                             intermediate_size=640),
+    "7b-width-2layers": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                    num_layers=2, num_heads=28, num_kv_heads=4, head_dim=128,
+                                    name="7b-width-2layers"),
+}
+
+
+def packed_model(tmp_path_factory, cfg, seed=0):
+    w = random_weights(cfg, seed)
+    if cfg.tie_word_embeddings:
+        w.pop("lm_head", None)
+    snap = make_hf_snapshot(tmp_path_factory.mktemp("hf"), cfg,
+                            weights={hf_name(k): v for k, v in w.items()})
+    return NanoqwenFile(pack(snap, tmp_path_factory.mktemp("nq") / "m.nanoqwen", progress=False))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request, tmp_path_factory):
+    nf = packed_model(tmp_path_factory, CONFIGS[request.param])
+    from nq.runtime.engine import Engine
+    eng = Engine.from_file(nf, max_len=256)
+    ref = RefModel(nf.config, load_host_weights(nf))
+    return request.param, nf, eng, ref
+
+
+def reference_greedy(ref, prompt, n):
+    ref.reset()
+    logits = ref.forward(np.array(prompt))[-1]
+    out, tops = [], []
+    for _ in range(n):
+        order = np.argsort(logits)[::-1]
+        tops.append((int(order[0]), float(logits[order[0]] - logits[order[1]]),
+                     float(logits.max() - logits.min())))
+        out.append(int(order[0]))
+        logits = ref.forward(np.array([out[-1]]))[-1]
+    return out, tops
+
+
+def test_greedy_64_steps_equal_reference(model):
+    """Identical greedy ids for 64 steps.  One exception, `nq verify`'s rule: a divergence at a
+    step where the reference's top-2 logits are within TIE_TOL (2e-3) of the logit spread is a
+    coin toss for any engine that rounds activations to fp16, and the ids after it are no longer
+    comparable.  The tiny configs must match all 64 steps (they did on the H200); the 7B-width
+    model (152064 random logits a step, so near-ties come often) matched 64/64 with the fp32
+    attention kernel and diverged at step 43 with the tensor-core one, where the reference's
+    top-2 gap was 2.9e-4."""
+    from nq.tools.verify import TIE_TOL
+    name, nf, eng, ref = model
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(0, min(nf.config.vocab_size, 500), 11)]
+    want, tops = reference_greedy(ref, prompt, 64)
+    eng.reset()
+    got = list(eng.generate_ids(prompt, 64, GREEDY))
+    if got != want:
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        _, gap, spread = tops[k]
+        msg = (f"{name}: first divergence at step {k}: gpu {got[k]} vs ref {want[k]}; reference "
+               f"top-2 gap there {gap:.3e} = {gap / spread:.2e} of the logit spread {spread:.3g}")
+        if name.startswith("7b") and gap <= TIE_TOL * spread:
+            print(msg + " (a near-tie: accepted)")
+        else:
+            pytest.fail(msg)
+
+
+def test_prefill_logits_match_reference(model):
+    """Logits after a 20-token prefill and 3 decode steps, against the fp32 reference.
+
+    Tolerance: 2e-2 of the logit spread.  fp16 activations (rel. 5e-4 per rounding) feed
+    INT4 GEMVs with fp16 partial sums, over 2 layers; errors stay ~1e-3 of the spread.
+    """
+    name, nf, eng, ref = model
+    prompt = list(range(3, 23))
+    ref.reset()
+    eng.reset()
+    want = ref.forward(np.array(prompt))[-1]
+    got = eng.prefill(prompt)
+    for tok in (5, 9, 2):
+        spread = float(want.max() - want.min())
+        err = float(np.abs(got - want).max())
+        assert err < 2e-2 * spread, f"{name}: max |gpu-ref| {err:.3e}, spread {spread:.3e}"
+        want = ref.forward(np.array([tok]))[-1]
+        got = eng.decode(tok)
+
+
+def test_graph_replay_equals_eager(model):
+    name, nf, eng, ref = model
+    prompt = [7, 8, 9, 10, 11]
+    # every kernel-to-kernel edge is programmatic (PDL): embed..argmax is one chain
+    assert eng.pdl and eng.graph.programmatic_edges == eng.graph.num_nodes - 1
+    eng.reset()
+    a = eng.prefill(prompt)
+    graph, eng.graph = eng.graph, None  # eager launches of the same steps
+    try:
+        eng.reset()
+        b = eng.prefill(prompt)
+    finally:
+        eng.graph = graph
+    np.testing.assert_array_equal(a, b)
+
+
+def test_pdl_graph_equals_plain_graph_over_many_steps(model):
+    """Programmatic edges let each kernel start before the previous one ends; a missing
+    griddepcontrol.wait would read stale activations now and then.  96 greedy steps with and
+    without PDL must give the same ids and the same final logits, bit for bit."""
+    name, nf, eng, ref = model
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = []
+    try:
+        for pdl in (True, False):
+            eng.capture(pdl)
+            eng.reset()
+            ids = list(eng.generate_ids(prompt, 96, GREEDY))
+            runs.append((ids, eng.logits.copy_to_host()))
+    finally:
+        eng.capture(True)
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_fill_kernels_match_their_reference():
+    from numba import cuda
+
+    from nq.kernels.fill import fill_f16, fill_u32, hash_u32_reference
+    a = cuda.device_array(10_001, np.uint32)
+    fill_u32(a, 12345)
+    want = hash_u32_reference(12345, np.arange(10_001))
+    np.testing.assert_array_equal(a.copy_to_host(), want)
+    h = cuda.device_array((7, 13), np.float16)
+    fill_f16(h, 3, 1.0, 0.25)
+    got = h.copy_to_host().astype(np.float32)
+    u = (hash_u32_reference(3, np.arange(91)) >> 8).astype(np.float32) / 16777216.0
+    # atol one fp16 ulp at 1.0: the device may fuse the multiply-add before rounding to fp16
+    np.testing.assert_allclose(got.reshape(-1), 1.0 + 0.25 * (2 * u - 1), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("n,k,ks,rpb", [(3584, 18944, 16, 32), (4608, 3584, 14, 16), (1000, 896, 3, 48)])
+def test_retile_block_major_on_the_gpu(n, k, ks, rpb):
+    """The block-major re-tile (Tiling.block_major's upload) against its NumPy reference."""
+    from numba import cuda
+
+    from nq.kernels.int4 import retile
+    from nq.kernels.int4.gemv import chunk_permutation
+    src = np.random.default_rng(n).integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    perm = chunk_permutation(k, ks).astype(np.int32)
+    dst = cuda.device_array_like(src)
+    retile.retile(cuda.to_device(src), dst, cuda.to_device(perm), 0, (ks, rpb))
+    np.testing.assert_array_equal(dst.copy_to_host(),
+                                  retile.retile_block_major_reference(src, perm, ks, rpb))
+
+
+@pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (896, 4864)])
+def test_retile_mma_on_the_gpu(n, k):
+    """The tensor-core GEMV's fragment layout (Tiling.mma's upload) against gemv_mma.mma_layout."""
+    from numba import cuda
+
+    from nq.kernels.int4 import retile
+    from nq.kernels.int4.gemv_mma import mma_layout
+    src = np.random.default_rng(n + k).integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    dst = cuda.device_array_like(src)
+    retile.retile_mma(cuda.to_device(src), dst)
+    np.testing.assert_array_equal(dst.copy_to_host(), mma_layout(src))
+
+
+def test_upload_retiles_on_the_gpu_exactly_as_prepare(model):
+    """weights_gpu.upload permutes on the device; gemv.prepare is the host reference."""
+    from nq.runtime.weights import gemvs
+    name, nf, eng, ref = model
+    g = gemvs(nf.config)
+    last = nf.config.num_layers - 1
+    for kind, names, dev in (("qkv", ("q_proj", "k_proj", "v_proj"), eng.w.layers[last].qkv_w),
+                             ("gate_up", ("gate_proj", "up_proj"), eng.w.layers[last].gu_w),
+                             ("down", ("down_proj",), eng.w.layers[last].down_w)):
+        qw, _ = g[kind].prepare([(nf.array(f"layers.{last}.{n}.qweight"),
+                                  nf.array(f"layers.{last}.{n}.scales")) for n in names])
+        np.testing.assert_array_equal(dev.copy_to_host(), qw, err_msg=f"{name} {kind}")

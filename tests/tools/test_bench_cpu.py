@@ -1,0 +1,280 @@
+"""CPU tier of `nq bench`: statistics, the table formatters, the breakdown arithmetic, argument
+parsing, the no-GPU exit, and the measurement flow on a stand-in engine (which checks that every
+timed step stays inside the pages reserved for it).  No figure is checked: benchmarks are not
+tests; the GPU tier (tests/test_bench_gpu.py) runs the real thing.
+"""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from nq.tools import bench
+from nq.tools.peers import format_peers
+from nq.cli import build_parser, main
+from nq.config import PRESETS
+
+REGIONS = ["embed", "qkv_gemv", "rope_kv_append", "paged_attention", "o_proj", "gate_up_swiglu",
+           "down", "lm_head", "sample"]
+
+
+# ---- statistics -----------------------------------------------------------------------------
+def test_mean_sd_is_the_sample_standard_deviation():
+    m, sd = bench.mean_sd([2, 4, 4, 4, 5, 5, 7, 9])
+    assert m == 5.0
+    assert sd == pytest.approx(np.std([2, 4, 4, 4, 5, 5, 7, 9], ddof=1))
+    assert bench.mean_sd([3.5]) == (3.5, 0.0)
+    with pytest.raises(ValueError):
+        bench.mean_sd([])
+
+
+@pytest.mark.parametrize("xs", [[1.0], [3, 1, 2], list(range(10)), [0.5, 9.0, 2.25, 2.25, 7.0]])
+def test_percentiles_match_numpy_linear_interpolation(xs):
+    for q in (50, 90):
+        assert bench.percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+
+
+def test_breakdown_gap_is_itl_minus_the_regions():
+    regions = {r: 0.1 * (i + 1) for i, r in enumerate(REGIONS)}
+    b = bench.breakdown(5.0, regions)
+    assert list(b["regions_ms"]) == REGIONS  # step order kept
+    assert b["norms"] == "fused"
+    assert b["kernel_gap_ms"] == pytest.approx(5.0 - 4.5)
+    assert sum(b["regions_ms"].values()) + b["kernel_gap_ms"] == pytest.approx(b["itl_ms"])
+
+
+def test_row_bytes_and_ceiling_fraction():
+    cfg = PRESETS["7b"]
+    row = bench.make_row("tg128", 576, 4_000_000_000, cfg, 4000.0, [250.0, 250.0],
+                         itl_ms=[4.0, 4.0, 4.0, 5.0])
+    kv = 28 * 2 * 576 * 4 * 128 * 2  # layers * (K, V) * ctx * kv heads * head_dim * fp16
+    assert row["bytes_per_token"] == 4_000_000_000 + kv
+    assert row["GBs"] == pytest.approx(row["bytes_per_token"] * 250 / 1e9)
+    assert row["pct_ceiling"] == pytest.approx(100 * row["GBs"] / 4000)
+    assert (row["tok_s_mean"], row["tok_s_sd"]) == (250.0, 0.0)
+    assert row["itl_p50_ms"] == 4.0 and row["itl_p90_ms"] == pytest.approx(4.7)
+    assert row["ttft_ms"] is None
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def _rows():
+    cfg = PRESETS["0.5b"]
+    return [bench.make_row("pp16", 8, 10**9, cfg, 4000.0, [100.0, 120.0], ttft_ms=[160.0, 133.3]),
+            bench.make_row("tg8", 20, 10**9, cfg, 4000.0, [500.0, 510.0], itl_ms=[2.0, 1.9, 2.1])]
+
+
+def test_table_is_llama_bench_markdown():
+    lines = bench.format_table("m", _rows()).splitlines()
+    assert len(lines) == 4
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "model", "test", "t/s", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "bytes/token", "GB/s",
+        "% of ceiling"]
+    seps = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert seps[0].endswith("-") and seps[1].endswith("-")  # text columns left-aligned
+    assert all(s.endswith(":") for s in seps[2:])          # figures right-aligned
+    pp = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert pp[1] == "pp16" and pp[2] == "110.00 ± 14.14" and pp[3] == "146.7" and pp[4] == "-"
+    tg = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert tg[1] == "tg8" and tg[2] == "505.00 ± 7.07" and tg[3] == "-" and tg[4] == "2.000"
+    assert len({len(line) for line in lines}) == 1  # padded: every line equally long
+
+
+def test_breakdown_table_lists_every_region_norms_and_gap():
+    b = bench.breakdown(2.0, {r: 0.1 for r in REGIONS})
+    b["ctx"] = 512
+    text = bench.format_breakdown([b])
+    names = [line.strip("|").split("|")[0].strip() for line in text.splitlines()[2:]]
+    assert names == REGIONS + ["norms", "kernel_gap", "ITL"]
+    assert "fused" in text and "1.1000" in text  # the gap: 2.0 - 9 * 0.1
+
+
+def test_peers_are_ratios_to_nq_and_failures_are_reported():
+    rows = _rows()
+    bd = bench.breakdown(2.0, {r: 0.1 for r in REGIONS})
+    peers = {"torch": "2.x", "tinygemm_int4_chain": {"ms": 4.0, "GBs": 1000.0},
+             "cublas_fp16_gemv_chain": {"error": "RuntimeError: no"},
+             "cublas_fp16_gemm_chain": {"ms": 2.0, "M": 16, "tok_s": 8000.0}}
+    text = format_peers(peers, rows, bd)
+    nq_itl = 1e3 / rows[1]["tok_s_mean"]
+    assert f"nq decode is {nq_itl / 4.0:.2f}x its time" in text
+    assert "nq's GEMV regions alone 0.12x" in text  # 5 GEMV regions of 0.1 ms / 4 ms
+    assert "cuBLAS fp16 GEMV chain: unavailable: RuntimeError: no" in text
+    assert "nq prefill TTFT is" in text
+
+
+# ---- command line ---------------------------------------------------------------------------
+def test_bench_arguments():
+    a = build_parser().parse_args(["bench", "--random", "7b", "-p", "512", "-n", "128", "-r", "5",
+                                   "--ctx", "512,2048,8192,32768", "--json", "x.json"])
+    assert (a.random, a.model, a.p, a.n, a.r) == ("7b", None, 512, 128, 5)
+    assert a.ctx == [512, 2048, 8192, 32768] and a.json == "x.json" and not a.no_peers
+    a = build_parser().parse_args(["bench", "-m", "m.nanoqwen", "--no-peers"])
+    assert (a.model, a.random, a.p, a.n, a.r, a.ctx) == ("m.nanoqwen", None, 512, 128, 5, [])
+    assert a.no_peers
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "--random", "9b"], "invalid choice: '9b'"),
+    (["bench", "-p", "16"], "one of the arguments -m/--model --random is required"),
+    (["bench", "--random", "7b", "-m", "x"], "not allowed with"),
+    (["bench", "--random", "7b", "--ctx", "8k"], "--ctx wants comma-separated"),
+    (["bench", "--random", "7b", "-n", "0"], "positive integer"),
+])
+def test_bench_argument_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_without_a_gpu_exits_2(monkeypatch, capsys):
+    from numba import cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: False)
+    assert main(["bench", "--random", "0.5b", "--no-peers"]) == 2
+    err = capsys.readouterr().err
+    assert "nq bench needs an NVIDIA GPU" in err
+
+
+# ---- the measurement flow on a stand-in engine ----------------------------------------------
+class StandIn:
+    """Engine's benchmark surface, with host-side bookkeeping of positions and reserved pages:
+    a timed step beyond the reservation would, on the GPU, write through page 0."""
+    regions = REGIONS
+
+    def __init__(self, cfg, max_len):
+        self.cfg, self.max_len = cfg, max_len
+        self.w = types.SimpleNamespace(nbytes_per_token=10**9, load_s=0.1)
+        self.pos = self.reserved = 0
+        self.pdl = True
+
+    def capture(self, pdl=True):
+        self.pdl = pdl
+
+    def reset(self):
+        self.pos = self.reserved = 0
+
+    def _reserve(self, n):
+        assert n <= self.max_len, "the engine would raise KVCacheFull"
+        self.reserved = max(self.reserved, n)
+
+    def reserve_ahead(self, n):
+        self._reserve(self.pos + n)
+
+    def fake_context(self, n):
+        self._reserve(n + 1)
+        self.pos = n
+
+    def prefill(self, ids):
+        self._reserve(self.pos + len(ids))
+        self.pos += len(ids)
+
+    def time_steps(self, n, warmup=3):  # as Engine.time_steps: reserves what it will run
+        self.reserve_ahead(warmup + n + 1)
+        self.pos += n + warmup
+        assert self.pos <= self.reserved, f"step at pos {self.pos} beyond {self.reserved} reserved"
+        return [1.0 + 0.01 * (i % 7) for i in range(n)]
+
+
+def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys):
+    from numba import cuda
+
+    from nq.runtime.engine import Engine
+    made = []
+
+    def fake_random(cls, cfg, max_len=4096, seed=0):
+        made.append(StandIn(cfg, max_len))
+        return made[-1]
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: types.SimpleNamespace(name=b"Fake GPU"))
+    monkeypatch.setattr(Engine, "random", classmethod(fake_random))
+    monkeypatch.setattr(bench, "copy_ceiling_gbs", lambda: 4000.0)
+    monkeypatch.setattr(bench, "gpu_clocks", lambda: {"clocks.sm": "1980", "clocks.mem": "3201"})
+    monkeypatch.setattr(bench, "region_ms", lambda eng, region, replays: 0.05)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--random", "0.5b", "-p", "16", "-n", "8", "-r", "2", "--ctx",
+                 "64,256", "--no-peers", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| pp16 " in text and "| tg8 " in text and "tg8 @ d256" in text and "kernel_gap" in text
+    res = json.loads(out.read_text())
+    assert {"model", "env", "tests", "breakdown", "peers", "copy_ceiling_GBs"} <= set(res)
+    assert {"start", "end", "versions", "gpu"} <= set(res["env"])
+    assert {"nq", "numba", "numba-cuda", "numpy", "python", "cuda_driver"} <= set(res["env"]["versions"])
+    assert [r["test"] for r in res["tests"]] == ["pp16", "tg8", "tg8 @ d64", "tg8 @ d256"]
+    assert [b["ctx"] for b in res["breakdown"]] == [16, 64, 256]
+    for b in res["breakdown"]:
+        assert list(b["regions_ms"]) == REGIONS
+        assert sum(b["regions_ms"].values()) + b["kernel_gap_ms"] == pytest.approx(b["itl_ms"])
+    assert res["copy_ceiling_GBs"] == 4000.0 and res["peers"] == {}
+    assert res["itl_no_pdl_ms"] > 0 and made[0].pdl  # measured without PDL, then restored
+
+
+def test_step_variants_parses_variants():
+    """scripts/step_variants.py: what a variant string means (the timing itself needs the GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    from nq.kernels.int4.gemv import Tiling
+    path = Path(__file__).resolve().parents[2] / "scripts" / "step_variants.py"
+    spec = importlib.util.spec_from_file_location("step_variants", path)
+    sv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sv)
+    defaults = {"down": Tiling(ks=16, threads=512), "gate_up": Tiling(ks=4, threads=192)}
+    tilings, attn, rope = sv.parse_variant(
+        "down.prefetch=2 down.block_major=1 attn.early=0 attn.min_pps=2 rope.fused=1", defaults)
+    assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=2, block_major=1)}
+    assert attn == {"early": False, "min_pps": 2} and rope is True
+    assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
+    for bad in ("down.prefetch", "qkvx.threads=1", "down=2"):
+        with pytest.raises(SystemExit):
+            sv.parse_variant(bad, defaults)
+
+
+def test_ncu_gemv_parses_tilings():
+    """scripts/ncu_gemv.py --tiling: the default tiling of the shape with the given fields."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    from nq.kernels.int4.gemv import default_tiling
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_gemv.py"
+    spec = importlib.util.spec_from_file_location("ncu_gemv", path)
+    ng = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ng)
+    down = default_tiling("down", 3584, 18944)
+    t = ng.parse_tiling("down", "16,256,prefetch=2")
+    assert (t.ks, t.threads, t.prefetch) == (16, 256, 2) and t.span == down.span
+    assert ng.parse_tiling("gate_up", "4") == default_tiling("gate_up", 18944, 3584)
+    with pytest.raises(TypeError):
+        ng.parse_tiling("down", "16,512,nonsense=1")
+
+
+def test_step_timeline_critical_increments():
+    """scripts/step_timeline.py's reading of a CUPTI trace: steps split at the feed kernel,
+    each kernel's critical increment (how far it moves the latest end), sums by region."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "step_timeline.py"
+    spec = importlib.util.spec_from_file_location("step_timeline", path)
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    trace = {"traceEvents": [
+        k("argmax_prev", 0, 1),                       # before the first step: dropped
+        {"ph": "X", "cat": "cpu_op", "name": "x", "ts": 5, "dur": 100},
+        k("feed_kernel", 10, 1), k("embed_k", 11, 1),
+        k("gemv_int4_qkv_n4608", 12, 8),              # ends at 20
+        k("rope_kv_h28", 13, 2),                      # ends at 15, under qkv's shadow: 0
+        k("attn_mma_g7", 14, 10),                     # ends at 24: +4
+        k("feed_kernel", 30, 2), k("gemv_int4_down_n3584", 31, 5)]}
+    steps = tl.split_steps(tl.kernels_from_trace(trace))
+    assert [len(s) for s in steps] == [5, 2]
+    rows = tl.critical_increments(steps[0])
+    assert [r["increment"] for r in rows] == [1, 1, 8, 0, 4]
+    assert rows[-1]["end"] == 14 and sum(r["increment"] for r in rows) == 14
+    s = tl.summarize(steps[:1])
+    assert s["regions"]["qkv_gemv"] == {"kernels": 1, "busy_us": 8, "critical_us": 8}
+    assert s["regions"]["rope_kv_append"]["critical_us"] == 0
+    assert s["regions"]["paged_attention"]["critical_us"] == 4
+    assert "| qkv_gemv | 1 |" in tl.format_summary(s)

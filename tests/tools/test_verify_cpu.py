@@ -1,0 +1,62 @@
+"""`nq verify` on the CPU: the divergence analysis, the graph tier's harness (the NumPy engine
+against transformers and against nq.ref, which must agree exactly on greedy ids), the table,
+and the refusal without a GPU.  The unit and layer tiers need the GPU (run on the H200)."""
+import numpy as np
+import pytest
+
+from nq.tools import verify
+from nq.cli import main
+from nq.loader.format import NanoqwenFile
+from nq.ref import NumpyBackend
+
+
+def test_compare_explains_near_ties_and_flags_the_rest():
+    ref = [verify.Greedy([1, 2, 3], [5.0, 5.0, 5.0], [10.0] * 3),
+           verify.Greedy([1, 2, 3], [5.0, 0.001, 5.0], [10.0] * 3),   # a near-tie at step 1
+           verify.Greedy([4, 5, 6], [5.0, 5.0, 5.0], [10.0] * 3)]     # a clear choice at step 0
+    res = verify.compare([[1, 2, 3], [1, 9, 9], [7, 5, 6]], ref)
+    assert res["identical"] == 1 and res["unexplained"] == 1
+    near, clear = res["mismatches"]
+    assert (near["prompt"], near["step"], near["within_rounding"]) == (1, 1, True)
+    assert (clear["prompt"], clear["step"], clear["within_rounding"]) == (2, 0, False)
+    assert clear["engine"] == 7 and clear["reference"] == 4
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_graph_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
+    nf = NanoqwenFile(tiny_nanoqwen)
+    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    prompts = np.random.default_rng(0).integers(0, 490, (4, 6)).tolist()
+    row, res = verify.graph_tier(NumpyBackend.from_file(nf, max_len=64), ref, prompts, 8)
+    assert res["identical"] == 4, res["mismatches"]
+    assert row.passed and row.tier == "graph" and "4/4 identical" in row.detail
+
+
+def test_table_marks_failures():
+    rows = [verify.Row("unit", "a", 1e-3, 5e-3), verify.Row("unit", "b", float("nan"), 1.0),
+            verify.Row("graph", "c", 2.0, 0.0, "2 unexplained")]
+    text = verify.table(rows)
+    assert text.count("| pass |") == 1 and text.count("| FAIL |") == 2
+
+
+def test_verify_without_a_gpu_says_so(tiny_nanoqwen, capsys):
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("a GPU is present: nq verify runs for real there")
+    assert main(["verify", "-m", str(tiny_nanoqwen)]) == 2
+    assert "nq verify needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tiers", ["unit,grpah", " ", "foo"])
+def test_verify_refuses_unknown_tiers(tiny_nanoqwen, capsys, tiers):
+    assert main(["verify", "-m", str(tiny_nanoqwen), "--tiers", tiers]) == 2
+    assert "choose from unit, layer, graph" in capsys.readouterr().err
+
+
+def test_torch_dequantize_matches_numpy():
+    torch = pytest.importorskip("torch")
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    w = np.random.default_rng(3).standard_normal((24, 256)).astype(np.float32)
+    qw, sc = quantize_pack(w)
+    got = verify.dequantize_packed_torch(torch, qw, sc, "cpu").numpy()
+    np.testing.assert_array_equal(got, dequantize_packed(qw, sc))
