@@ -97,8 +97,12 @@ from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_g2s,
                     ld_global_nc_u16, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
                     ld_global_nc_v4_u32, ld_shared_v4_u32, ld_shared_v4_u32_at, lop3_b32,
                     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
-                    mov_b32_f32_from_u32, mov_b32_u32_from_f32, pack_f16x2_from_f32,
+                    pack_f16x2_from_f32,
                     st_global_u16, unpack_f16x2_to_f32)
+from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
+                                     _SH8, _SIXTEENTH, pow2_scale_f32)
+from nq.kernels.int4.layout import (chunk_permutation, prepare_weights, tile_rows,  # noqa: F401
+                                    untile_rows)
 from nq.ref import linear, rms_norm, swiglu
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
@@ -132,30 +136,6 @@ def ref_gate_up(x, norm_w, eps, w_gate, w_up):
     """x fp32 (H,), w_gate / w_up (I, H) -> silu(gate) * up, fp32 (I,) (the kernel stores fp16)."""
     h = rms_norm(x, norm_w, eps)
     return swiglu(linear(h, w_gate), linear(h, w_up))
-
-
-def dequant_word(q):
-    """A word's 8 weights as 4 fp16x2 pairs (the ValueShuffle order's (w0,w1), (w2,w3), (w4,w5),
-    (w6,w7)): (q & 0x000F000F) ^ 0x64086408 is 1032+n, minus 1032; (q & 0x00F000F0) ^
-    0x64806480 is 1152+16n, times 1/16 minus 72; the same on q >> 8.  9 instructions.  A device
-    function body (gemv_mma wraps it: its words are mma A fragments in this order; dot8 below
-    keeps these instructions interleaved with its fmas)."""
-    lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
-    hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
-    q8 = q >> _SH8
-    lo1 = lop3_b32(q8, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
-    hi1 = lop3_b32(q8, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
-    return (add_rn_f16x2(lo0, _NEG1032), fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72),
-            add_rn_f16x2(lo1, _NEG1032), fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72))
-
-
-def pow2_scale_f32(m):
-    """(f, 1/f): powers of two with m*f in [128, 256) (clamped to 2^+-100 for 0 and tiny m).
-    A device function body (the kernels wrap it); the activations' per-group exact scaling."""
-    e = np.int32((mov_b32_u32_from_f32(m) >> _SH23) & 0xFF)
-    ef = min(max(134 - e, -100), 100)
-    return (mov_b32_f32_from_u32(uint32((ef + 127) << 23)),
-            mov_b32_f32_from_u32(uint32((127 - ef) << 23)))
 
 
 # ---- the tile layout (NumPy model; the kernel's address arithmetic mirrors it) ---------------
@@ -217,37 +197,6 @@ class Tiling:
         return self.ks, (self.rows_per_block() if self.block_major else 0)
 
 
-def chunk_permutation(k: int, ks: int) -> np.ndarray:
-    """perm (K/32,): tiled row chunk p holds file chunk perm[p] (a chunk = 16 bytes = 32 weights).
-
-    Step s covers groups s*ks .. s*ks+gs-1 (gs = ks except in a short last step); inside a step
-    the chunks are ordered (chunk-in-group i, lane j), so the four loads a lane issues per step
-    are, across the ks lanes, four contiguous runs of ks*16 bytes (coalesced, no sector split).
-    """
-    g = k // GROUP_SIZE
-    perm = []
-    for s in range(-(-g // ks)):
-        gs = min(ks, g - s * ks)
-        for i in range(4):
-            perm.extend(4 * (s * ks + j) + i for j in range(gs))
-    return np.asarray(perm, np.int64)
-
-
-def tile_rows(qweight: np.ndarray, ks: int) -> np.ndarray:
-    """(N, K/8) uint32 file layout -> (N, K/8) uint32 kernel layout (each row permuted alone)."""
-    n, k8 = qweight.shape
-    chunks = np.ascontiguousarray(qweight).reshape(n, k8 // 4, 4)
-    return np.ascontiguousarray(chunks[:, chunk_permutation(k8 * 8, ks)].reshape(n, k8))
-
-
-def untile_rows(tiled: np.ndarray, ks: int) -> np.ndarray:
-    """The inverse of tile_rows."""
-    n, k8 = tiled.shape
-    out = np.empty((n, k8 // 4, 4), np.uint32)
-    out[:, chunk_permutation(k8 * 8, ks)] = tiled.reshape(n, k8 // 4, 4)
-    return out.reshape(n, k8)
-
-
 def _block_slices(n: int, k8: int, ks: int, rows_per_block: int):
     """(row0, rows, word0, word1) of every (block, step) in block-major memory order."""
     g = k8 * 8 // GROUP_SIZE
@@ -286,24 +235,6 @@ def unblock_major_rows(blocked: np.ndarray, ks: int, rows_per_block: int) -> np.
         out[b0:b0 + rows, w0:w1] = flat[pos:pos + size].reshape(rows, w1 - w0)
         pos += size
     return out
-
-
-def prepare_weights(parts, ks: int, rows_per_block: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] -> concatenated, tiled (qw, scales);
-    rows_per_block > 0: the weights also block-major (block_major_rows)."""
-    qws = [np.asarray(q) for q, _ in parts]
-    scs = [np.asarray(s) for _, s in parts]
-    k8 = qws[0].shape[1]
-    for q, s in zip(qws, scs):
-        if q.dtype != np.uint32 or q.ndim != 2 or q.shape[1] != k8:
-            raise ValueError(f"prepare_weights: qweight must be uint32 (N, {k8}), got {q.dtype} {q.shape}")
-        if s.dtype != np.float16 or s.shape != (q.shape[0], k8 * 8 // GROUP_SIZE):
-            raise ValueError(f"prepare_weights: scales must be fp16 {(q.shape[0], k8 * 8 // GROUP_SIZE)}, "
-                             f"got {s.dtype} {s.shape}")
-    tiled = tile_rows(np.concatenate(qws), ks)
-    if rows_per_block:
-        tiled = block_major_rows(tiled, ks, rows_per_block)
-    return tiled, np.ascontiguousarray(np.concatenate(scs))
 
 
 def mma_tiling(kind: str, n_out: int, k: int) -> Tiling | None:
@@ -402,16 +333,6 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132, mma: bool = Tr
 # ---- the kernel ------------------------------------------------------------------------------
 
 _ALIGN = None if SIMULATOR else 16   # the simulator refuses alignment=; numba honours it
-_NEG1032 = 0xE408E408     # fp16x2 (-1032, -1032)
-_SIXTEENTH = 0x2C002C00   # fp16x2 (1/16, 1/16)
-_NEG72 = 0xD480D480       # fp16x2 (-72, -72)
-_MASK_LO = 0x000F000F
-_MASK_HI = 0x00F000F0
-_MAGIC_LO = 0x64086408    # fp16 1024 in both halves, and the sign flip of the low nibble
-_MAGIC_HI = 0x64806480    # the same for the high nibble (bit 7 = its sign bit)
-_SH8 = np.uint32(8)
-
-
 def kernel_name(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> str:
     """The kernel's name (profiles, launcher errors); qkv_rope adds its heads."""
     name = f"gemv_int4_{kind}_n{n_out}_k{k}_{t.tag()}"
@@ -1122,9 +1043,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     return kernel, sig
 
 
-_SH23 = np.uint32(23)
-
-
 def compile_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float = 1e-6, heads=None):
     """The compiled dispatcher (on the GPU) or the simulator kernel, cached by its name."""
     return _compiled(kind, n_out, k, t, float(eps), None if heads is None else tuple(heads))
@@ -1194,7 +1112,10 @@ class _Gemv:
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
-        qw, sc = prepare_weights(parts, *self.tiling.layout())
+        ks, rows_per_block = self.tiling.layout()
+        qw, sc = prepare_weights(parts, ks)
+        if rows_per_block:
+            qw = block_major_rows(qw, ks, rows_per_block)
         if qw.shape[0] != self.n_rows or qw.shape[1] * 8 != self.k:
             raise ValueError(f"{self.name}: prepared weights are {qw.shape}, expected "
                              f"({self.n_rows}, {self.k // 8})")

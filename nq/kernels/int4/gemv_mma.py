@@ -50,59 +50,18 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels.int4.gemv import Tiling, _need, dequant_word, pow2_scale_f32, ref_o_proj
+from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
+from nq.kernels.int4.gemv import Tiling, _need, ref_o_proj
+from nq.kernels.int4.layout import CHUNK, TILE, mma_layout, mma_unlayout  # noqa: F401
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
-from nq.loader.quant import unpack_value_shuffle
 from nq.ptx import (SIMULATOR, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     ld_shared_v2_u32_at, mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32,
                     st_global_u16, unpack_f16x2_to_f32)
 
-TILE = 16          # rows of an mma tile (m16)
-CHUNK = 16         # columns of an mma step (k16)
 KINDS = ("o_proj", "down", "gate_up")
 ref_residual = ref_o_proj   # x + W . a, both kinds
-
-
-# ---- the weight layout (NumPy model) -----------------------------------------------------------
-
-def mma_layout(qweight: np.ndarray) -> np.ndarray:
-    """File-layout (N, K/8) ValueShuffle words -> (N, K/8) words in the fragment order (module doc):
-    C-order memory [tile][group][lane][8 words]."""
-    n, k8 = qweight.shape
-    k = k8 * 8
-    if n % TILE or k % GROUP_SIZE:
-        raise ValueError(f"mma_layout: N={n} must be a multiple of {TILE} and K={k} of {GROUP_SIZE}")
-    nt, g = n // TILE, k // GROUP_SIZE
-    nib = (unpack_value_shuffle(np.asarray(qweight)).astype(np.uint32) & 0xF)   # two's complement
-    # (tile, group, row in tile, chunk in group, column in chunk)
-    r = nib.reshape(nt, TILE, g, GROUP_SIZE // CHUNK, CHUNK).transpose(0, 2, 1, 3, 4)
-    top, bot = r[:, :, :8], r[:, :, 8:]                  # rows g and g + 8: (nt, g, 8, 8, 16)
-
-    def cols(x, first):                                   # column first + 2t, t = 0..3
-        return x[..., first:first + 8:2]                  # (nt, g, 8 rows, 8 chunks, 4 t)
-
-    word = (cols(top, 0) | cols(bot, 0) << 4 | cols(top, 8) << 8 | cols(bot, 8) << 12
-            | cols(top, 1) << 16 | cols(bot, 1) << 20 | cols(top, 9) << 24 | cols(bot, 9) << 28)
-    # (nt, g, row g, chunk i, t) -> (nt, g, lane = 4 row + t, chunk i)
-    word = word.transpose(0, 1, 2, 4, 3).reshape(nt, g, 32, GROUP_SIZE // CHUNK)
-    return np.ascontiguousarray(word.astype(np.uint32).reshape(n, k8))
-
-
-def mma_unlayout(words: np.ndarray) -> np.ndarray:
-    """The inverse of mma_layout (tests): fragment-order words -> file-layout ValueShuffle words."""
-    from nq.loader.quant import pack_value_shuffle
-    n, k8 = words.shape
-    k = k8 * 8
-    nt, g = n // TILE, k // GROUP_SIZE
-    w = np.asarray(words, np.uint32).reshape(nt, g, 8, 4, GROUP_SIZE // CHUNK)  # nt, g, row, t, i
-    out = np.zeros((nt, g, TILE, GROUP_SIZE // CHUNK, CHUNK), np.int8)
-    for slot, (half, col) in enumerate([(0, 0), (1, 0), (0, 8), (1, 8), (0, 1), (1, 1), (0, 9), (1, 9)]):
-        v = ((w >> np.uint32(4 * slot)) & 0xF).astype(np.int8)
-        v = np.where(v > 7, v - 16, v).transpose(0, 1, 2, 4, 3)              # nt, g, row, i, t
-        out[:, :, 8 * half:8 * half + 8, :, col:col + 8:2] = v
-    return pack_value_shuffle(out.transpose(0, 2, 1, 3, 4).reshape(n, k))
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
