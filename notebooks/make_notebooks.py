@@ -338,17 +338,22 @@ if cuda.is_available():
 ]
 
 
-def write(name, cells):
+def write(name, cells, out_dir=HERE):
     nb = {"nbformat": 4, "nbformat_minor": 5,
           "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                        "language_info": {"name": "python"}},
           "cells": cells}
     for i, c in enumerate(nb["cells"]):
         c["id"] = f"{name.split('.')[0][:20]}-{i}"
-    (HERE / name).write_text(json.dumps(nb, indent=1) + "\n")
+    (Path(out_dir) / name).write_text(json.dumps(nb, indent=1) + "\n")
+
+
+NOTEBOOKS = {"01_int4_valueshuffle.ipynb": INT4, "02_decode_step_floor.ipynb": FLOOR,
+             "03_tensor_core_gemv.ipynb": MMA}
 
 
 if __name__ == "__main__":
-    write("01_int4_valueshuffle.ipynb", INT4)
-    write("02_decode_step_floor.ipynb", FLOOR)
-    write("03_tensor_core_gemv.ipynb", MMA)
+    import sys
+    # `make_notebooks.py [DIR]`: write the notebooks into DIR (default: beside this file)
+    for name, cells in NOTEBOOKS.items():
+        write(name, cells, sys.argv[1] if len(sys.argv) > 1 else HERE)

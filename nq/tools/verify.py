@@ -155,8 +155,10 @@ def layer_tier(eng, nf, token: int = 7) -> Row:
     cfg = nf.config
     eng.reset()
     eng._start_prompt([token])
-    # steps: feed, embed, then 6 launchers per layer (qkv, rope_kv, attention, o, gate_up, down)
-    for _, launch in eng.steps[:2 + 6]:
+    # feed, embed, then layer 0's launches: everything up to and including its first `down`
+    # (counted from the step list, so fusing or splitting a layer's kernels cannot shift it)
+    n = next(i for i, (region, _) in enumerate(eng.steps) if region == "down") + 1
+    for _, launch in eng.steps[:n]:
         launch(eng.stream)
     got = eng.x.copy_to_host(stream=eng.stream)
     eng.reset()

@@ -44,6 +44,11 @@ def test_nq_bench_end_to_end_writes_json(tmp_path, capsys):
     for t in res["tests"]:
         assert {"tok_s_mean", "tok_s_sd", "bytes_per_token", "GBs", "pct_ceiling", "ttft_ms",
                 "itl_p50_ms", "itl_p90_ms"} <= set(t)
-    assert res["tests"][0]["ttft_ms"] is not None and res["tests"][1]["itl_p50_ms"] is not None
+    pp, tg = res["tests"]
+    # a prompt of 16 and a step of the 0.5B take between a microsecond and a few seconds
+    assert 1e-3 < pp["ttft_ms"] < 5e3 and 1e-3 < tg["itl_p50_ms"] <= tg["itl_p90_ms"] < 5e3
+    # tok/s is what the ITL says it is (the mean over runs, against the median step)
+    assert 0.5 < tg["tok_s_mean"] * tg["itl_p50_ms"] / 1e3 < 2.0
+    assert 0 < tg["pct_ceiling"] < 100 and tg["bytes_per_token"] > 0
     (b,) = res["breakdown"]
     assert b["ctx"] == 16 and "kernel_gap_ms" in b
