@@ -50,7 +50,7 @@ def memset_zero(arr, stream) -> None:
 # 114 KB of partials is slower than the kernel boundary it saves).
 ATTN_OPTIONS = {"fused": False, "early": True, "min_pps": 2, "rows_per_copy": 2}
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
-# a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, session 4).
+# a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
 
 
