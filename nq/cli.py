@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -161,6 +162,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    """`nq cache info|clear`: the compiled-kernel cache (nq/kernels/build.py)."""
+    from nq.kernels.build import cache_entries, cache_root, clear_cache
+    if args.action == "clear":
+        n, size = clear_cache()
+        print(f"nq: removed {n} files ({size / 1e6:.1f} MB) from {cache_root()}")
+        return 0
+    entries = cache_entries()
+    total = sum(size for _, size, _ in entries)
+    print(f"{cache_root()}: {len(entries)} kernels, {total / 1e6:.1f} MB"
+          + ("" if os.environ.get("NQ_NO_KERNEL_CACHE", "") in ("", "0")
+             else " (NQ_NO_KERNEL_CACHE is set: not used)"))
+    for path, size, header in entries:
+        state = header["created"] if header else "INVALID (rebuilt at the next use)"
+        print(f"  {size / 1e3:9.1f} kB  {state:19s}  {path.name}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from nq.tools.bench import run  # lazy: numba and torch load only for `nq bench`
     return run(args)
@@ -235,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens per reply")
     _sampling_args(s)
     s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("cache", help="list (info) or empty (clear) the compiled-kernel cache "
+                                     "in $NQ_CACHE/kernels")
+    s.add_argument("action", choices=["info", "clear"])
+    s.set_defaults(func=cmd_cache)
 
     from nq.tools.verify import add_parser as add_verify
     add_verify(sub)

@@ -1,4 +1,4 @@
-"""The one way a kernel is specialised, named and compiled.
+"""The one way a kernel is specialised, named and compiled, and the on-disk kernel cache.
 
 Every kernel family builds a plain Python kernel body from a factory whose arguments are the
 kernel's baked-in constants (shape, tiling, eps, ...); numba freezes closure ints and floats
@@ -7,19 +7,44 @@ hands the body here:
 
     kernel = compile_kernel(body, sig, name, launch_bounds=(256,), fastmath=True)
 
-`name` must encode every constant the factory baked in (it names the kernel in profiles,
-launcher errors and, later, the on-disk kernel cache's key); `kernel_name` builds one from
-readable parts.  Under the CUDA simulator the body is returned as a simulator kernel (no
-signature, no options: the simulator takes none).  Factories stay cached with
-functools.cache on their arguments, so a kernel compiles once per process.
+`name` must encode every constant the factory baked in (it names the kernel in profiles and
+launcher errors); `kernel_name` builds one from readable parts.  Under the CUDA simulator the
+body is returned as a simulator kernel (no signature, no options: the simulator takes none).
+Factories stay cached with functools.cache on their arguments, so a kernel is built once per
+process.
+
+The cache.  Compiling (NVVM, then nvJitLink) costs ~0.1-2 s a kernel and a 7B step has ~45
+kernels, so every start used to spend most of its time here.  A compiled kernel is its cubin:
+after the first compile, the cubin is stored under `$NQ_CACHE/kernels/` (default
+~/.cache/nq/kernels) and later starts load it into a numba dispatcher without calling NVVM.
+The entry's key is a hash of everything that changes the code: the kernel's name, signature
+and options, the values its body closes over, the source of every module under nq/kernels,
+nq/ptx and the modules they read (config, paged, ref), nq's version, numba-cuda's version,
+the compute capability and the driver's CUDA version.  An entry is a small JSON header (the
+key's inputs, the entry symbol, the cubin's sha256) followed by the cubin; one whose header,
+key or checksum does not match is deleted and rebuilt, never loaded.  Entries are written to a
+temporary file and renamed into place, so two processes starting at once cannot leave a torn
+entry.  No pickle: the cubin is rebuilt into numba's kernel object field by field.
+`NQ_NO_KERNEL_CACHE=1` turns the cache off; `nq cache info` / `nq cache clear` list and empty it.
 """
 from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 
 from nq.ptx import SIMULATOR
 
 OPTIONS = ("launch_bounds", "fastmath", "lineinfo")
+MAGIC = b"NQKERNEL1\n"
 
 
 def _part(v) -> str:
@@ -36,13 +61,229 @@ def kernel_name(family: str, **constants) -> str:
     return "_".join([family] + [f"{k}{_part(v)}" for k, v in constants.items()])
 
 
+# ---- what this process compiled or loaded (nq generate --verbose) --------------------------
+
+@dataclasses.dataclass
+class BuildStats:
+    compiled: int = 0
+    loaded: int = 0
+    compile_s: float = 0.0
+    load_s: float = 0.0
+    rebuilt: int = 0      # entries found stale or corrupt, deleted and compiled again
+
+
+STATS = BuildStats()
+
+
+# ---- the cache's location and key ----------------------------------------------------------
+
+def cache_root() -> Path:
+    """$NQ_CACHE/kernels ($NQ_CACHE defaults to $XDG_CACHE_HOME/nq or ~/.cache/nq)."""
+    from nq.loader.resolve import cache_dir
+    return cache_dir() / "kernels"
+
+
+def cache_enabled() -> bool:
+    return not SIMULATOR and os.environ.get("NQ_NO_KERNEL_CACHE", "") in ("", "0")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over the source of every module a kernel's code can depend on."""
+    root = Path(__file__).resolve().parent.parent          # the nq package
+    files = sorted([*(root / "kernels").rglob("*.py"), *(root / "ptx").rglob("*.py"),
+                    root / "config.py", root / "paged.py", root / "ref.py",
+                    root / "loader" / "quant.py"])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _closure_values(body) -> dict:
+    """The constants a body closes over (the factory's specialisation), name -> repr; device
+    functions are named by their qualified name (their own source is in source_digest)."""
+    out = {}
+    for name, cell in zip(body.__code__.co_freevars, body.__closure__ or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            out[name] = "<empty>"
+            continue
+        if isinstance(v, (int, float, bool, str, bytes, tuple, type(None))):
+            out[name] = repr(v)
+        else:
+            py = getattr(v, "py_func", v)
+            out[name] = f"{type(v).__name__}:{getattr(py, '__qualname__', '?')}"
+    return out
+
+
+@functools.cache
+def _environment() -> dict:
+    from importlib import metadata
+
+    import nq
+    env = {"nq": nq.__version__, "python": sys.version.split()[0]}
+    for dist in ("numba-cuda", "numba", "llvmlite"):
+        try:
+            env[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env[dist] = "?"
+    dev = cuda.get_current_device()
+    env["cc"] = list(dev.compute_capability)
+    env["device"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    env["driver"] = list(cuda.cudadrv.driver.driver.get_version())
+    return env
+
+
+def cache_key(body, sig: str, name: str, options: dict) -> tuple[str, dict]:
+    """(hex key, the inputs it hashes) of one kernel."""
+    inputs = {"name": name, "sig": sig, "options": {k: repr(v) for k, v in sorted(options.items())},
+              "closure": _closure_values(body), "source": source_digest(), "env": _environment()}
+    blob = json.dumps(inputs, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest(), inputs
+
+
+# ---- entries ------------------------------------------------------------------------------------
+
+def _entry_path(key: str, name: str) -> Path:
+    return cache_root() / f"{name[:80]}-{key[:24]}.cubin"
+
+
+def _write_entry(path: Path, header: dict, cubin: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{os.getpid()}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + cubin)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_entry(path: Path, key: str | None = None) -> tuple[dict, bytes] | None:
+    """(header, cubin) of a valid entry (its key, if given, and checksum match), else None."""
+    try:
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            return None
+        head, _, cubin = data[len(MAGIC):].partition(b"\n")
+        header = json.loads(head)
+        if key is not None and header.get("key") != key:
+            return None
+        if header.get("sha256") != hashlib.sha256(cubin).hexdigest() or not cubin:
+            return None
+        return header, cubin
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _store(disp, argtypes, key: str, inputs: dict, path: Path) -> None:
+    kernel = disp.overloads[argtypes]
+    lib = kernel._codelibrary
+    if lib._linking_files or lib.needs_cudadevrt or kernel.cooperative:
+        return  # links other files or libraries at load: not cacheable as one cubin
+    (cc, cubin), = lib._cubin_cache.items()
+    header = {"key": key, "inputs": inputs, "entry": kernel.entry_name, "cc": list(cc),
+              "sha256": hashlib.sha256(cubin).hexdigest(), "bytes": len(cubin),
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        _write_entry(path, header, bytes(cubin))
+    except OSError as e:  # a read-only or full cache directory must not stop the engine
+        print(f"nq: kernel cache: could not write {path}: {e}", file=sys.stderr)
+
+
+def _load(disp, argtypes, header: dict, cubin: bytes, name: str, options: dict) -> None:
+    """Rebuild numba's kernel object from a cubin and bind it to the dispatcher."""
+    from numba.core import types, typing
+    from numba.cuda.codegen import CUDACodeLibrary
+    from numba.cuda.dispatcher import _Kernel
+
+    cc = tuple(header["cc"])
+    lib = CUDACodeLibrary._rebuild(
+        codegen=None, name=name, entry_name=header["entry"], llvm_strs=[], ptx_cache={},
+        cubin_cache={cc: cubin}, linkerinfo_cache={}, max_registers=None, nvvm_options={},
+        needs_cudadevrt=False, nrt=False, use_cooperative=False, lto=True)
+    kernel = _Kernel._rebuild(
+        cooperative=False, name=header["entry"], signature=typing.signature(types.none, *argtypes),
+        codelibrary=lib, debug=False, lineinfo=bool(options.get("lineinfo", False)),
+        call_helper=None, extensions=[], shared_memory_carveout=None,
+        launch_config_sensitive=False)
+    kernel._codelibrary.get_cufunc()  # load the module now: a bad cubin fails here, not at launch
+    disp.add_overload(kernel, argtypes)
+
+
+# ---- the compile path ----------------------------------------------------------------------
+
 def compile_kernel(body, sig: str, name: str, **options):
-    """The compiled kernel (eagerly, for sig) named `name`; options: launch_bounds,
-    fastmath, lineinfo (numba.cuda.jit's)."""
+    """The kernel named `name`, compiled for sig (or loaded from the kernel cache); options:
+    launch_bounds, fastmath, lineinfo (numba.cuda.jit's)."""
     bad = set(options) - set(OPTIONS)
     if bad:
         raise TypeError(f"compile_kernel: unknown options {sorted(bad)}; allowed {OPTIONS}")
     body.__name__ = body.__qualname__ = name
     if SIMULATOR:
         return cuda.jit(body)
-    return cuda.jit(sig, **options)(body)
+    from numba.core import sigutils
+    disp = cuda.jit(**options)(body)       # lazy: nothing is compiled yet
+    argtypes, _ = sigutils.normalize_signature(sig)
+    if cache_enabled():
+        t0 = time.perf_counter()
+        key, inputs = cache_key(body, sig, name, options)
+        path = _entry_path(key, name)
+        entry = read_entry(path, key) if path.exists() else None
+        if entry is not None:
+            try:
+                _load(disp, argtypes, *entry, name, options)
+                STATS.loaded += 1
+                STATS.load_s += time.perf_counter() - t0
+                return _specialise(disp)
+            except Exception as e:  # noqa: BLE001 -- any failure to load means: rebuild
+                print(f"nq: kernel cache: {path.name} did not load ({e}); compiling it again",
+                      file=sys.stderr)
+                disp = cuda.jit(**options)(body)
+        if path.exists():
+            STATS.rebuilt += 1
+            path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    disp.compile(sig)
+    STATS.compiled += 1
+    STATS.compile_s += time.perf_counter() - t0
+    if cache_enabled():
+        _store(disp, argtypes, key, inputs, path)
+    return _specialise(disp)
+
+
+def _specialise(disp):
+    """What `cuda.jit(sig)` does after compiling: one signature, launches skip type dispatch,
+    and a call with other argument types is refused instead of compiling a second kernel."""
+    disp._specialized = True
+    disp.disable_compile()
+    return disp
+
+
+# ---- `nq cache` -----------------------------------------------------------------------------
+
+def cache_entries() -> list[tuple[Path, int, dict | None]]:
+    """(path, size, header or None when invalid) of every entry, newest first."""
+    root = cache_root()
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.glob("*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True):
+        entry = read_entry(p)
+        out.append((p, p.stat().st_size, entry[0] if entry else None))
+    return out
+
+
+def clear_cache() -> tuple[int, int]:
+    """Delete every entry and stale temporary file; (files, bytes) removed."""
+    root = cache_root()
+    n = size = 0
+    if root.is_dir():
+        for p in [*root.glob("*.cubin"), *root.glob(".tmp-*")]:
+            size += p.stat().st_size
+            p.unlink(missing_ok=True)
+            n += 1
+    return n, size

@@ -1,0 +1,122 @@
+"""nq/kernels/build.py on the CPU: kernel names, the cache key, entries and their checks, and
+concurrent writers.  Loading a cubin needs a GPU: tests/kernels/test_build_gpu.py."""
+import hashlib
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from nq.kernels import build
+
+
+def test_kernel_name_encodes_every_constant():
+    assert build.kernel_name("rmsnorm", h=3584, eps=1e-6, res=True) == "rmsnorm_h3584_eps1em06_res1"
+    assert build.kernel_name("x", a=0.5, b=False) == "x_a0p5_b0"
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    """A fixed device environment (no GPU here) and an empty $NQ_CACHE."""
+    monkeypatch.setenv("NQ_CACHE", str(tmp_path / "cache"))
+    fixed = {"nq": "0", "numba-cuda": "0.30", "cc": [9, 0], "driver": [13, 0]}
+    monkeypatch.setattr(build, "_environment", lambda: dict(fixed))
+    return fixed
+
+
+def _factory(n, eps):
+    def body(a):
+        a[0] = n * eps
+    return body
+
+
+def test_cache_key_changes_with_every_input(env, monkeypatch):
+    sig = "void(float32[::1])"
+    base, inputs = build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})
+    assert inputs["closure"] == {"n": "4", "eps": "1e-06"}
+    # the same inputs give the same key
+    assert build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})[0] == base
+    others = [build.cache_key(_factory(5, 1e-6), sig, "k", {"fastmath": True})[0],   # a constant
+              build.cache_key(_factory(4, 1e-5), sig, "k", {"fastmath": True})[0],   # eps
+              build.cache_key(_factory(4, 1e-6), "void(float64[::1])", "k", {"fastmath": True})[0],
+              build.cache_key(_factory(4, 1e-6), sig, "k2", {"fastmath": True})[0],
+              build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": False})[0]]
+    monkeypatch.setattr(build, "_environment", lambda: dict(env, cc=[10, 0]))
+    others.append(build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})[0])
+    monkeypatch.setattr(build, "_environment", lambda: dict(env, **{"numba-cuda": "0.31"}))
+    others.append(build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})[0])
+    monkeypatch.setattr(build, "_environment", lambda: env)
+    monkeypatch.setattr(build, "source_digest", lambda: "another source")
+    others.append(build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})[0])
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_source_digest_covers_the_kernel_sources():
+    build.source_digest.cache_clear()
+    d = build.source_digest()
+    assert len(d) == 64 and d == build.source_digest()
+
+
+def test_entries_are_checked_before_use(env):
+    path = build._entry_path("ab" * 32, "some_kernel")
+    assert path.parent == build.cache_root() and str(path).startswith(os.environ["NQ_CACHE"])
+    cubin = bytes(range(256)) * 40
+    header = {"key": "ab" * 32, "entry": "e", "cc": [9, 0, "a"],
+              "sha256": hashlib.sha256(cubin).hexdigest(), "created": "now"}
+    build._write_entry(path, header, cubin)
+    assert build.read_entry(path, "ab" * 32) == (header, cubin)
+    assert build.read_entry(path, "cd" * 32) is None            # another key: stale
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))         # one flipped bit
+    assert build.read_entry(path, "ab" * 32) is None
+    path.write_bytes(data[: len(data) // 2])                    # torn
+    assert build.read_entry(path, "ab" * 32) is None
+    path.write_bytes(b"garbage")
+    assert build.read_entry(path) is None
+    # `nq cache info` lists it as invalid; `nq cache clear` removes it and stale temporaries
+    (path.parent / ".tmp-x-123").write_bytes(b"left by a killed process")
+    assert [h for _, _, h in build.cache_entries()] == [None]
+    assert build.clear_cache()[0] == 2 and not list(path.parent.iterdir())
+
+
+def _writer(args):
+    path, i = args
+    os.environ["NQ_CACHE"] = str(path)
+    cubin = os.urandom(200_000)
+    header = {"key": "k", "sha256": hashlib.sha256(cubin).hexdigest(), "writer": i}
+    for _ in range(20):
+        build._write_entry(build._entry_path("k" * 64, "shared"), header, cubin)
+    return True
+
+
+def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        assert all(pool.map(_writer, [(tmp_path, i) for i in range(8)]))
+    entries = list((tmp_path / "kernels").iterdir())
+    assert len(entries) == 1                       # no temporary file left behind
+    header, cubin = build.read_entry(entries[0])   # whole and consistent: one writer's bytes
+    assert header["sha256"] == hashlib.sha256(cubin).hexdigest()
+    assert json.loads(json.dumps(header))["writer"] in range(8)
+
+
+def test_the_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("NQ_NO_KERNEL_CACHE", "1")
+    assert not build.cache_enabled()
+    monkeypatch.setenv("NQ_NO_KERNEL_CACHE", "0")
+    assert build.cache_enabled() is (not build.SIMULATOR)
+
+
+def test_every_kernel_compiles_through_build():
+    """One compile path: outside build.py, cuda.jit only makes device functions (device=True,
+    e.g. common.dev) -- a kernel compiled elsewhere would bypass its name and the cache."""
+    import re
+    from pathlib import Path
+    root = Path(build.__file__).resolve().parent.parent
+    offenders = []
+    for f in sorted(root.rglob("*.py")):
+        if f.name == "build.py" and f.parent.name == "kernels":
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"cuda\.jit\(", line) and "device=True" not in line:
+                offenders.append(f"{f.relative_to(root)}:{i}: {line.strip()}")
+    assert not offenders, "kernels compiled outside nq/kernels/build.py:\n" + "\n".join(offenders)
