@@ -122,14 +122,41 @@ def sampling_params(args, d: dict):
     )
 
 
+def print_startup(parts: list[tuple[str, float]], detail: dict) -> None:
+    """`--verbose`: what the start was made of, one line a part (ollama's --verbose style)."""
+    for name, sec in parts:
+        print(f"{name + ':':22s}{sec * 1e3:10.1f} ms", file=sys.stderr)
+    for name, text in detail.items():
+        print(f"{name + ':':22s}{text}", file=sys.stderr)
+
+
+def print_run_stats(stats) -> None:
+    d = stats.as_dict()
+    lines = [("prompt eval count", f"{stats.prompt_tokens} token(s)"),
+             ("time to first token", f"{stats.ttft_s * 1e3:.1f} ms"),
+             ("prompt eval rate", f"{stats.prefill_tok_s:.2f} tokens/s (to the first token)"),
+             ("eval count", f"{stats.generated_tokens} token(s) ({stats.stop_reason})"),
+             ("eval duration", f"{stats.decode_s * 1e3:.1f} ms"),
+             ("eval rate", f"{stats.decode_tok_s:.2f} tokens/s")]
+    if d["itl_p50_ms"] is not None:
+        lines.append(("ITL p50 / p90", f"{d['itl_p50_ms']:.3f} / {d['itl_p90_ms']:.3f} ms"))
+    for name, text in lines:
+        print(f"{name + ':':22s}{text}", file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
+    import time
+    t_start = time.perf_counter()
     from nq.generate import generate
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
+    parts = [("import", time.perf_counter() - t_start)]
 
+    t = time.perf_counter()
     path = resolve_model(args.model, args.revision)
     nf = NanoqwenFile(path)
     tok = Tokenizer.from_nanoqwen(nf)
+    parts.append(("file open + tokenizer", time.perf_counter() - t))
     ids = build_prompt_ids(tok, args)
     params = sampling_params(args, tok.generation_defaults)
     ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
@@ -138,7 +165,21 @@ def cmd_generate(args) -> int:
     if len(ids) + max(args.n, 1) > ctx:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
+    t = time.perf_counter()
     backend = make_backend(args.backend, nf, ctx)
+    if getattr(args, "verbose", False):
+        startup = dict(getattr(backend, "startup", {}))
+        t_backend = time.perf_counter() - t
+        parts += [(name, sec) for name, sec in startup.items() if name.endswith("_s")
+                  and name != "backend_s"]
+        rest = t_backend - sum(sec for name, sec in startup.items() if name.endswith("_s"))
+        parts.append(("backend, other", max(rest, 0.0)))
+        from nq.kernels.build import STATS
+        print_startup([(n[:-2] if n.endswith("_s") else n, s_) for n, s_ in parts],
+                      {"kernels": f"{STATS.compiled} compiled ({STATS.compile_s:.2f} s), "
+                                  f"{STATS.loaded} loaded from the cache ({STATS.load_s:.2f} s)"
+                                  + (f", {STATS.rebuilt} stale rebuilt" if STATS.rebuilt else ""),
+                       "start to ready": f"{(time.perf_counter() - t_start) * 1e3:.1f} ms"})
     stop = () if args.ignore_eos else tok.eos_ids
 
     stream = tok.stream()
@@ -159,6 +200,8 @@ def cmd_generate(args) -> int:
         print(f"nq: {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
               f"({stats.stop_reason}); TTFT {stats.ttft_s * 1e3:.1f} ms, "
               f"decode {stats.decode_tok_s:.2f} tok/s [{args.backend}]", file=sys.stderr)
+        if args.verbose:
+            print_run_stats(stats)
     return 0
 
 
@@ -245,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fim-suffix", help="fill-in-the-middle: code after the cursor")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.add_argument("--verbose", action="store_true",
+                   help="print what the start was made of (import, file, weights, kernels, "
+                        "warm-up, capture) and ollama-style statistics, on stderr")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("chat", help="multi-turn chat on stdin/stdout; the KV cache is kept "

@@ -24,6 +24,7 @@ class GenerationStats:
     ttft_s: float = 0.0          # prompt submitted → first generated token known on the host
     decode_s: float = 0.0        # first token → last token
     stop_reason: str = "length"  # "length" | "eos"
+    itl_ms: list = dataclasses.field(default_factory=list, repr=False)  # gaps between tokens
 
     @property
     def decode_tok_s(self) -> float:
@@ -34,11 +35,17 @@ class GenerationStats:
     def prefill_tok_s(self) -> float:
         return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
+    def itl_percentile(self, q: float) -> float | None:
+        """The q-th percentile (0..100) of the gaps between generated tokens, in ms."""
+        return float(np.percentile(self.itl_ms, q)) if self.itl_ms else None
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        del d["itl_ms"]
         d["decode_tok_s"] = self.decode_tok_s
         d["prefill_tok_s"] = self.prefill_tok_s
         d["itl_ms"] = 1e3 / self.decode_tok_s if self.decode_tok_s else None
+        d["itl_p50_ms"], d["itl_p90_ms"] = self.itl_percentile(50), self.itl_percentile(90)
         return d
 
 
@@ -80,11 +87,15 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
         source = _sampled_ids(backend, prompt_ids, n, Sampler(params), stop)
     out: list[int] = []
     t0 = time.perf_counter()
-    t_first = None
+    t_first = t_prev = None
     for tok in source:
+        now = time.perf_counter()
         if t_first is None:
-            t_first = time.perf_counter()
+            t_first = now
             stats.ttft_s = t_first - t0
+        else:
+            stats.itl_ms.append(1e3 * (now - t_prev))
+        t_prev = now
         out.append(tok)
         if on_token is not None:
             on_token(tok)

@@ -21,6 +21,7 @@ on the device and pages are reserved ahead, so nothing differs at a page boundar
 """
 from __future__ import annotations
 
+import time
 
 import numpy as np
 
@@ -93,14 +94,23 @@ class Engine:
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
         self.part_acc, self.part_ml = attn_mma.attn_mma_workspace(c)
         self.attn_counters = attn_mma.attn_mma_counters(c)  # the fused combine's (stay zero)
-        self.steps = self._build_steps()
+        # what the start is made of (`nq generate --verbose`), seconds by part
+        self.startup: dict[str, float] = {}
+        t = time.perf_counter()
+        self.steps = self._build_steps()  # compiles (or loads from the kernel cache) each kernel
+        self.startup["step kernels_s"] = time.perf_counter() - t
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
         self.graph = None
         self.pdl = pdl
         if use_graph:
-            self.run_eager()  # compile and warm every kernel before capture (DEVICE.md)
+            t = time.perf_counter()
+            self.run_eager()  # warm every kernel up before capture (DEVICE.md)
+            self.stream.synchronize()
+            self.startup["warm-up_s"] = time.perf_counter() - t
+            t = time.perf_counter()
             self.capture(pdl)
+            self.startup["graph capture_s"] = time.perf_counter() - t
         self.reset()
 
     def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
@@ -172,7 +182,13 @@ class Engine:
     @classmethod
     def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
         from nq.runtime.weights import upload
-        return cls(nf.config, upload(nf), max_len=max_len, **kw)
+        t = time.perf_counter()
+        w = upload(nf)
+        upload_s = time.perf_counter() - t
+        eng = cls(nf.config, w, max_len=max_len, **kw)
+        eng.startup = {"upload kernels_s": upload_s - w.load_s, "weights upload_s": w.load_s,
+                       **eng.startup}
+        return eng
 
     @classmethod
     def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, **kw) -> "Engine":
