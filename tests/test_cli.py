@@ -206,3 +206,16 @@ def test_a_prompt_that_fills_the_context_is_refused(tiny_nanoqwen, capsys):
     assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p",
                  "Hello, world! " * 10, "-n", "-1", "-c", "8"]) == 2
     assert "exceeds the context -c 8" in capsys.readouterr().err
+
+
+def test_generate_verbose_reports_the_start_and_the_run(tiny_nanoqwen, capsys):
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "def f(x):",
+                 "-n", "5", "--temp", "0", "--ignore-eos", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    for part in ("import:", "file open + tokenizer:", "kernels:", "start to ready:",
+                 "prompt eval count:", "time to first token:", "eval count:", "eval rate:",
+                 "ITL p50 / p90:"):
+        assert part in err, f"--verbose lacks {part!r}:\n{err}"
+    assert "eval count:           5 token(s) (length)" in err
+    p50, p90 = (float(v) for v in err.split("ITL p50 / p90:")[1].split("ms")[0].split("/"))
+    assert 0 < p50 <= p90
