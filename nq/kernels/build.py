@@ -247,12 +247,21 @@ def compile_kernel(body, sig: str, name: str, **options):
             STATS.rebuilt += 1
             path.unlink(missing_ok=True)
     t0 = time.perf_counter()
+    _progress(f"compiling kernel {STATS.compiled + 1}: {name}")
     disp.compile(sig)
     STATS.compiled += 1
     STATS.compile_s += time.perf_counter() - t0
     if cache_enabled():
         _store(disp, argtypes, key, inputs, path)
     return _specialise(disp)
+
+
+def _progress(text: str) -> None:
+    """One status line on stderr while kernels compile (a first start is otherwise ~20 s of
+    silence): rewritten in place on a terminal, absent otherwise."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\rnq: {text[:100]:100s} (cached after the first start)\r")
+        sys.stderr.flush()
 
 
 def _specialise(disp):
