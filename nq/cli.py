@@ -1,4 +1,4 @@
-"""The `nq` command: pack, info, generate (and bench/verify once the GPU engine is present).
+"""The `nq` command: pack, info, generate, chat, bench, verify, cache.
 
 Flags follow llama.cpp where a user would look for them (`-m -p -f -n -c --temp --top-k
 --top-p --min-p --repeat-penalty --seed`).  Generated text goes to stdout; tokens, TTFT and
@@ -47,18 +47,25 @@ def cmd_info(args) -> int:
 
 
 def _read_prompt(args) -> str:
+    if args.file and args.prompt is not None:
+        raise ValueError("give the prompt once: -p TEXT or -f FILE, not both")
+    if args.file == "-":
+        return sys.stdin.read()
     if args.file:
         return Path(args.file).read_text()
     if args.prompt is not None:
         return args.prompt
     if not sys.stdin.isatty():
         return sys.stdin.read()
-    raise ValueError("no prompt: give -p TEXT, -f FILE, or text on stdin")
+    raise ValueError("no prompt: give -p TEXT, -f FILE (- for stdin), or text on stdin")
 
 
 def build_prompt_ids(tok, args) -> list[int]:
     """Prompt ids for plain text, a chat turn (--chat/--system) or a FIM request."""
     if args.fim_prefix is not None or args.fim_suffix is not None:
+        if args.prompt is not None or args.file or args.chat or args.system is not None:
+            raise ValueError("--fim-prefix/--fim-suffix build the whole prompt; drop -p, -f, "
+                             "--chat and --system (or drop the FIM flags)")
         text = tok.fim_prompt(args.fim_prefix or "", args.fim_suffix or "")
     elif args.chat or args.system is not None:
         messages = []
@@ -69,6 +76,19 @@ def build_prompt_ids(tok, args) -> list[int]:
     else:
         text = _read_prompt(args)
     return tok.encode(text)
+
+
+def context_size(args, cfg) -> int:
+    """-c: 0 means the model's trained length capped at 4096; negative is refused; above the
+    trained length is allowed with a warning (RoPE past it is extrapolation)."""
+    if args.ctx < 0:
+        raise ValueError(f"-c {args.ctx}: give a context length in tokens (0: the default, "
+                         f"min(the model's {cfg.max_position_embeddings}, 4096))")
+    ctx = args.ctx or min(cfg.max_position_embeddings, 4096)
+    if ctx > cfg.max_position_embeddings:
+        print(f"nq: warning: -c {ctx} is beyond the {cfg.max_position_embeddings} tokens this "
+              "model was trained on; quality past that is not expected to hold", file=sys.stderr)
+    return ctx
 
 
 def make_backend(name: str, nf, ctx: int):
@@ -122,6 +142,15 @@ def sampling_params(args, d: dict):
     )
 
 
+def resolve_seed(args) -> None:
+    """--seed -1 draws a seed and says which (stderr), as llama.cpp does: any run can be
+    repeated with --seed N."""
+    if args.seed < 0:
+        import secrets
+        args.seed = secrets.randbelow(2**31)
+        print(f"nq: seed {args.seed}", file=sys.stderr)
+
+
 def print_startup(parts: list[tuple[str, float]], detail: dict) -> None:
     """`--verbose`: what the start was made of, one line a part (ollama's --verbose style)."""
     for name, sec in parts:
@@ -158,8 +187,12 @@ def cmd_generate(args) -> int:
     tok = Tokenizer.from_nanoqwen(nf)
     parts.append(("file open + tokenizer", time.perf_counter() - t))
     ids = build_prompt_ids(tok, args)
+    resolve_seed(args)
     params = sampling_params(args, tok.generation_defaults)
-    ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
+    ctx = context_size(args, nf.config)
+    if args.n < -1:
+        raise ValueError(f"-n {args.n}: give a token count, or -1 to run until an end token "
+                         "or a full context")
     if args.n < 0:  # llama.cpp's -n -1: until an end-of-sequence token or the context is full
         args.n = ctx - len(ids)
     if len(ids) + max(args.n, 1) > ctx:
@@ -192,8 +225,8 @@ def cmd_generate(args) -> int:
     out, stats = generate(backend, ids, args.n, params, stop, on_token=show)
     if args.json:
         text = tok.decode([t for t in out if args.ignore_eos or t not in tok.eos_ids])
-        json.dump({"prompt_ids": ids, "ids": out, "text": text, "stats": stats.as_dict()},
-                  sys.stdout)
+        json.dump({"prompt_ids": ids, "ids": out, "text": text,
+                   "stats": {**stats.as_dict(), "seed": args.seed}}, sys.stdout)
         sys.stdout.write("\n")
     else:
         sys.stdout.write("\n")
@@ -234,16 +267,40 @@ def _model_args(s) -> None:
     s.add_argument("--revision", help="revision of a repo id given to -m")
     s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
                    help="context length in tokens (default: min(model max, 4096))")
-    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu")
+    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu",
+                   help="gpu: the CUDA engine (H100/H200); numpy: the reference engine on the CPU "
+                        "(slow; small models)")
+
+
+def _ranged(kind, lo, hi, lo_open=False, what=""):
+    """An argparse type: kind(text) within [lo, hi] ((lo, hi] with lo_open); None: no bound."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
+        if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi) \
+                or v != v:
+            span = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{text} is outside {span}{what}")
+        return v
+    return parse
 
 
 def _sampling_args(s) -> None:
-    s.add_argument("--temp", type=float, help="temperature; 0 = greedy (default: generation_config)")
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--top-p", type=float)
-    s.add_argument("--min-p", type=float)
-    s.add_argument("--repeat-penalty", type=float)
-    s.add_argument("--seed", type=int, default=-1, help="sampling seed; -1 (default): random")
+    g = s.add_argument_group("sampling (defaults: the model's generation_config.json)")
+    g.add_argument("--temp", type=_ranged(float, 0, None), help="temperature; 0 = greedy")
+    g.add_argument("--top-k", type=_ranged(int, 0, None, what="; 0 disables it"),
+                   help="keep the k most likely tokens")
+    g.add_argument("--top-p", type=_ranged(float, 0, 1, lo_open=True, what="; 1 disables it"),
+                   help="keep the smallest set whose probability reaches p")
+    g.add_argument("--min-p", type=_ranged(float, 0, 1, what="; 0 disables it"),
+                   help="keep tokens at least min-p times as likely as the best")
+    g.add_argument("--repeat-penalty", type=_ranged(float, 0, None, lo_open=True,
+                                                    what="; 1 disables it"),
+                   help="penalise the last 64 tokens (llama.cpp's semantics)")
+    g.add_argument("--seed", type=int, default=-1,
+                   help="sampling seed; -1: a random one, printed so the run can be repeated")
     s.add_argument("--system", help="system message (implies --chat for generate)")
 
 
@@ -252,17 +309,43 @@ def cmd_chat(args) -> int:
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
 
+    if args.n == 0 or args.n < -1:
+        raise ValueError(f"-n {args.n}: give the most tokens a reply may have, or -1 for "
+                         "until an end token or a full context")
     nf = NanoqwenFile(resolve_model(args.model, args.revision))
     tok = Tokenizer.from_nanoqwen(nf)
+    resolve_seed(args)
     params = sampling_params(args, tok.generation_defaults)
-    ctx = args.ctx or min(nf.config.max_position_embeddings, 4096)
-    session = ChatSession(make_backend(args.backend, nf, ctx), tok, params, ctx, system=args.system)
+    ctx = context_size(args, nf.config)
+    session = ChatSession(make_backend(args.backend, nf, ctx), tok, params, ctx, system=args.system,
+                          context_shift=args.context_shift)
+    if sys.stdin.isatty():
+        print(f"nq chat: {Path(nf.path).name}, context {ctx} tokens, seed {args.seed}. "
+              "/help for commands, /exit to quit.", file=sys.stderr)
     return repl(session, args.n)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each flag's default (when it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import nq
     p = argparse.ArgumentParser(prog="nq", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"nq {nq.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub_add = sub.add_parser
+
+    def add_parser(name, **kw):  # every subcommand: defaults in its help, its own usage on error
+        s = sub_add(name, formatter_class=_Formatter, **kw)
+        s.set_defaults(_parser=s)
+        return s
+    sub.add_parser = add_parser
 
     s = sub.add_parser("pack", help="quantise an HF checkpoint (folder or repo id) into a .nanoqwen")
     s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct")
@@ -279,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="generate text")
     _model_args(s)
     s.add_argument("-p", "--prompt")
-    s.add_argument("-f", "--file", help="read the prompt from a file")
+    s.add_argument("-f", "--file", help="read the prompt from a file (- for stdin)")
     s.add_argument("-n", "--n-predict", dest="n", type=int, default=128,
                    help="tokens to generate; -1: until end of sequence or the context is full")
     _sampling_args(s)
@@ -297,7 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "between turns (/reset, /exit)")
     _model_args(s)
     s.add_argument("-n", "--n-predict", dest="n", type=int, default=1024,
-                   help="most tokens per reply")
+                   help="most tokens per reply; -1: until an end token or a full context")
+    s.add_argument("--context-shift", action="store_true",
+                   help="when the conversation outgrows -c, drop the oldest turns instead of "
+                        "refusing the message")
     _sampling_args(s)
     s.set_defaults(func=cmd_chat)
 
@@ -318,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's usage, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     import warnings
     # numba warns about every launch with a grid under 128 CTAs; the small per-step kernels
     # (embed, argmax, attention at short context) are that size on purpose.

@@ -77,3 +77,134 @@ def test_nq_chat_command_end_to_end(tiny_nanoqwen):
                        input="Hello\nAnd again\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("generated") == 2 and r.stdout.count("\n") == 2
+
+
+def test_set_parsing():
+    from nq.chat import parse_set
+    p = parse_set(GREEDY, "temp 0.7")
+    assert p.temperature == 0.7 and p.top_k == GREEDY.top_k
+    assert parse_set(p, "top-k 20").top_k == 20 and parse_set(p, "seed 9").seed == 9
+    for bad, why in [("temp", "usage"), ("warmth 1", "usage"), ("top-k x", "not an integer"),
+                     ("top-p 0", "top_p=0"), ("seed -2", "seed >= 0"), ("temp -1", "temperature")]:
+        with pytest.raises(ValueError, match=why):
+            parse_set(p, bad)
+
+
+def test_repl_help_set_stats_and_unknown_commands(parts):
+    backend, tok = parts
+    chat = ChatSession(backend, tok, GREEDY, max_ctx=512)
+    out, err = io.StringIO(), io.StringIO()
+    lines = "/help\n/set temp 0.5\n/set top-k x\n/whatever\nHi\n/stats\n/bye\nnot read\n"
+    assert repl(chat, 4, out=out, inp=io.StringIO(lines), err=err) == 0
+    e = err.getvalue()
+    assert "/set temp|top-k" in e and "nq: temp = 0.5" in e and "not an integer" in e
+    assert "unknown command /whatever" in e
+    assert chat.params.temperature == 0.5
+    assert "temp 0.5" in e and "last reply:" in e
+    assert len(chat.messages) == 2            # /bye ended it: "not read" was not sent
+
+
+def test_context_shift_drops_the_oldest_turns(parts):
+    backend, tok = parts
+    chat = ChatSession(backend, tok, GREEDY, max_ctx=80, system="S", context_shift=True)
+    for i in range(6):
+        chat.turn(f"message number {i}", 6)
+        assert backend.length == len(chat.fed) and len(chat.fed) + 1 <= 80
+    users = [m["content"] for m in chat.messages if m["role"] == "user"]
+    assert users[-1] == "message number 5" and "message number 0" not in users
+    assert chat.messages[0] == {"role": "system", "content": "S"}
+    strict = ChatSession(backend, tok, GREEDY, max_ctx=80, system="S")
+    with pytest.raises(ValueError, match="--context-shift"):
+        for i in range(6):
+            strict.turn(f"message number {i}", 6)
+
+
+class Interrupting:
+    """A backend that raises KeyboardInterrupt (Ctrl-C) on its k-th decode."""
+
+    def __init__(self, inner, k):
+        self.inner, self.k, self.calls = inner, k, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, token):
+        self.calls += 1
+        if self.calls == self.k:
+            raise KeyboardInterrupt
+        return self.inner.decode(token)
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(parts):
+    backend, tok = parts
+    wrapped = Interrupting(backend, 3)
+    chat = ChatSession(wrapped, tok, GREEDY, max_ctx=512)
+    reply, stats = chat.turn("Hello", 20)
+    assert stats.stop_reason == "interrupted" and stats.generated_tokens == 3
+    assert backend.length == len(chat.fed)    # the cache holds what the session thinks
+    wrapped.k = -1
+    # the next turn answers as a fresh prefill of the conversation would
+    r2, _ = chat.turn("More", 6)
+    assert r2 == fresh_reply(backend, tok, chat.messages[:-1], 6)
+
+
+def test_nq_chat_under_a_terminal(tiny_nanoqwen):
+    """Two turns, /set, Ctrl-C (SIGINT) during a reply, and an answer afterwards, on a pty."""
+    import os
+    import pty
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execvpe(sys.executable, [sys.executable, "-m", "nq", "chat", "--backend", "numpy",
+                                    "-m", str(tiny_nanoqwen), "--temp", "0", "-n", "400", "-c", "4000"],
+                   dict(os.environ, PYTHONUNBUFFERED="1"))
+    buf = b""
+
+    def read_until(token, timeout=60):
+        nonlocal buf
+        end = time.time() + timeout
+        while token not in buf and time.time() < end:
+            r, _, _ = select.select([fd], [], [], 0.2)
+            if r:
+                try:
+                    buf += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert token in buf, buf.decode(errors="replace")[-2000:]
+
+    try:
+        read_until(b"/help for commands")
+        os.write(fd, b"Hello\n")
+        read_until(b"generated;")
+        os.write(fd, b"/set temp 0.3\n")
+        read_until(b"temp = 0.3")
+        os.write(fd, b"Tell me a long story about code\n")
+        read_until(b"code\r\n")                  # the echo; then the reply starts streaming
+        mark = len(buf)
+        while len(buf) < mark + 40:              # the reply is streaming (400 tokens: ~1 s)
+            r, _, _ = select.select([fd], [], [], 0.05)
+            if r:
+                buf += os.read(fd, 64)
+        os.kill(pid, signal.SIGINT)
+        read_until(b"reply stopped")
+        n_before = buf.count(b"generated;")
+        os.write(fd, b"Again\n")
+        end = time.time() + 120                  # the program still answers: a new reply
+        while buf.count(b"generated;") <= n_before and time.time() < end:
+            r, _, _ = select.select([fd], [], [], 0.2)
+            if r:
+                buf += os.read(fd, 65536)
+        assert buf.count(b"generated;") > n_before, buf.decode(errors="replace")[-2000:]
+        os.write(fd, b"/exit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        subprocess.run(["true"])

@@ -219,3 +219,72 @@ def test_generate_verbose_reports_the_start_and_the_run(tiny_nanoqwen, capsys):
     assert "eval count:           5 token(s) (length)" in err
     p50, p90 = (float(v) for v in err.split("ITL p50 / p90:")[1].split("ms")[0].split("/"))
     assert 0 < p50 <= p90
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "-p", "x", "--top-p", "2"], "outside (0, 1]"),
+    (["generate", "-p", "x", "--top-k", "-3"], "outside [0, inf]"),
+    (["generate", "-p", "x", "--min-p", "1.5"], "outside [0, 1]"),
+    (["generate", "-p", "x", "--repeat-penalty", "0"], "outside (0, inf]"),
+    (["generate", "-p", "x", "--temp", "-1"], "outside [0, inf]"),
+    (["generate", "-p", "x", "--bogus"], "usage: nq generate"),
+    (["chat", "--bogus"], "usage: nq chat"),
+])
+def test_flags_out_of_range_are_refused_by_their_subcommand(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-p", "x", "-n", "-5"], "-n -5"),
+    (["-p", "x", "-c", "-3"], "-c -3"),
+    (["-p", "x", "-f", "other.txt"], "not both"),
+    (["--fim-prefix", "a", "-p", "x"], "drop -p"),
+    (["--fim-prefix", "a", "--chat"], "drop -p"),
+])
+def test_generate_refuses_contradictory_input(tiny_nanoqwen, capsys, argv, message):
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", ["0", "-5"])
+def test_chat_refuses_meaningless_n(tiny_nanoqwen, capsys, n):
+    assert main(["chat", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-n", n]) == 2
+    assert f"-n {n}" in capsys.readouterr().err
+
+
+def test_prompt_from_stdin_with_dash_and_the_seed_is_shown(tiny_nanoqwen):
+    r = subprocess.run([sys.executable, "-m", "nq", "generate", "--backend", "numpy", "-m",
+                        str(tiny_nanoqwen), "-f", "-", "-n", "3", "--temp", "0.8", "--json"],
+                       input="def f(x):", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    seed = out["stats"]["seed"]
+    assert f"nq: seed {seed}" in r.stderr and out["prompt_ids"]
+    again = subprocess.run([sys.executable, "-m", "nq", "generate", "--backend", "numpy", "-m",
+                            str(tiny_nanoqwen), "-p", "def f(x):", "-n", "3", "--temp", "0.8",
+                            "--json", "--seed", str(seed)], capture_output=True, text=True,
+                           timeout=120)
+    assert json.loads(again.stdout)["ids"] == out["ids"]   # the printed seed repeats the run
+
+
+def test_context_above_the_trained_length_warns(tiny_nanoqwen, capsys):
+    from nq.loader.format import NanoqwenFile
+    trained = NanoqwenFile(tiny_nanoqwen).config.max_position_embeddings
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "1",
+                 "-c", str(trained + 16)]) == 0
+    assert "beyond the" in capsys.readouterr().err
+
+
+def test_version_and_help_show_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("nq ")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 128)" in text and "--backend" in text and "numpy: the reference" in text
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "(default: 100)" in capsys.readouterr().out

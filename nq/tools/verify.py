@@ -403,11 +403,16 @@ def add_parser(sub) -> None:
     s = sub.add_parser("verify", help="check this GPU's kernels and decode graph against the "
                                       "references (unit, layer, graph tiers)")
     s.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
-    s.add_argument("--tiers", default="unit,layer,graph")
-    s.add_argument("--prompts", type=int, default=100)
-    s.add_argument("--tokens", type=int, default=32)
-    s.add_argument("--prompt-len", type=int, default=16)
-    s.add_argument("--reference", choices=["auto", "torch", "numpy"], default="auto")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json")
+    s.add_argument("--tiers", default="unit,layer,graph",
+                   help="comma-separated: unit (every kernel against its NumPy reference), layer "
+                        "(decoder layer 0 against nq.ref), graph (greedy tokens of the decode "
+                        "graph against transformers or nq.ref)")
+    s.add_argument("--prompts", type=int, default=100, help="graph tier: random prompts to run")
+    s.add_argument("--tokens", type=int, default=32, help="graph tier: greedy tokens a prompt")
+    s.add_argument("--prompt-len", type=int, default=16, help="graph tier: tokens a prompt")
+    s.add_argument("--reference", choices=["auto", "torch", "numpy"], default="auto",
+                   help="graph tier's reference: transformers on torch, nq.ref on NumPy, or "
+                        "torch when importable")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    s.add_argument("--json", help="also write the table as JSON to this path")
     s.set_defaults(func=run)
