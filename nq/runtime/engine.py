@@ -64,7 +64,7 @@ class Engine:
     """
 
     def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True,
-                 pdl: bool = True):
+                 pdl: bool = True, prefill: str = "batched", prefill_chunk: int | None = None):
         from numba import cuda
 
         from nq.kernels import rope_kv
@@ -111,6 +111,16 @@ class Engine:
             t = time.perf_counter()
             self.capture(pdl)
             self.startup["graph capture_s"] = time.perf_counter() - t
+        # prefill: "batched" (nq/runtime/prefill.py: the prompt as matrices on the tensor
+        # cores) or "replay" (one decode step a prompt token: the reference path for tests)
+        if prefill not in ("batched", "replay"):
+            raise ValueError(f"prefill={prefill!r}: choose 'batched' or 'replay'")
+        self.prefiller = None
+        if prefill == "batched":
+            from nq.runtime.prefill import DEFAULT_CHUNK, Prefill
+            t = time.perf_counter()
+            self.prefiller = Prefill(self, prefill_chunk or DEFAULT_CHUNK)
+            self.startup["prefill kernels_s"] = time.perf_counter() - t
         self.reset()
 
     def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
@@ -258,8 +268,10 @@ class Engine:
             self.d_table.copy_to_device(self.seq.table, stream=self.stream)
             self.seq.dirty = False
 
-    def _start_prompt(self, ids) -> int:
-        """Upload ids as the tokens following the cache; returns their count."""
+    def _start_prompt(self, ids, batched: bool = True) -> tuple[int, int]:
+        """Upload ids as the tokens following the cache and enqueue the batched prefill of all
+        but the last (when this engine has one and `batched`); the decode steps that follow
+        take the rest, from the state written here.  Returns (tokens, tokens prefilled)."""
         ids = np.asarray(ids, np.int32).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill: no tokens")
@@ -268,14 +280,20 @@ class Engine:
         self.stream.synchronize()  # the pinned/host buffers below are reused
         self.prompt[: ids.size].copy_to_device(ids, stream=self.stream)
         self.feed_meta.copy_to_device(np.array([start, ids.size], np.int32), stream=self.stream)
-        self._write_state(token=int(ids[0]), pos=start, step=0)
-        return int(ids.size)
+        done = 0
+        if batched and self.prefiller is not None and ids.size > 1:
+            done = int(ids.size) - 1
+            self.prefiller.run(0, start, done, self.stream)
+        # step `done` replays next: feed puts prompt[done] in state.token, out_ids by step
+        self._write_state(token=int(ids[done]), pos=start + done, step=done)
+        return int(ids.size), done
 
     # ---- host-sampled interface ---------------------------------------------------------------
     def prefill(self, ids) -> np.ndarray:
-        """Append ids to the context (one step per token); logits (vocab,) fp32 of the last."""
-        n = self._start_prompt(ids)
-        for _ in range(n):
+        """Append ids to the context; logits (vocab,) fp32 of the last (batched prefill, then
+        one decode step for the last token)."""
+        n, done = self._start_prompt(ids)
+        for _ in range(n - done):
             self.step()
         self._pos += n
         return self.logits.copy_to_host(stream=self.stream)
@@ -296,9 +314,9 @@ class Engine:
             from nq.sample import Sampler
             yield from _sampled_ids(self, list(prompt_ids), n, Sampler(params), stop_ids)
             return
-        p = self._start_prompt(prompt_ids)
+        p, done = self._start_prompt(prompt_ids)
         self._reserve(self._pos + p + n)
-        for _ in range(p - 1):
+        for _ in range(p - 1 - done):
             self.step()
         # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
         # read after step k is queued, so the GPU never waits for the host.  The consumer may

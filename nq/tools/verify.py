@@ -154,7 +154,7 @@ def layer_tier(eng, nf, token: int = 7) -> Row:
 
     cfg = nf.config
     eng.reset()
-    eng._start_prompt([token])
+    eng._start_prompt([token], batched=False)
     # feed, embed, then layer 0's launches: everything up to and including its first `down`
     # (counted from the step list, so fusing or splitting a layer's kernels cannot shift it)
     n = next(i for i, (region, _) in enumerate(eng.steps) if region == "down") + 1

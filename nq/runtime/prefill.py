@@ -1,0 +1,102 @@
+"""Batched prefill: a prompt's tokens through every layer a chunk at a time, on the tensor cores.
+
+Decode runs one token a step as a captured graph of GEMVs; a prompt of p tokens used to be p
+replays of that graph (955 ms for 512 tokens of the 7B).  Here the prompt goes through the
+model as matrices: per chunk of m <= `chunk` tokens at positions start .. start+m-1,
+
+    embed_rows      x = emb[ids]                                   (m, H) fp32 residual
+    per layer       h = rmsnorm_rows(x, w_in)                       (m, H) fp16
+                    qkv = gemm_qkv(h) + b                           (m, q+2kv) fp32
+                    q, K/V pages = rope_kv_rows(qkv, start)         q (m, Hq, D); K, V fp16 into
+                                                                    the pages at start+i
+                    o = prefill_attention(q, pages[0..start+i])     (m, Hq*D) fp16, causal
+                    x += gemm_o(o)
+                    h = rmsnorm_rows(x, w_post)
+                    a = gemm_gate_up(h)  (SwiGLU in the epilogue)   (m, I) fp16
+                    x += gemm_down(a)
+
+The INT4 GEMMs (nq/kernels/int4/gemm.py) read the weights exactly as decode uploaded them
+(the mma fragment layout for o_proj/down, the row layout for qkv/gate_up): no second copy.
+The last prompt token is not prefilled here: the engine's decode step takes it, so lm_head
+runs on that one position only and the first token is chosen exactly as decode chooses every
+other (greedy on the device, or the sampler), with no second code path for it.
+
+Workspace: the six chunk buffers above, allocated once for `chunk` rows (7B at 2048 tokens:
+~190 MB; `workspace_bytes`); a 32K prompt runs as 16 chunks through the same buffers.
+Launches are eager (1 + 8 a layer, 225 a chunk for the 7B): their host cost overlaps the GPU's
+work once a chunk has more than a few hundred tokens (docs/PERF.md has the measurement).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_CHUNK = 2048
+
+
+def layout_of(gemv) -> object:
+    """The weight layout a decode GEMV's upload wrote, as the prefill GEMM names it: "mma"
+    (the fragment layout) or ("rows", ks) (the row layout of a CUDA-core tiling)."""
+    lay = gemv.tiling.layout()
+    return "mma" if lay[0] < 0 else ("rows", int(lay[0]))
+
+
+class Prefill:
+    """The prefill of one engine: its chunk workspaces and launchers, built once."""
+
+    def __init__(self, eng, chunk: int = DEFAULT_CHUNK):
+        from numba import cuda
+
+        from nq.kernels import rows
+        from nq.kernels.attention.prefill import prefill_attention_launcher
+        from nq.kernels.int4.gemm import make_gemm
+        from nq.runtime.weights import gemvs
+
+        c, w = eng.cfg, eng.w
+        self.eng, self.cfg = eng, c
+        self.chunk = C = max(1, min(int(chunk), eng.max_len))
+        H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        self.x = cuda.device_array((C, H), np.float32)               # residual stream
+        self.h = cuda.device_array((C, H), np.float16)               # RMSNorm output
+        self.qkv = cuda.device_array((C, c.qkv_size), np.float32)    # [q | k | v] + bias
+        self.q = cuda.device_array((C, c.num_heads, D), np.float16)  # rotated q
+        self.o = cuda.device_array((C, c.q_size), np.float16)        # attention output
+        self.a = cuda.device_array((C, I), np.float16)               # SwiGLU output
+        g = gemvs(c)   # the decode tilings fix the uploaded layouts the GEMMs read
+        self.gemm = {
+            "qkv": make_gemm("qkv", c.qkv_size, H, layout_of(g["qkv"])),
+            "o_proj": make_gemm("o_proj", H, c.q_size, layout_of(g["o_proj"])),
+            "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"])),
+            "down": make_gemm("down", H, I, layout_of(g["down"])),
+        }
+        self.embed = rows.embed_rows_launcher(w.embed, eng.prompt, self.x)
+        self.norm_in = [rows.rmsnorm_rows_launcher(c, self.x, L.input_norm, self.h)
+                        for L in w.layers]
+        self.norm_post = [rows.rmsnorm_rows_launcher(c, self.x, L.post_norm, self.h)
+                          for L in w.layers]
+        self.rope = [rows.rope_kv_rows_launcher(c, self.qkv, eng.inv_freq, eng.d_table,
+                                                eng.kv[i], self.q) for i in range(c.num_layers)]
+        self.attn = [prefill_attention_launcher(c, self.q, eng.kv[i], eng.d_table, self.o)
+                     for i in range(c.num_layers)]
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(a.nbytes for a in (self.x, self.h, self.qkv, self.q, self.o, self.a))
+
+    def run(self, first: int, start: int, n: int, stream) -> None:
+        """Enqueue the prefill of the n prompt tokens eng.prompt[first : first+n] at positions
+        start .. start+n-1 (their pages reserved, the block table on the device)."""
+        for i0 in range(0, n, self.chunk):
+            self._chunk(first + i0, start + i0, min(self.chunk, n - i0), stream)
+
+    def _chunk(self, first: int, start: int, m: int, stream) -> None:
+        w, gm = self.eng.w, self.gemm
+        self.embed(first, m, stream)
+        for i, L in enumerate(w.layers):
+            self.norm_in[i](m, stream)
+            gm["qkv"](self.h, L.qkv_w, L.qkv_s, L.qkv_b, self.qkv, m, stream=stream)
+            self.rope[i](m, start, stream)
+            self.attn[i](m, start, stream)
+            gm["o_proj"](self.o, L.o_w, L.o_s, self.x, m, stream=stream)
+            self.norm_post[i](m, stream)
+            gm["gate_up"](self.h, L.gu_w, L.gu_s, self.a, m, stream=stream)
+            gm["down"](self.a, L.down_w, L.down_s, self.x, m, stream=stream)
