@@ -7,8 +7,9 @@ Why one command: a figure is only comparable with the ceiling, clocks and peers 
 run, so all of them are measured here, side by side, and written to one JSON file.
 
 What is timed (all on eng.stream, CUDA events, clocks never locked):
-  pp<p>        the prompt: prefill replays the decode graph once per token today, so the
-               TTFT (wall clock, ends with the logits on the host) is what it is
+  pp<p>        a p-token prompt from ids on the host to the first token's logits on the host
+               (batched prefill on the tensor cores, then the decode step for the last token);
+               TTFT wall clock, prompt tok/s and the prefill's TFLOP/s, for each p of -p
   tg<n>        n decode steps after the prompt, one event per step
   tg<n> @ d<c> n decode steps with the cache made c tokens long by eng.fake_context
                (attention cost depends on the length, not the values)
@@ -75,6 +76,17 @@ def kv_bytes(cfg, ctx: float) -> float:
     return cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 2
 
 
+def prefill_flops(cfg, p: int, start: int = 0) -> float:
+    """FLOPs of a p-token prefill after `start` cached tokens: the projections (2 per weight a
+    token), causal attention (QK^T and PV: 4 * head_dim * heads per (query, key) pair) and
+    lm_head at the last position."""
+    h = cfg.hidden_size
+    per_token = cfg.num_layers * (cfg.qkv_size * h + h * cfg.q_size + 3 * cfg.intermediate_size * h)
+    pairs = p * start + p * (p + 1) / 2
+    attn = cfg.num_layers * 4 * cfg.head_dim * cfg.num_heads * pairs
+    return 2.0 * per_token * p + attn + 2.0 * cfg.vocab_size * h
+
+
 def make_row(test: str, ctx: float, weights_bytes: int, cfg, ceiling_gbs: float,
              tok_s: list, itl_ms: list | None = None, ttft_ms: list | None = None) -> dict:
     """One table row from raw per-run tok/s (and pooled per-step ITLs / per-run TTFTs)."""
@@ -86,6 +98,7 @@ def make_row(test: str, ctx: float, weights_bytes: int, cfg, ceiling_gbs: float,
            "ttft_ms": None, "itl_p50_ms": None, "itl_p90_ms": None}
     if ttft_ms:
         row["ttft_ms"], row["ttft_ms_sd"] = mean_sd(ttft_ms)
+        row["ttft_ms_p50"] = percentile(ttft_ms, 50)
         row["ttft_ms_runs"] = list(ttft_ms)
     if itl_ms:
         row["itl_p50_ms"], row["itl_p90_ms"] = percentile(itl_ms, 50), percentile(itl_ms, 90)
@@ -142,12 +155,20 @@ def format_breakdown(bds: list[dict]) -> str:
     return _md(header, body, right=set(range(1, len(header))))
 
 
+def format_prefill(rows: list[dict]) -> str:
+    """The pp rows as a prefill table: TTFT, prompt tok/s and TFLOP/s."""
+    body = [[r["test"], f"{r['ttft_ms_p50']:.1f}", f"{r['ttft_ms']:.1f} ± {r['ttft_ms_sd']:.1f}",
+             f"{r['tok_s_mean']:.0f}", f"{r['tflops']:.1f}"] for r in rows if "tflops" in r]
+    return _md(["test", "TTFT p50 ms", "TTFT mean ± sd", "prompt tok/s", "TFLOP/s"], body,
+               {1, 2, 3, 4})
+
+
 def footnotes(args, ceiling_gbs: float) -> str:
-    p, n = args.p, args.n
+    p, n = args.p[0], args.n
     return "\n".join([
-        (f"- pp{p}: prefill replays the decode graph once per prompt token (no batched prefill "
-         f"yet); t/s = {p} / TTFT (wall clock, logits on the host); bytes/token at the mean "
-         f"context {p / 2:g}."),
+        ("- ppP: a P-token prompt, ids on the host to the first token's logits on the host "
+         f"(batched prefill, chunks of up to 2048 tokens, then the decode step for the last "
+         f"token); t/s = P / TTFT; TFLOP/s = prefill FLOPs / TTFT; bytes/token at context P/2."),
         (f"- tg{n}: {n} decode steps after the {p}-token prompt (CUDA graph, one event per "
          f"step); t/s mean ± sd over {args.r} runs, ITL percentiles over all steps."),
         ("- tgN @ dC: decode steps with the cache made C tokens long by eng.fake_context; the "
@@ -289,25 +310,41 @@ def measure_breakdown(eng, ctx: int, replays: int = 100, steps: int = 32) -> dic
     return b
 
 
-def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
-    """The pp, tg and tg @ depth rows (raw figures kept in each row)."""
-    cfg, wbytes = eng.cfg, eng.w.nbytes_per_token
-    prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.p)
-    ttft, tg_tok_s, tg_itl = [], [], []
-    for r in range(args.r + 1):  # run 0 warms up (clocks, caches) and is dropped
+def measure_prompt(eng, p: int, runs: int, seed: int, n_after: int = 0):
+    """(TTFT ms of each run, per-step ms of n_after decode steps after each run's prompt)."""
+    prompt = np.random.default_rng(seed).integers(0, eng.cfg.vocab_size, p)
+    ttft, steps = [], []
+    for r in range(runs + 1):  # run 0 warms up (clocks, caches) and is dropped
         eng.reset()
-        eng.reserve_ahead(args.p + args.n + 8)  # see at_context
+        eng.reserve_ahead(p + n_after + 8)  # see at_context
         t0 = time.perf_counter()
         eng.prefill(prompt)  # returns once the logits are on the host
         t = (time.perf_counter() - t0) * 1e3
-        steps = eng.time_steps(args.n, warmup=0)
+        s = eng.time_steps(n_after, warmup=0) if n_after else []
         if r:
             ttft.append(t)
-            tg_tok_s.append(1e3 * len(steps) / sum(steps))
-            tg_itl += steps
-    rows = [make_row(f"pp{args.p}", args.p / 2, wbytes, cfg, ceiling,
-                     [1e3 * args.p / t for t in ttft], ttft_ms=ttft),
-            make_row(f"tg{args.n}", args.p + args.n / 2, wbytes, cfg, ceiling, tg_tok_s, tg_itl)]
+            steps.append(s)
+    return ttft, steps
+
+
+def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
+    """The pp (one per -p), tg and tg @ depth rows (raw figures kept in each row)."""
+    cfg, wbytes = eng.cfg, eng.w.nbytes_per_token
+    rows = []
+    for i, p in enumerate(args.p):
+        ttft, steps = measure_prompt(eng, p, args.r, args.seed, args.n if i == 0 else 0)
+        row = make_row(f"pp{p}", p / 2, wbytes, cfg, ceiling, [1e3 * p / t for t in ttft],
+                       ttft_ms=ttft)
+        row["tflops"] = prefill_flops(cfg, p) / (row["ttft_ms_p50"] * 1e-3) / 1e12
+        rows.append(row)
+        log(f"nq bench: pp{p}: TTFT {row['ttft_ms_p50']:.1f} ms, {row['tok_s_mean']:.0f} tok/s, "
+            f"{row['tflops']:.1f} TFLOP/s")
+        if i == 0:
+            tg_itl = [x for s in steps for x in s]
+            tg_tok_s = [1e3 * len(s) / sum(s) for s in steps]
+            tg_row = make_row(f"tg{args.n}", p + args.n / 2, wbytes, cfg, ceiling, tg_tok_s,
+                              tg_itl)
+    rows.insert(1, tg_row)
     for c in ctxs:
         tok_s, itl = [], []
         for _ in range(args.r):
@@ -393,8 +430,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     src.add_argument("--random", choices=list(PRESETS), metavar="SIZE",
                      help="random weights of a Qwen2.5 shape made on the GPU: "
                           + ", ".join(PRESETS))
-    s.add_argument("-p", "--n-prompt", dest="p", type=_positive, default=512,
-                   help="prompt tokens (pp test; default 512)")
+    s.add_argument("-p", "--n-prompt", dest="p", type=_ctx_list, default=[512],
+                   help="prompt tokens, one pp test each, e.g. 512,2048,8192,32000 (default "
+                        "512); the tg test follows the first")
     s.add_argument("-n", "--n-gen", dest="n", type=_positive, default=128,
                    help="decode steps per test (tg test; default 128)")
     s.add_argument("-r", "--repetitions", dest="r", type=_positive, default=5,
@@ -425,7 +463,8 @@ def run(args) -> int:
     dev = cuda.get_current_device()
     env["gpu"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     ctxs = list(args.ctx)
-    max_len = max([args.p] + ctxs) + max(args.n, 32) + 16
+    p0 = args.p[0]
+    max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
     if args.random:
         eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed)
@@ -444,30 +483,33 @@ def run(args) -> int:
 
     rows = measure_tests(eng, args, ctxs, ceiling)
     bds = []
-    for c in dict.fromkeys([args.p] + ctxs):
+    for c in dict.fromkeys([p0] + ctxs):
         bds.append(measure_breakdown(eng, c, replays=args.replays))
         log(f"nq bench: breakdown @ {c}: ITL {bds[-1]['itl_ms']:.3f} ms, "
             f"kernel_gap {bds[-1]['kernel_gap_ms']:.3f} ms")
     # The same step without programmatic dependent launch: what PDL buys (docs/PERF.md).
-    at_context(eng, args.p, ahead=40)  # time_steps(32) runs 36 steps; max_len allows p + 48
+    at_context(eng, p0, ahead=40)  # time_steps(32) runs 36 steps; max_len allows p + 48
     eng.capture(pdl=False)
     no_pdl = statistics.median(eng.time_steps(32))
     eng.capture(pdl=True)
-    log(f"nq bench: ITL @ {args.p} without programmatic dependent launch: {no_pdl:.3f} ms "
+    log(f"nq bench: ITL @ {p0} without programmatic dependent launch: {no_pdl:.3f} ms "
         f"(with: {bds[0]['itl_ms']:.3f} ms)")
     peers = {}
     if not args.no_peers:
         from nq.tools.peers import run_peers
-        peers = run_peers(cfg, args.p, log)
+        peers = run_peers(cfg, p0, log)
     env["end"] = gpu_clocks()
 
     print(format_table(model, rows))
+    print()
+    print("Prefill (TTFT from prompt ids on the host to the first token on the host):")
+    print(format_prefill(rows))
     print()
     print(footnotes(args, ceiling))
     print()
     print("ITL breakdown (each region alone in its own graph; kernel_gap = ITL - sum of regions):")
     print(format_breakdown(bds))
-    print(f"\nITL @ {args.p} with programmatic dependent launch {bds[0]['itl_ms']:.3f} ms, "
+    print(f"\nITL @ {p0} with programmatic dependent launch {bds[0]['itl_ms']:.3f} ms, "
           f"without {no_pdl:.3f} ms (same graph, plain kernel edges)")
     if peers:
         from nq.tools.peers import format_peers
@@ -483,7 +525,7 @@ def run(args) -> int:
 
     if args.json:
         out = {"nq_bench": 1, "model": model, "source": source, "config": json.loads(cfg.to_json()),
-               "args": {k: v for k, v in vars(args).items() if k != "func"},
+               "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "func"},
                "env": env, "build_s": build_s, "load_s": eng.w.load_s,
                "weights_bytes_per_token": eng.w.nbytes_per_token, "copy_ceiling_GBs": ceiling,
                "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl}

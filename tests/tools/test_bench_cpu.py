@@ -103,13 +103,26 @@ def test_peers_are_ratios_to_nq_and_failures_are_reported():
 
 
 # ---- command line ---------------------------------------------------------------------------
+def test_prefill_flops():
+    from nq.config import PRESETS
+    from nq.tools.bench import prefill_flops
+    cfg = PRESETS["7b"]
+    # the 7B's projections hold ~6.5e9 weights: ~13 GFLOP a token, 6.7 TFLOP for 512 tokens
+    assert 6.5e12 < prefill_flops(cfg, 512) < 7.2e12
+    # causal attention grows with the square: 8K adds ~13 TFLOP over the projections' 107
+    extra = prefill_flops(cfg, 8192) - 16 * (prefill_flops(cfg, 512) - 2 * cfg.vocab_size * cfg.hidden_size)
+    assert 1.1e13 < extra < 1.5e13
+    # a continued context costs its cached keys too
+    assert prefill_flops(cfg, 100, start=1000) > prefill_flops(cfg, 100)
+
+
 def test_bench_arguments():
-    a = build_parser().parse_args(["bench", "--random", "7b", "-p", "512", "-n", "128", "-r", "5",
-                                   "--ctx", "512,2048,8192,32768", "--json", "x.json"])
-    assert (a.random, a.model, a.p, a.n, a.r) == ("7b", None, 512, 128, 5)
+    a = build_parser().parse_args(["bench", "--random", "7b", "-p", "512,8192", "-n", "128", "-r",
+                                   "5", "--ctx", "512,2048,8192,32768", "--json", "x.json"])
+    assert (a.random, a.model, a.p, a.n, a.r) == ("7b", None, [512, 8192], 128, 5)
     assert a.ctx == [512, 2048, 8192, 32768] and a.json == "x.json" and not a.no_peers
     a = build_parser().parse_args(["bench", "-m", "m.nanoqwen", "--no-peers"])
-    assert (a.model, a.random, a.p, a.n, a.r, a.ctx) == ("m.nanoqwen", None, 512, 128, 5, [])
+    assert (a.model, a.random, a.p, a.n, a.r, a.ctx) == ("m.nanoqwen", None, [512], 128, 5, [])
     assert a.no_peers
 
 
