@@ -176,7 +176,7 @@ def print_run_stats(stats) -> None:
 def cmd_generate(args) -> int:
     import time
     t_start = time.perf_counter()
-    from nq.generate import generate
+    from nq.generate import StopStrings, generate
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
     parts = [("import", time.perf_counter() - t_start)]
@@ -193,6 +193,7 @@ def cmd_generate(args) -> int:
     if args.n < -1:
         raise ValueError(f"-n {args.n}: give a token count, or -1 to run until an end token "
                          "or a full context")
+    until_full = args.n < 0
     if args.n < 0:  # llama.cpp's -n -1: until an end-of-sequence token or the context is full
         args.n = ctx - len(ids)
     if len(ids) + max(args.n, 1) > ctx:
@@ -216,23 +217,43 @@ def cmd_generate(args) -> int:
     stop = () if args.ignore_eos else tok.eos_ids
 
     stream = tok.stream()
-    def show(t: int):
-        piece = stream.step(t)
-        if piece and not args.json and not (t in tok.eos_ids and not args.ignore_eos):
-            sys.stdout.write(piece)
+    stopper = StopStrings(args.stop or [])
+    shown: list[str] = []
+
+    def emit(text: str) -> None:
+        shown.append(text)
+        if text and not args.json:
+            sys.stdout.write(text)
             sys.stdout.flush()
 
+    def show(t: int) -> bool:
+        piece = stream.step(t)
+        if t in tok.eos_ids and not args.ignore_eos:
+            return False
+        text, stopped = stopper.feed(piece or "")
+        emit(text)
+        return stopped
+
     out, stats = generate(backend, ids, args.n, params, stop, on_token=show)
+    emit(stopper.flush())
+    if stats.stop_reason == "length" and until_full:
+        stats.stop_reason = "context"
     if args.json:
-        text = tok.decode([t for t in out if args.ignore_eos or t not in tok.eos_ids])
+        # a stop string cut the text where the ids do not; otherwise decode the ids whole (the
+        # stream holds back a trailing incomplete UTF-8 sequence that decode shows as U+FFFD)
+        text = ("".join(shown) if stats.stop_reason == "stop" else
+                tok.decode([t for t in out if args.ignore_eos or t not in tok.eos_ids]))
         json.dump({"prompt_ids": ids, "ids": out, "text": text,
                    "stats": {**stats.as_dict(), "seed": args.seed}}, sys.stdout)
         sys.stdout.write("\n")
     else:
         sys.stdout.write("\n")
+        why = {"length": f"-n {args.n} reached", "eos": "end of sequence",
+               "stop": "a stop string", "context": f"the context (-c {ctx}) is full"}
         print(f"nq: {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
-              f"({stats.stop_reason}); TTFT {stats.ttft_s * 1e3:.1f} ms, "
-              f"decode {stats.decode_tok_s:.2f} tok/s [{args.backend}]", file=sys.stderr)
+              f"(ended by {why.get(stats.stop_reason, stats.stop_reason)}); TTFT "
+              f"{stats.ttft_s * 1e3:.1f} ms, decode {stats.decode_tok_s:.2f} tok/s "
+              f"[{args.backend}]", file=sys.stderr)
         if args.verbose:
             print_run_stats(stats)
     return 0
@@ -369,7 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("--fim-prefix", help="fill-in-the-middle: code before the cursor")
     s.add_argument("--fim-suffix", help="fill-in-the-middle: code after the cursor")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence ids")
+    s.add_argument("--stop", action="append", metavar="STRING",
+                   help="end the reply where this text appears (repeatable; it may span tokens "
+                        "and is not printed)")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.add_argument("--verbose", action="store_true",
                    help="print what the start was made of (import, file, weights, kernels, "

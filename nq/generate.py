@@ -23,7 +23,8 @@ class GenerationStats:
     generated_tokens: int = 0
     ttft_s: float = 0.0          # prompt submitted → first generated token known on the host
     decode_s: float = 0.0        # first token → last token
-    stop_reason: str = "length"  # "length" | "eos"
+    stop_reason: str = "length"  # "length" (-n), "eos", "stop" (a stop string), "context",
+    #                              "interrupted" (Ctrl-C in nq chat)
     itl_ms: list = dataclasses.field(default_factory=list, repr=False)  # gaps between tokens
 
     @property
@@ -49,6 +50,44 @@ class GenerationStats:
         return d
 
 
+class StopStrings:
+    """Streams text pieces through, holding back any tail that could be the start of a stop
+    string (which can arrive split across tokens), and cuts the text at the first stop string:
+    the stop string itself is never shown.
+
+        stopper = StopStrings(["\\n\\n", "```"])
+        shown, stopped = stopper.feed(piece)   # print `shown`; end generation if stopped
+        shown = stopper.flush()                # at the end: what was held back
+    """
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.held += piece
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.held, self.stopped = self.held[:min(hits)], "", True
+            return out, True
+        keep = 0
+        for s in self.stops:  # the longest tail of held that is a proper prefix of a stop
+            for n in range(min(len(s) - 1, len(self.held)), keep, -1):
+                if self.held.endswith(s[:n]):
+                    keep = n
+                    break
+        cut = len(self.held) - keep
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
 def _sampled_ids(backend, prompt_ids: list[int], n: int, sampler: Sampler,
                  stop_ids: frozenset[int]) -> Iterator[int]:
     """Host-side sampling over a backend's logits."""
@@ -69,7 +108,8 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
     """Generate up to `n` tokens after `prompt_ids`; stop early on any id in `stop_ids`.
 
     `on_token` sees every generated id as soon as the host knows it (stop ids included, so the
-    caller decides what to print).  With `keep_context` the backend's cache is kept and
+    caller decides what to print); if it returns True, generation stops there (a stop string:
+    stop_reason "stop").  With `keep_context` the backend's cache is kept and
     `prompt_ids` continue it (a chat turn); afterwards the cache holds the prompt and every
     generated id but the last.  Returns the generated ids and the timing statistics.
     """
@@ -97,8 +137,9 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
             stats.itl_ms.append(1e3 * (now - t_prev))
         t_prev = now
         out.append(tok)
-        if on_token is not None:
-            on_token(tok)
+        if on_token is not None and on_token(tok):
+            stats.stop_reason = "stop"
+            break
         if tok in stop:
             stats.stop_reason = "eos"
             break

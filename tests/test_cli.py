@@ -288,3 +288,36 @@ def test_version_and_help_show_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["verify", "--help"])
     assert "(default: 100)" in capsys.readouterr().out
+
+
+def test_stop_strings_split_across_pieces():
+    from nq.generate import StopStrings
+    s = StopStrings(["END", "\n\n"])
+    got = [s.feed(p) for p in ["abc E", "N", "x E", "ND tail"]]
+    # "E" and "EN" are held back until they cannot start "END"; the stop string is not shown
+    assert got == [("abc ", False), ("", False), ("ENx ", False), ("", True)]
+    assert s.flush() == "" and s.feed("more") == ("", True)
+    s = StopStrings(["\n\n"])
+    assert s.feed("a\n") == ("a", False) and s.flush() == "\n"
+    assert StopStrings([]).feed("x") == ("x", False)
+
+
+def test_generate_stop_string_cuts_the_reply(tiny_nanoqwen, capsys):
+    base = run_json(capsys, "-m", str(tiny_nanoqwen), "-p", "def f(x):", "-n", "24", "--temp", "0",
+                    "--ignore-eos")
+    text = base["text"]
+    stop = text[7:10]                       # three characters from inside the greedy reply
+    assert len(stop) == 3
+    res = run_json(capsys, "-m", str(tiny_nanoqwen), "-p", "def f(x):", "-n", "24", "--temp", "0",
+                   "--ignore-eos", "--stop", stop, "--stop", "never appears")
+    assert res["text"] == text[:text.find(stop)] and stop not in res["text"]
+    assert res["stats"]["stop_reason"] == "stop" and len(res["ids"]) < len(base["ids"])
+
+
+def test_generate_says_what_ended_the_reply(tiny_nanoqwen, capsys):
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "3",
+                 "--temp", "0", "--ignore-eos"]) == 0
+    assert "ended by -n 3 reached" in capsys.readouterr().err
+    assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "-1",
+                 "-c", "12", "--temp", "0", "--ignore-eos"]) == 0
+    assert "ended by the context (-c 12) is full" in capsys.readouterr().err

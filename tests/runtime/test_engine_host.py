@@ -53,8 +53,19 @@ def toy_next(tok, pos):
     return (tok * 7 + pos) % VOCAB
 
 
-@pytest.fixture
-def engine(monkeypatch):
+class FakePrefill:
+    """The batched prefill's effect on the toy model: the prompt tokens enter the cache."""
+
+    def __init__(self, e):
+        self.e = e
+
+    def run(self, first, start, n, stream):
+        for i in range(n):
+            self.e.cache[start + i] = int(self.e.prompt.a[first + i])
+
+
+@pytest.fixture(params=["replay", "batched"])
+def engine(monkeypatch, request):
     from numba import cuda
     monkeypatch.setattr(cuda, "event", lambda timing=False: Event())
     max_len = 64
@@ -80,6 +91,8 @@ def engine(monkeypatch):
         e.out_ids.a[s[STATE_STEP] % max_len] = t
         s[STATE_TOKEN], s[STATE_POS], s[STATE_STEP] = t, pos + 1, s[STATE_STEP] + 1
     e.run_eager = run_eager
+    # "batched": all but the last prompt token go through Prefill.run, the last through a step
+    e.prefiller = FakePrefill(e) if request.param == "batched" else None
     e.reset()
     return e
 
