@@ -5,10 +5,10 @@ working set beyond ~2K context), plus the small per-step kernels.
 Prints per-layer time, KV bytes read (2 x len x 4 heads x 128 x 2 B), GB/s and the fraction of
 the device-to-device copy ceiling measured in the same run; and the 28-layer sum.
     python3 scripts/bench_attn.py [--lengths 512,2048,8192,16384,32768] [--reps 20]
-    python3 scripts/bench_attn.py --kernel mma --variants 2:3:1,1:3:1,4:2:1 --max-splits 33,66
---kernel fp32 is attn_decode (variants pages_per_stage:min_pps), --kernel mma is attn_mma
-(variants consumers:nstage:rows_per_copy); --max-splits takes a comma-separated sweep.
-Results go to stderr and, as one JSON line, to stdout.
+    python3 scripts/bench_attn.py --variants 2:3:1,1:3:4,4:2:1 --max-splits 33,66 --min-pps 2
+Variants are consumers:nstage:rows_per_copy of nq.kernels.attention.decode_launcher (default:
+the launcher's 1:3:4); --max-splits takes a comma-separated sweep.  Results go to stderr and,
+as one JSON line, to stdout.  (The fp32 kernel's `--kernel fp32` left with it: commit 13c221c.)
 """
 from __future__ import annotations
 
@@ -60,25 +60,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="512,2048,8192,16384,32768")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--kernel", choices=("fp32", "mma"), default="fp32",
-                    help="fp32: attn_decode (warp per head); mma: attn_mma (tensor cores)")
-    ap.add_argument("--variants", default=None,
-                    help="fp32: pages_per_stage:min_pps (auto = fit 48 KiB), default "
-                         "auto:1,auto:2,2:1; mma: consumers:nstage:rows_per_copy, default 2:3:1")
+    ap.add_argument("--variants", default="1:3:4", help="consumers:nstage:rows_per_copy, ...")
+    ap.add_argument("--min-pps", type=int, default=None,
+                    help="fewest pages a split (default: the launcher's, plan.MIN_PPS)")
     ap.add_argument("--max-splits", default=None,
-                    help="grid width of the split kernel, comma-separated sweep (default: the "
-                         "kernel's: ~2 CTAs per SM (fp32) / ~1 (mma) over the kv heads)")
+                    help="grid width of the split kernel, comma-separated sweep (default: "
+                         "plan.default_max_splits, ~2 CTAs per SM over the kv heads)")
     args = ap.parse_args()
-    mma = args.kernel == "mma"
-    variants = args.variants or ("2:3:1" if mma else "auto:1,auto:2,2:1")
 
     from numba import cuda
 
     from nq.config import PRESETS
     from nq.kernels import embed, rmsnorm, rope_kv
     from nq.kernels import sampling as argmax
-    from nq.kernels.attention import combine as attn_decode
-    from nq.kernels.attention import decode as attn_mma
+    from nq.kernels import attention
+    from nq.kernels.attention import plan
     from nq.paged import pages_for, pool_shape
     from nq.runtime.kv_cache import make_state
 
@@ -103,28 +99,21 @@ def main():
     q = cuda.to_device(rng.standard_normal(cfg.q_size).astype(np.float32))
     o = cuda.device_array(cfg.q_size, np.float16)
     state = make_state()
-    results = {"ceiling_TBps": ceil / 1e12, "kernel": args.kernel, "attn": []}
-    workspace = attn_mma.attn_mma_workspace if mma else attn_decode.attn_workspace
+    results = {"ceiling_TBps": ceil / 1e12, "attn": []}
     sweep = [int(x) for x in args.max_splits.split(",")] if args.max_splits else [None]
+    min_pps = plan.MIN_PPS if args.min_pps is None else args.min_pps
 
     for max_splits in sweep:
-        pa, pm = workspace(cfg, max_splits)
-        for variant in variants.split(","):
-            if mma:
-                nc, nst, rpc = (int(x) for x in variant.split(":"))
-                kw, min_pps = dict(consumers=nc, nstage=nst, rows_per_copy=rpc), attn_decode.MIN_PPS
-                name = f"mma c={nc} st={nst} rpc={rpc} smem={attn_mma.smem_bytes(cfg.head_dim, nc, nst, rpc)}"
-                make = attn_mma.attn_mma_launcher
-            else:
-                pps_name, min_pps = variant.split(":")
-                pps, min_pps = (None if pps_name == "auto" else int(pps_name)), int(min_pps)
-                kw = dict(pages_per_stage=pps, min_pps=min_pps)
-                pps = pps or attn_decode.default_pages_per_stage(cfg.head_dim)
-                name = f"pps={pps} min_pps={min_pps}"
-                make = attn_decode.attn_decode_launcher
+        pa, pm = attention.decode_workspace(cfg, max_splits)
+        for variant in args.variants.split(","):
+            nc, nst, rpc = (int(x) for x in variant.split(":"))
+            kw = dict(consumers=nc, nstage=nst, rows_per_copy=rpc, min_pps=min_pps)
+            name = (f"c={nc} st={nst} rpc={rpc} min_pps={min_pps} "
+                    f"smem={plan.smem_bytes(cfg.head_dim, nc, nst, rpc)}")
             try:
-                launchers = [make(cfg, q, state, table, pool[l], o, pa, pm, **kw) for l in range(L)]
-            except Exception as e:  # the >48 KiB opt-in variant may be refused
+                launchers = [attention.decode_launcher(cfg, q, state, table, pool[l], o, pa, pm,
+                                                       **kw) for l in range(L)]
+            except Exception as e:  # an opt-in variant past 227 KiB is refused
                 log(f"variant {variant}: skipped ({type(e).__name__}: {e})")
                 continue
             for length in lengths:
@@ -135,12 +124,11 @@ def main():
                 per_layer_us = ms * 1e3 / L
                 nbytes = 2 * length * cfg.num_kv_heads * cfg.head_dim * 2
                 bw = nbytes / (per_layer_us * 1e-6)
-                _, n_splits = attn_decode.split_plan(length, pa.shape[0], min_pps)
+                _, n_splits = plan.split_plan(length, pa.shape[0], min_pps)
                 log(f"{name} max_splits={pa.shape[0]} len={length:6d}: {per_layer_us:7.2f} us/layer, "
                     f"28 layers {ms * 1e3:8.1f} us, {nbytes / 1e6:6.1f} MB/layer, "
                     f"{bw / 1e9:7.1f} GB/s = {bw / ceil * 100:5.1f}% of copy, splits {n_splits}")
-                knobs = kw if mma else dict(pps=pps, min_pps=min_pps)
-                results["attn"].append(dict(variant=variant, **knobs, max_splits=pa.shape[0],
+                results["attn"].append(dict(variant=variant, **kw, max_splits=pa.shape[0],
                                             length=length, us_per_layer=per_layer_us,
                                             us_28_layers=ms * 1e3, GBps=bw / 1e9, frac=bw / ceil))
 

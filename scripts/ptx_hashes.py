@@ -89,7 +89,7 @@ def build_step_kernels(cfg) -> None:
     kernels and the stand-alone small kernels.  Keep this list in step with
     nq/runtime/engine.py's `_build_steps` when a kernel joins or leaves the step."""
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
-    from nq.kernels.attention import combine, decode
+    from nq.kernels.attention import combine, decode, plan
     from nq.kernels.int4 import retile
     from nq.kernels.int4.gemv import make_qkv_rope_gemv
     from nq.runtime.engine import ATTN_OPTIONS
@@ -99,20 +99,20 @@ def build_step_kernels(cfg) -> None:
     make_qkv_rope_gemv(cfg)
     lm_head.make_lm_head(cfg)
     o = dict(ATTN_OPTIONS)
-    o.pop("fused")
-    ms = decode.default_max_splits(cfg.num_kv_heads)
-    decode._jit(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads, decode.CONSUMERS, decode.NSTAGE,
-                o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]))
-    combine._jit("combine", cfg.head_dim, ms, o["min_pps"])
-    sampling._jit(cfg.vocab_size)
-    embed._jit(cfg.hidden_size)
-    feed._jit()
-    rope_kv._jit(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    ms = plan.default_max_splits(cfg.num_kv_heads)
+    decode.split_kernel(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads,
+                        o.get("consumers", plan.CONSUMERS), o.get("nstage", plan.NSTAGE),
+                        o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]))
+    combine.combine_kernel(cfg.head_dim, ms, o["min_pps"])
+    sampling.argmax_kernel(cfg.vocab_size)
+    embed.embed_kernel(cfg.hidden_size)
+    feed.feed_kernel()
+    rope_kv.rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     for residual in (True, False):
-        rmsnorm._jit(cfg.hidden_size, float(cfg.rms_norm_eps), residual)
+        rmsnorm.rmsnorm_kernel(cfg.hidden_size, float(cfg.rms_norm_eps), residual)
     retile._jit()
     retile._jit_mma()
-    fill._kernels()
+    fill.fill_kernels()
 
 
 def main(argv=None) -> int:

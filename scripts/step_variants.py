@@ -12,10 +12,11 @@ options (`Engine.variant`), recaptures it and times decode steps at each context
 A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
 gate_up, down; fields of nq.kernels.int4.gemv.Tiling -- a new ks reads the weights in the
 wrong order, which is fine for timing random weights and nothing else) or `attn` (keywords of
-attn_mma_launcher; attn.fused=1: the combine in the split kernel), or rope.fused=1 (the
-qkv_rope GEMV instead of qkv + rope_kv; its tiling: qkv_rope.field=value).  The baseline is timed first and last
-(drift between them is printed).  --leave-out also times the step with each region left out
-(the results are garbage, the timing is not): a region's marginal cost in the step.
+nq.kernels.attention.decode_launcher: consumers, nstage, rows_per_copy, min_pps, early), or
+rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv; its tiling: qkv_rope.field=value).
+The baseline is timed first and last (drift between them is printed).  --leave-out also times
+the step with each region left out (the results are garbage, the timing is not): a region's
+marginal cost in the step.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def parse_variant(text: str, defaults: dict) -> tuple[dict, dict, bool | None]:
             raise SystemExit(f"step_variants: {item!r} is not kind.field=value")
         v = int(value) if value.lstrip("-").isdigit() else value
         if kind == "attn":
-            attn[field] = bool(v) if field in ("early", "fused") else v
+            attn[field] = bool(v) if field == "early" else v
         elif kind == "rope" and field == "fused":
             rope = bool(v)
         elif kind in defaults:

@@ -37,6 +37,15 @@ def compile_ptx_sm90(pyfunc, sig, **kw) -> str:
     return ptx
 
 
+def compiled_name(factory, *args) -> str:
+    """The name a cached kernel factory (`rope_kv_kernel`, `split_kernel`, ...) gives its
+    kernel through nq.kernels.build.compile_kernel, without compiling and without caching."""
+    from nq.kernels import build
+    fake = SimpleNamespace(jit=lambda sig=None, **kw: (lambda body: body.__name__))
+    with mock.patch.object(build, "cuda", fake), mock.patch.object(build, "SIMULATOR", False):
+        return factory.__wrapped__(*args)
+
+
 def _body(ptx: str) -> str:
     """PTX without comments (asm markers, the NVVM banner), so matches are real instructions."""
     return re.sub(r"//[^\n]*", "", ptx)

@@ -10,6 +10,7 @@ import functools
 
 import numpy as np
 
+from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import STATE_TOKEN
 
 THREADS = 256
@@ -21,8 +22,8 @@ def embed_reference(emb: np.ndarray, token: int) -> np.ndarray:
 
 
 @functools.cache
-def _embed_kernel(hidden: int):
-    """embed_h{hidden}."""
+def embed_body(hidden: int):
+    """The kernel body for rows of `hidden` values."""
     from numba import cuda
     from numba.cuda.types import float32
 
@@ -45,9 +46,9 @@ EMBED_SIG = "void(float16[:, ::1], int32[::1], float32[::1])"
 
 
 @functools.cache
-def _jit(hidden: int):
-    from numba import cuda
-    return cuda.jit(EMBED_SIG)(_embed_kernel(hidden))
+def embed_kernel(hidden: int):
+    """embed compiled for sm_90, named embed_h{hidden}."""
+    return compile_kernel(embed_body(hidden), EMBED_SIG, kernel_name("embed", h=hidden))
 
 
 def embed_launcher(emb, state, x):
@@ -58,7 +59,7 @@ def embed_launcher(emb, state, x):
                          f"want float16 (vocab, H) and float32 (H,)")
     if state.dtype != np.int32:
         raise ValueError("embed: state must be int32")
-    kern = _jit(h)
+    kern = embed_kernel(h)
     grid = -(-h // THREADS)
 
     def launch(stream=0):

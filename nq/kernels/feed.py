@@ -14,6 +14,7 @@ import functools
 
 import numpy as np
 
+from nq.kernels.build import compile_kernel
 from nq.paged import STATE_POS, STATE_TOKEN
 from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
@@ -24,7 +25,7 @@ def feed_reference(prompt: np.ndarray, feed_meta: np.ndarray, state: np.ndarray)
         state[STATE_TOKEN] = prompt[p]
 
 
-def _feed(prompt, feed_meta, state):
+def feed_body(prompt, feed_meta, state):
     # prompt (max_len,) int32; feed_meta (2,) int32; state (STATE_LEN,) int32. One thread.
     griddepcontrol_wait()  # PDL (nq/ptx/griddep.py): every kernel of the step waits first
     griddepcontrol_launch_dependents()
@@ -37,9 +38,9 @@ FEED_SIG = "void(int32[::1], int32[::1], int32[::1])"
 
 
 @functools.cache
-def _jit():
-    from numba import cuda
-    return cuda.jit(FEED_SIG)(_feed)
+def feed_kernel():
+    """feed compiled for sm_90 (no baked-in constants: named feed)."""
+    return compile_kernel(feed_body, FEED_SIG, "feed")
 
 
 def feed_launcher(prompt, feed_meta, state):
@@ -47,7 +48,7 @@ def feed_launcher(prompt, feed_meta, state):
     for name, a in (("prompt", prompt), ("feed_meta", feed_meta), ("state", state)):
         if a.dtype != np.int32 or len(a.shape) != 1:
             raise ValueError(f"feed: {name} must be a 1-d int32 device array")
-    kern = _jit()
+    kern = feed_kernel()
 
     def launch(stream=0):
         kern[1, 1, stream](prompt, feed_meta, state)

@@ -15,6 +15,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.types import float16, float32, uint32
 
+from nq.kernels.build import compile_kernel
+
 THREADS = 256
 BLOCKS = 4096  # grid-stride: any size, one launch
 
@@ -44,7 +46,7 @@ def _mix(seed, i):
     return h
 
 
-def _fill_u32(a, seed):
+def fill_u32_body(a, seed):
     # a (n,) uint32; grid-stride.
     i = cuda.grid(1)
     while i < a.shape[0]:
@@ -52,7 +54,7 @@ def _fill_u32(a, seed):
         i += cuda.gridsize(1)
 
 
-def _fill_f16(a, seed, center, radius):
+def fill_f16_body(a, seed, center, radius):
     # a (n,) fp16; uniform in [center - radius, center + radius] from the top 24 hash bits.
     i = cuda.grid(1)
     while i < a.shape[0]:
@@ -66,8 +68,10 @@ FILL_F16_SIG = "void(float16[::1], uint32, float32, float32)"
 
 
 @functools.cache
-def _kernels():
-    return cuda.jit(FILL_U32_SIG)(_fill_u32), cuda.jit(FILL_F16_SIG)(_fill_f16)
+def fill_kernels():
+    """(fill_u32, fill_f16) compiled for sm_90 (no baked-in constants)."""
+    return (compile_kernel(fill_u32_body, FILL_U32_SIG, "fill_u32"),
+            compile_kernel(fill_f16_body, FILL_F16_SIG, "fill_f16"))
 
 
 def _flat(arr):
@@ -77,11 +81,11 @@ def _flat(arr):
 def fill_u32(arr, seed: int, stream=0) -> None:
     if arr.dtype != np.uint32:
         raise ValueError(f"fill_u32: {arr.dtype} array, want uint32")
-    _kernels()[0][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF))
+    fill_kernels()[0][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF))
 
 
 def fill_f16(arr, seed: int, center: float, radius: float, stream=0) -> None:
     if arr.dtype != np.float16:
         raise ValueError(f"fill_f16: {arr.dtype} array, want float16")
-    _kernels()[1][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF),
+    fill_kernels()[1][BLOCKS, THREADS, stream](_flat(arr), np.uint32(seed & 0xFFFFFFFF),
                                            np.float32(center), np.float32(radius))

@@ -27,6 +27,7 @@ import numpy as np
 from numba import cuda, float32
 
 from nq.config import ModelConfig
+from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, need, sm_count, warp_sum
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_v4_u32, ld_shared_v4_f32,
@@ -41,9 +42,14 @@ def ref_lm_head(x, norm_w, eps, weight):
     return linear(rms_norm(x, norm_w, eps), weight)
 
 
+def lm_head_name(vocab: int, k: int, eps: float, threads: int, unroll: int) -> str:
+    """e.g. lm_head_fp16_v152064_k3584_t256_u7_eps1em06."""
+    return kernel_name("lm_head_fp16", v=vocab, k=k, t=threads, u=unroll, eps=float(eps))
+
+
 @functools.lru_cache(maxsize=None)
 def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int = 7):
-    """The cuda.jit kernel `lm_head_fp16_v{vocab}_k{k}_t{threads}_u{unroll}` and its signature."""
+    """The kernel body named lm_head_name(...) and its signature."""
     if k % 8 or threads % 32:
         raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
     if k * 4 + 64 > STATIC_SMEM_LIMIT:
@@ -158,16 +164,15 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     load1, load_u, dot1, dot_u = (dev(f) for f in (load1, load_u, dot1, dot_u))
     if not 1 <= U <= 8:
         raise ValueError("lm_head: unroll must be 1..8")
-    kernel.__name__ = kernel.__qualname__ = f"lm_head_fp16_v{vocab}_k{k}_t{threads}_u{U}"
+    kernel.__name__ = kernel.__qualname__ = lm_head_name(vocab, k, eps, threads, U)
     return kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1])"
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(vocab, k, eps, threads, unroll):
+def lm_head_kernel(vocab: int, k: int, eps: float, threads: int, unroll: int):
+    """The kernel compiled for sm_90 (launch bounds: threads)."""
     pyfunc, sig = build_kernel(vocab, k, eps, threads, unroll)
-    if SIMULATOR:
-        return cuda.jit(pyfunc)
-    return cuda.jit(sig, launch_bounds=(threads,))(pyfunc)
+    return compile_kernel(pyfunc, sig, pyfunc.__name__, launch_bounds=(threads,))
 
 
 class LmHead:
@@ -177,10 +182,10 @@ class LmHead:
                  blocks_per_sm: int = 4, grid: int | None = None):
         self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
         self.threads, self.unroll = threads, unroll
-        self.kernel = _compiled(self.vocab, self.k, float(cfg.rms_norm_eps), threads, unroll)
+        self.kernel = lm_head_kernel(self.vocab, self.k, float(cfg.rms_norm_eps), threads, unroll)
         rows_per_block = threads // 32
         self.grid = grid or min(-(-self.vocab // rows_per_block), sm_count() * blocks_per_sm)
-        self.name = f"lm_head_fp16_v{self.vocab}_k{self.k}_t{threads}_u{unroll}"
+        self.name = lm_head_name(self.vocab, self.k, float(cfg.rms_norm_eps), threads, unroll)
 
     def __call__(self, x, norm_w, weight, logits, stream=0):
         need(x, f"{self.name} x", np.float32, (self.k,), 4)

@@ -13,6 +13,8 @@ import functools
 
 import numpy as np
 
+from nq.kernels.build import compile_kernel, kernel_name
+
 THREADS = 256
 
 
@@ -26,8 +28,8 @@ def rmsnorm_reference(x, w, eps, residual=None):
 
 
 @functools.cache
-def _rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
-    """rmsnorm_h{hidden}_eps{eps}{_res}."""
+def rmsnorm_body(hidden: int, eps: float, with_residual: bool):
+    """The kernel body for rows of `hidden`, eps, with or without the residual add."""
     from numba import cuda
     from numba.cuda.types import float16, float32
 
@@ -70,9 +72,10 @@ RMSNORM_SIG = "void(float32[:, ::1], float32[:, ::1], float16[::1], float16[:, :
 
 
 @functools.cache
-def _jit(*key):
-    from numba import cuda
-    return cuda.jit(RMSNORM_SIG)(_rmsnorm_kernel(*key))
+def rmsnorm_kernel(hidden: int, eps: float, with_residual: bool):
+    """rmsnorm compiled for sm_90, named e.g. rmsnorm_h3584_eps1em06_res1."""
+    name = kernel_name("rmsnorm", h=hidden, eps=float(eps), res=bool(with_residual))
+    return compile_kernel(rmsnorm_body(hidden, eps, with_residual), RMSNORM_SIG, name)
 
 
 def rmsnorm_launcher(x, w, h, eps: float, residual=None):
@@ -90,7 +93,7 @@ def rmsnorm_launcher(x, w, h, eps: float, residual=None):
         r2 = residual.reshape(1, -1) if len(residual.shape) == 1 else residual
         if tuple(r2.shape) != (t, hid) or r2.dtype != np.float32:
             raise ValueError(f"rmsnorm: residual is {residual.dtype}{tuple(residual.shape)}")
-    kern = _jit(hid, float(eps), residual is not None)
+    kern = rmsnorm_kernel(hid, float(eps), residual is not None)
 
     def launch(stream=0):
         kern[t, THREADS, stream](x2, r2, w, h2)

@@ -25,6 +25,7 @@ import functools
 
 import numpy as np
 
+from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import PAGE, STATE_POS, check_paged_args
 
 
@@ -52,8 +53,8 @@ def rope_kv_reference(cfg, qkv: np.ndarray, pos: int):
 # ---- kernel ------------------------------------------------------------------------------------
 
 @functools.cache
-def _rope_kv_kernel(num_heads: int, num_kv: int, head_dim: int):
-    """rope_kv_h{num_heads}_kv{num_kv}_d{head_dim}."""
+def rope_kv_body(num_heads: int, num_kv: int, head_dim: int):
+    """The kernel body for num_heads query heads, num_kv kv heads of head_dim."""
     import math
 
     from numba import cuda
@@ -102,9 +103,10 @@ ROPE_KV_SIG = ("void(float32[::1], int32[::1], float32[::1], int32[::1], "
 
 
 @functools.cache
-def _jit(*key):
-    from numba import cuda
-    return cuda.jit(ROPE_KV_SIG)(_rope_kv_kernel(*key))  # no fastmath: see the module doc
+def rope_kv_kernel(num_heads: int, num_kv: int, head_dim: int):
+    """rope_kv compiled for sm_90, named e.g. rope_kv_hq28_hkv4_d128; no fastmath (module doc)."""
+    name = kernel_name("rope_kv", hq=num_heads, hkv=num_kv, d=head_dim)
+    return compile_kernel(rope_kv_body(num_heads, num_kv, head_dim), ROPE_KV_SIG, name)
 
 
 # ---- launcher ------------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def rope_kv_launcher(cfg, qkv, state, inv_freq, table, kv_layer, q_out):
         if tuple(a.shape) != shape or a.dtype != dt:
             raise ValueError(f"rope_kv: {name} is {a.dtype}{tuple(a.shape)}, want {np.dtype(dt)}{shape}")
     check_paged_args("rope_kv", cfg, kv_layer, table, state)
-    kern = _jit(hq, hkv, d)
+    kern = rope_kv_kernel(hq, hkv, d)
     grid = hq + 2 * hkv
 
     def launch(stream=0):

@@ -18,6 +18,7 @@ import functools
 
 import numpy as np
 
+from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import STATE_POS, STATE_STEP, STATE_TOKEN
 
 NB = 128
@@ -35,8 +36,8 @@ def argmax_reference(logits, state: np.ndarray, out_ids: np.ndarray) -> int:
 
 
 @functools.cache
-def _argmax_kernel(vocab: int):
-    """argmax_v{vocab}."""
+def argmax_body(vocab: int):
+    """The kernel body for a vocabulary of `vocab` logits."""
     from numba import cuda
     from numba.cuda.types import float32, int32
 
@@ -112,9 +113,9 @@ ARGMAX_SIG = "void(float32[::1], int32[::1], int32[::1], float32[::1], int32[::1
 
 
 @functools.cache
-def _jit(vocab: int):
-    from numba import cuda
-    return cuda.jit(ARGMAX_SIG)(_argmax_kernel(vocab))
+def argmax_kernel(vocab: int):
+    """argmax compiled for sm_90, named argmax_v{vocab}."""
+    return compile_kernel(argmax_body(vocab), ARGMAX_SIG, kernel_name("argmax", v=vocab))
 
 
 def argmax_workspace():
@@ -131,7 +132,7 @@ def argmax_launcher(logits, state, out_ids, workspace):
     if state.dtype != np.int32 or out_ids.dtype != np.int32:
         raise ValueError("argmax: state and out_ids must be int32")
     part_val, part_idx, ticket = workspace
-    kern = _jit(int(logits.shape[0]))
+    kern = argmax_kernel(int(logits.shape[0]))
 
     def launch(stream=0):
         kern[NB, THREADS, stream](logits, state, out_ids, part_val, part_idx, ticket)

@@ -7,7 +7,7 @@ One decode step (this file never holds a kernel body; nq/kernels does):
     per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
                q, KV page[pos] = rope(qkv)                            in its epilogue (qkv_rope;
                                                                       FUSE_ROPE=False: rope_kv)
-               o    = paged_attention(q, pages[0..pos])               attn_mma split + combine
+               o    = paged_attention(q, pages[0..pos])               attn_split + attn_combine
                x   += o @ Wo                                          GEMV, residual epilogue
                a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
                x   += a @ Wd                                          GEMV, residual epilogue
@@ -43,13 +43,11 @@ def memset_zero(arr, stream) -> None:
     _check(cu.cuMemsetD8Async(ptr, 0, arr.nbytes, stream_handle(stream)))
 
 
-# attn_mma_launcher options of the step ("fused": the combine in the split kernel's last CTA,
-# using self.attn_counters); chosen in the whole step graph by scripts/step_variants.py.
-# Measured in the step (docs/PERF.md): early copies -0.007 ms; min_pps 2 (at least two pages a
-# split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing at 8K; two rows a bulk copy
-# (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K; fused +0.35 ms (one CTA merging
-# 114 KB of partials is slower than the kernel boundary it saves).
-ATTN_OPTIONS = {"fused": False, "early": True, "min_pps": 2, "rows_per_copy": 2}
+# attention.decode_launcher options of the step, chosen in the whole step graph by
+# scripts/step_variants.py.  Measured in the step (docs/PERF.md): early copies -0.007 ms;
+# min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
+# at 8K; two rows a bulk copy (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K.
+ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2}
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
@@ -67,8 +65,7 @@ class Engine:
                  pdl: bool = True, prefill: str = "batched", prefill_chunk: int | None = None):
         from numba import cuda
 
-        from nq.kernels import rope_kv
-        from nq.kernels.attention import decode as attn_mma
+        from nq.kernels import attention, rope_kv
 
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
         self.stream = cuda.stream()
@@ -92,8 +89,7 @@ class Engine:
         self.a = cuda.device_array(c.intermediate_size, np.float16)           # SwiGLU output
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
-        self.part_acc, self.part_ml = attn_mma.attn_mma_workspace(c)
-        self.attn_counters = attn_mma.attn_mma_counters(c)  # the fused combine's (stay zero)
+        self.part_acc, self.part_ml = attention.decode_workspace(c)
         # what the start is made of (`nq generate --verbose`), seconds by part
         self.startup: dict[str, float] = {}
         t = time.perf_counter()
@@ -127,15 +123,13 @@ class Engine:
                      fuse_rope: bool | None = None) -> list:
         """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
         Shapes are checked here, once.  tilings / attn: see `variant`."""
-        from nq.kernels import embed, feed, lm_head, rope_kv
+        from nq.kernels import attention, embed, feed, lm_head, rope_kv
         from nq.kernels import sampling as argmax
-        from nq.kernels.attention import decode as attn_mma
         from nq.kernels.int4.gemv import make_qkv_rope_gemv
         from nq.runtime.weights import gemvs
 
         c, weights = self.cfg, self.w
         opts = dict(ATTN_OPTIONS, **(attn or {}))
-        fused = opts.pop("fused")
         tilings = dict(tilings or {})
         rope_tiling = tilings.pop("qkv_rope", None)
         g = gemvs(c, tilings, check_layout)
@@ -160,9 +154,9 @@ class Engine:
                     ("rope_kv_append", rope_kv.rope_kv_launcher(
                         c, self.qkv, self.state, self.inv_freq, self.d_table, kv_i, self.q))]
             steps += [
-                ("paged_attention", attn_mma.attn_mma_launcher(
+                ("paged_attention", attention.decode_launcher(
                     c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
-                    self.part_ml, counters=self.attn_counters if fused else None, **opts)),
+                    self.part_ml, **opts)),
                 ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
                 ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
                                                                 L.gu_s, self.a, st)),
@@ -179,7 +173,7 @@ class Engine:
                 fuse_rope: bool | None = None) -> None:
         """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
         ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
-        and attention launcher options (attn_mma_launcher keywords), warm it up and recapture.
+        and attention launcher options (attention.decode_launcher keywords), warm it up and recapture.
         The decode state is kept; `variant()` restores the defaults.  check_layout=False
         allows another ks (timing random weights only: the outputs are then wrong)."""
         self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope)

@@ -63,8 +63,7 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
 
     from nq.kernels import embed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
-    from nq.kernels.attention import combine as attn_decode
-    from nq.kernels.attention import decode as attn_mma
+    from nq.kernels import attention
     from nq.kernels.int4 import gemv as G
     from nq.paged import PAGE, gather_kv, pool_shape
     from nq.runtime.kv_cache import make_state
@@ -135,11 +134,11 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
         table[:need] = rng.permutation(need + 3)[:need]
         q = (2.0 * rng.standard_normal(cfg.q_size)).astype(np.float32)
         o = cuda.device_array(cfg.q_size, np.float16)
-        pa, pm = attn_mma.attn_mma_workspace(cfg)  # the engine's kernel
-        attn_mma.attn_mma_launcher(cfg, cuda.to_device(q), make_state(pos=length - 1),
-                                   cuda.to_device(table), cuda.to_device(pool_h), o, pa, pm)(s)
+        pa, pm = attention.decode_workspace(cfg)  # the engine's kernel
+        attention.decode_launcher(cfg, cuda.to_device(q), make_state(pos=length - 1),
+                                  cuda.to_device(table), cuda.to_device(pool_h), o, pa, pm)(s)
         k, v = gather_kv(pool_h, table, length)
-        ref = attn_decode.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
+        ref = attention.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
         got = o.copy_to_host(stream=s).astype(np.float64).reshape(ref.shape)
         # the tests' rtol 2e-3 / atol 1e-3, as one number: the worst |err| / (atol + rtol |ref|)
         err = float(np.max(np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))))

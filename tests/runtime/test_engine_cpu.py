@@ -38,9 +38,10 @@ def test_fill_hash_is_deterministic_and_spread():
 
 
 def test_engine_kernels_compile_for_sm90_without_local_memory():
-    ptx = compile_ptx_sm90(feed._feed, feed.FEED_SIG)
+    ptx = compile_ptx_sm90(feed.feed_body, feed.FEED_SIG)
     assert_no_local_memory(ptx)
-    for fn, sig in ((fill._fill_u32, fill.FILL_U32_SIG), (fill._fill_f16, fill.FILL_F16_SIG)):
+    for fn, sig in ((fill.fill_u32_body, fill.FILL_U32_SIG),
+                    (fill.fill_f16_body, fill.FILL_F16_SIG)):
         assert_no_local_memory(compile_ptx_sm90(fn, sig))
 
 

@@ -279,7 +279,7 @@ def test_step_timeline_critical_increments():
         k("feed_kernel", 10, 1), k("embed_k", 11, 1),
         k("gemv_int4_qkv_n4608", 12, 8),              # ends at 20
         k("rope_kv_h28", 13, 2),                      # ends at 15, under qkv's shadow: 0
-        k("attn_mma_g7", 14, 10),                     # ends at 24: +4
+        k("attn_split_gqa7", 14, 10),                 # ends at 24: +4
         k("feed_kernel", 30, 2), k("gemv_int4_down_n3584", 31, 5)]}
     steps = tl.split_steps(tl.kernels_from_trace(trace))
     assert [len(s) for s in steps] == [5, 2]

@@ -1,0 +1,120 @@
+"""How one decode attention call is cut up: the split plan, the measured defaults, the split
+kernel's shared-memory layout, the partial buffers and the launcher's argument check.
+
+Kernels, launcher, NumPy models and tests all read the numbers from here, so the plan has one
+definition (the kernels repeat its arithmetic on the device, from `state`, each step).
+
+Split plan (the same arithmetic in attn_split, attn_combine and `split_plan`):
+    n_pages  = ceil(length / PAGE)                    length = state[STATE_POS] + 1
+    pps      = max(min_pps, ceil(n_pages / max_splits))      pages per split
+    n_splits = ceil(n_pages / pps)                            every split has >= 1 page
+The grid is fixed at max_splits CTAs a kv head (so one captured graph serves every length);
+CTAs with split >= n_splits exit at once.
+
+Partials (one set per call site, reusable across layers; `decode_workspace`):
+    part_acc (max_splits, num_heads, head_dim) fp32   sum of exp2(score - m) v over the split
+    part_ml  (max_splits, num_heads, 2) fp32          (m, l): the split's max score (log2
+                                                      domain) and sum of exp2(score - m)
+
+Shared memory of attn_split: nstage x consumers page slots, each the page's 32 token rows
+(K rows 0-15, V rows 16-31) of 2*head_dim bytes, with PAD bytes after every rows_per_copy
+rows (`row_offset`): at one row a copy the 8 rows an ldmatrix phase reads fall in 8 different
+16-byte bank groups; 2**k rows a copy give a 2**k-way conflict and 1/2**k the copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nq.paged import PAGE, check_paged_args
+
+NEG_BIG = -1e30  # finite "-inf": exp2(NEG_BIG - m) == 0 and NEG_BIG - NEG_BIG is not NaN
+LOG2E = 1.4426950408889634
+PAD = 16         # bytes between padded row groups (one bank group)
+ALIGN = 16       # ldmatrix rows and bulk copies need 16-byte shared addresses
+
+# Defaults measured on the H200 (scripts/bench_attn.py, 28 layers of the 7B, us per layer at
+# 512 / 8K / 32K; docs/KERNELS_ATTN.md has the whole sweep):
+#   1 consumer, 3 stages, 4 rows a copy, 66 splits    9.8 / 16.5 / 33.4   <- the defaults
+#   2 consumers, 3 stages, 1 row a copy, 66 splits   10.6 / 18.2 / 48.2   (512 bulk copies a
+#       page-pair: the copy engine's issue rate, not bandwidth, bounded it at long contexts)
+#   2 consumers, 3 stages, 32 rows (one copy a page)  11.0 / 19.6 / 37.0   (8-way ldmatrix conflicts)
+#   max_splits 33 (1 CTA an SM)                       ~10 / 25.6 / 82.9
+#   max_splits 132: 10.5 / 18.2 / 33.0; 4 consumers x 2 stages: 11.6-12.4 / 18.7-21.2 / 39-45
+# One consumer warp computes a page for all GQA heads in ~50 tensor-core instructions, so more
+# consumers only add merge work; short contexts stay launch- and latency-bound (~10 us).
+# In the whole step graph (docs/PERF.md 0.3) 2 rows a copy and min_pps 2 won instead: the
+# engine passes them (nq/runtime/engine.py ATTN_OPTIONS).
+CONSUMERS = 1       # consumer warps = pages per stage
+NSTAGE = 3          # stages of CONSUMERS pages each
+ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
+MIN_PPS = 1         # fewest pages a split takes (the fp32 kernel's 512-token figure: 15.7 vs
+#                     20.7 us at 4; in the step 2 wins by 0.013 ms at 512, docs/PERF.md 0.3)
+CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads): 66 for the 7B
+
+
+def split_plan(length: int, max_splits: int, min_pps: int = MIN_PPS) -> tuple[int, int]:
+    """(pages per split, number of splits) for a context of `length` tokens (module doc)."""
+    n_pages = -(-length // PAGE)
+    pps = max(min_pps, -(-n_pages // max_splits))
+    return pps, -(-n_pages // pps)
+
+
+def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = CTAS_PER_SM) -> int:
+    return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
+
+
+# ---- attn_split's shared memory ------------------------------------------------------------------
+
+def row_offset(r: int, head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
+    """Byte offset of token row r (0-15 K, 16-31 V) in a page slot of shared memory."""
+    return r * 2 * head_dim + (r // rows_per_copy) * PAD
+
+
+def page_slot_bytes(head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
+    return 2 * PAGE * 2 * head_dim + (2 * PAGE // rows_per_copy) * PAD
+
+
+def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
+               rows_per_copy: int = ROWS_PER_COPY) -> int:
+    """Dynamic shared memory of the split kernel: nstage x consumers padded page slots, plus
+    slack to align them (numba declares the dynamic array `.align 4`)."""
+    return nstage * consumers * page_slot_bytes(head_dim, rows_per_copy) + ALIGN
+
+
+def barrier_bytes(nstage: int) -> int:
+    """Static shared memory of the split kernel: full[nstage], empty[nstage], merge and one
+    spare mbarrier (an even count keeps the array 16 bytes long)."""
+    return 8 * (2 * nstage + 2)
+
+
+# ---- partials and arguments ----------------------------------------------------------------------
+
+def decode_workspace(cfg, max_splits: int | None = None):
+    """Device partial buffers (part_acc, part_ml) for one attention call site (module doc)."""
+    from numba import cuda
+    ms = max_splits or default_max_splits(cfg.num_kv_heads)
+    part_acc = cuda.device_array((ms, cfg.num_heads, cfg.head_dim), np.float32)  # (max_splits, Hq, D)
+    part_ml = cuda.device_array((ms, cfg.num_heads, 2), np.float32)              # (max_splits, Hq, (m, l))
+    return part_acc, part_ml
+
+
+def check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml) -> None:
+    """Refuse arguments the decode kernels cannot take, with what was given and what is wanted."""
+    gqa, d, hq = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads
+    if not 1 <= gqa <= 8:
+        raise ValueError(f"attention supports 1..8 query heads per kv head, got {gqa}")
+    if d not in (64, 128):
+        raise ValueError(f"attention supports head_dim 64 or 128, got {d}")
+    ms = part_acc.shape[0]
+    want = {"q": (q, (hq * d,), np.float32), "o": (o, (hq * d,), np.float16),
+            "part_acc": (part_acc, (ms, hq, d), np.float32),
+            "part_ml": (part_ml, (ms, hq, 2), np.float32)}
+    for name, (a, shape, dt) in want.items():
+        if tuple(a.shape) != shape or a.dtype != dt:
+            raise ValueError(f"attention: {name} is {a.dtype}{tuple(a.shape)}, want "
+                             f"{np.dtype(dt)}{shape} (decode_workspace makes part_acc, part_ml)")
+    check_paged_args("attention", cfg, kv_layer, table, state)
+    from nq.ptx import SIMULATOR  # the simulator's arrays are host arrays, aligned as numpy likes
+    if not SIMULATOR and kv_layer.__cuda_array_interface__["data"][0] % 128:
+        raise ValueError("attention: kv_layer must be 128-byte aligned (bulk copies); pass a "
+                         "layer of the pool nq/runtime/kv_cache.py allocates")

@@ -1,0 +1,194 @@
+"""CPU tier for the decode attention kernels (nq/kernels/attention/decode.py, combine.py): sm_90
+PTX compiled offline with the instructions and tensor-core work they promise, ptxas's registers,
+the kernels' names, the launcher's refusals, and split + combine run end to end under the CUDA
+simulator against the float64 reference."""
+import textwrap
+
+import numpy as np
+import pytest
+
+from nq.config import tiny_config
+from nq.kernels.attention import combine, decode, plan
+
+from ptx_util import (assert_no_local_memory, assert_uses, compile_ptx_sm90, compiled_name,
+                      count, have_ptxas, ptxas_report, run_under_simulator)
+
+
+# ---- compiled code -------------------------------------------------------------------------------
+
+def _ptx(gqa, d, hkv, nc, nstage=plan.NSTAGE, rpc=plan.ROWS_PER_COPY, early=False, max_splits=33):
+    body = decode.split_body(gqa, d, hkv, nc, nstage, rpc, max_splits, plan.MIN_PPS, early)
+    return compile_ptx_sm90(body, decode.SPLIT_SIG, fastmath=True)
+
+
+@pytest.mark.parametrize("nc", [1, 2, 4])
+@pytest.mark.parametrize("gqa,d,hkv", [(7, 128, 4), (2, 64, 2), (8, 128, 1), (1, 64, 8)])
+def test_split_ptx(gqa, d, hkv, nc):
+    ptx = _ptx(gqa, d, hkv, nc)
+    assert_uses(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx", "fence.proxy.async",
+                "griddepcontrol.wait", "ex2.approx")
+    # Per page: D/16 k-steps x 2 token n-tiles (scores), 1 (l = P.1), D/8 dim n-tiles (P V);
+    # all unrolled, so each appears once in the PTX.
+    assert count(ptx, "mma.sync.aligned.m16n8k16") == d // 16 * 2 + 1 + d // 8
+    assert count(ptx, "ldmatrix.sync.aligned.m8n8.x4") == d // 8
+    # The partials go to global memory once a CTA, and nothing else: no atomics, no fences,
+    # no fp16 stores (o is the combine's), and no early trigger of the dependents.
+    assert count(ptx, "atom.global") == 0 and count(ptx, "membar.gl") == 0
+    assert count(ptx, "st.global.u16") == 0
+    assert count(ptx, "griddepcontrol.launch_dependents") == 0
+    assert_no_local_memory(ptx)
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="neither nvJitLink (cuda.core) nor ptxas")
+@pytest.mark.parametrize("gqa,d,hkv,nc", [(7, 128, 4, 1), (7, 128, 4, 2), (2, 64, 2, 1)])
+def test_split_registers(gqa, d, hkv, nc):
+    regs, spills = ptxas_report(_ptx(gqa, d, hkv, nc))
+    # 159 at d128 (numba-cuda 0.30; 144 with nvJitLink 13.5): (NC+1) warps a CTA, so registers
+    # do not bound occupancy below ~255; spills would put local memory in the page loop.
+    assert spills == 0 and regs <= 192
+
+
+@pytest.mark.parametrize("nstage,rpc", [(2, 32), (4, 2)])
+def test_split_ptx_copy_variants(nstage, rpc):
+    assert_no_local_memory(_ptx(7, 128, 4, 2, nstage, rpc))
+
+
+def test_split_ptx_early():
+    # early: one wait in the consumer branch, one before the last page's copies
+    ptx = _ptx(7, 128, 4, 1, early=True)
+    assert count(ptx, "griddepcontrol.wait") == 2
+    assert count(_ptx(7, 128, 4, 1), "griddepcontrol.wait") == 1
+    assert_no_local_memory(ptx)
+
+
+def test_combine_ptx():
+    ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2), combine.COMBINE_SIG, fastmath=True)
+    assert_uses(ptx, "griddepcontrol.launch_dependents", "griddepcontrol.wait", "ex2.approx",
+                "cvt.rn.f16.f32")
+    assert_no_local_memory(ptx)
+
+
+def test_kernel_names_spell_every_constant():
+    assert (compiled_name(decode.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
+            == "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1")
+    assert (compiled_name(combine.combine_kernel, 128, 66, 2)
+            == "attn_combine_d128_splits66_minpps2")
+
+
+def test_argument_check_refuses_with_what_it_wants():
+    cfg = tiny_config()
+    pa = np.zeros((4, cfg.num_heads, cfg.head_dim), np.float32)
+    pm = np.zeros((4, cfg.num_heads, 2), np.float32)
+    ok = dict(q=np.zeros(cfg.q_size, np.float32), state=np.zeros(4, np.int32),
+              table=np.zeros(8, np.int32), kv_layer=np.zeros((8, cfg.num_kv_heads, 2, 16,
+                                                              cfg.head_dim), np.float16),
+              o=np.zeros(cfg.q_size, np.float16), part_acc=pa, part_ml=pm)
+    for name, bad, match in (("q", np.zeros(3, np.float32), "q is float32"),
+                             ("o", np.zeros(cfg.q_size, np.float32), "o is float32"),
+                             ("part_ml", pm[:3], "part_ml is"),
+                             ("kv_layer", ok["kv_layer"].astype(np.float32), "kv_layer is")):
+        with pytest.raises(ValueError, match=match):
+            plan.check_attention_args(cfg, **dict(ok, **{name: bad}))
+
+
+# ---- the kernels under the CUDA simulator -------------------------------------------------------
+
+SIM_SCRIPT = textwrap.dedent('''
+    import time
+
+    import numpy as np
+    from numba import cuda
+    from numba.cuda.simulator import kernel as simk, kernelapi
+    from nq.ptx import _sim
+
+    # The simulator has no shuffles or __syncwarp: rendezvous of the caller's warp.
+    kernelapi.FakeCUDAModule.shfl_xor_sync = \\
+        lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+    kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
+
+    # The block manager polls its threads' is_alive() in a busy loop that holds the GIL against
+    # every 32-thread rendezvous (each mma and ldmatrix): a short sleep every 64 polls makes the
+    # run ~2.5x faster and changes nothing else.
+    _polls = [0]
+    _is_alive = simk.BlockThread.is_alive
+    def _throttled_is_alive(self):
+        _polls[0] += 1
+        if _polls[0] % 64 == 0:
+            time.sleep(2e-4)
+        return _is_alive(self)
+    simk.BlockThread.is_alive = _throttled_is_alive
+
+    from nq.config import tiny_config
+    from nq.kernels import attention
+    from nq.paged import PAGE, gather_kv, pool_shape
+    from nq.runtime.kv_cache import make_state
+
+    def inputs(cfg, length, seed):
+        """Scattered pages with NaN in every slot the kernels must not read; q; the reference."""
+        rng = np.random.default_rng(seed)
+        need = -(-length // PAGE)
+        n_pages = need + 2
+        pool = rng.standard_normal(pool_shape(cfg, n_pages)[1:]).astype(np.float16)
+        table = np.zeros(need + 2, np.int32)
+        table[:need] = rng.permutation(n_pages)[:need]  # scattered pages
+        k, v = gather_kv(pool, table, length)
+        # Stale slots past the length and unused pages hold NaN: any read of them shows.
+        pool[table[need - 1], :, :, length - (need - 1) * PAGE:] = np.nan
+        pool[np.setdiff1d(np.arange(n_pages), table[:need])] = np.nan
+        q = (rng.standard_normal(cfg.q_size) * 2).astype(np.float32)
+        ref = attention.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
+        args = (cuda.to_device(q), make_state(pos=length - 1), cuda.to_device(table),
+                cuda.to_device(pool))
+        return args, ref
+
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1):
+        args, ref = inputs(cfg, length, seed)
+        o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
+        pa, pm = attention.decode_workspace(cfg, ms)
+        pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
+        launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
+                                           rows_per_copy=rpc, early=early, min_pps=min_pps)
+        launch()
+        got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
+        err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
+        name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
+                f"_e{int(early)}_p{min_pps}")
+        print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
+
+    g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
+    g7 = tiny_config(head_dim=64, num_heads=14, num_kv_heads=2)
+    g8 = tiny_config(head_dim=128, num_heads=8, num_kv_heads=1)
+    case(g2, 40, 2, 2, 2, 1, 0)    # 2 splits (2 + 1 pages): an idle consumer in the merge, tail 8
+    case(g2, 1, 3, 1, 3, 1, 1)     # one token, NC=1 (no merge)
+    case(g2, 40, 1, 1, 2, 32, 2)   # one split of 3 pages over 2 stages: wraps; one copy a page
+    case(g2, 49, 3, 4, 2, 2, 3)    # NC=4, 2 pages a split (2 idle consumers), tail of 1 token
+    case(g7, 17, 1, 2, 2, 1, 4)    # odd GQA (rows 7-15 padding), kv head 1
+    case(g8, 20, 1, 2, 3, 1, 5)    # GQA 8 fills the 8 rows, d128: one page per consumer, tail 4
+    case(g2, 72, 2, 1, 3, 2, 6, early=True, min_pps=2)  # the engine's options: 5 pages, 3 + 2
+    #                                  a split, the last page's stage waits first
+''')
+
+SIM_CASES = 7
+
+
+@pytest.mark.slow
+def test_split_and_combine_under_the_simulator():
+    """~20 s: the simulator runs each mma/ldmatrix as a 32-thread rendezvous in Python."""
+    errs, stdout = run_under_simulator(SIM_SCRIPT, timeout=600)
+    assert len(errs) == SIM_CASES, stdout
+    bad = {name: e for name, e in errs.items() if not e <= 1.0}  # err / (atol + rtol |ref|)
+    assert not bad, bad
+
+
+def test_engine_options_are_launcher_keywords():
+    """The engine's ATTN_OPTIONS (what the 7B step runs) are knobs decode_launcher still has."""
+    import inspect
+
+    from nq.runtime.engine import ATTN_OPTIONS
+    knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
+             if p.kind is p.KEYWORD_ONLY}
+    assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early"}
