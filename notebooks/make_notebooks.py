@@ -90,19 +90,21 @@ assert np.array_equal(dequantize_packed(packed, scales), q.astype(np.float32) * 
     md("""
 ## The kernel that does this
 
-`nq/kernels/int4/gemv.py` builds one kernel per (kind, N, K, tiling) at JIT time. Numba
-compiles it to PTX for sm_90 with no GPU present; the wrappers' instructions appear verbatim.
+`nq/kernels/int4/gemv.py` builds one kernel per (kind, N, K, tiling) at JIT time, named after
+every constant it bakes in. Numba compiles it to PTX for sm_90 with no GPU present; the
+wrappers' instructions appear verbatim.
 """),
     code("""
 from tests.ptx_util import compile_ptx_sm90, count
-from nq.kernels.int4 import gemv as G
+from nq.kernels import int4
+from nq.kernels.int4 import gemv
 from nq.config import PRESETS
 
 cfg = PRESETS["7b"]
-t = G.default_tiling("gate_up", cfg.intermediate_size, cfg.hidden_size)
-pyfunc, sig = G.build_kernel("gate_up", cfg.intermediate_size, cfg.hidden_size, t, cfg.rms_norm_eps)
+t = int4.default_tiling("gate_up", cfg.intermediate_size, cfg.hidden_size)
+pyfunc, sig = gemv.build_kernel("gate_up", cfg.intermediate_size, cfg.hidden_size, t, cfg.rms_norm_eps)
 ptx = compile_ptx_sm90(pyfunc, sig)
-print(t)
+print(gemv.gemv_name("gate_up", cfg.intermediate_size, cfg.hidden_size, t, cfg.rms_norm_eps))
 for ins in ("ld.global.nc.v4.u32", "lop3.b32", "fma.rn.f16x2", "add.rn.f16x2", "ld.local", "st.local"):
     print(f"{ins:22s}", count(ptx, ins))
 """),
@@ -118,7 +120,7 @@ from nq.loader.quant import quantize_pack
 from nq.ref import rms_norm, swiglu
 
 if cuda.is_available():
-    gu = G.make_gate_up_gemv(cfg)
+    gu = int4.make_gate_up_gemv(cfg)
     wg = rng.standard_normal((cfg.intermediate_size, cfg.hidden_size)).astype(np.float32) / 60
     wu = rng.standard_normal((cfg.intermediate_size, cfg.hidden_size)).astype(np.float32) / 60
     (gq, gs), (uq, us) = quantize_pack(wg), quantize_pack(wu)
@@ -225,14 +227,14 @@ sys.path.insert(0, os.getcwd())  # run from the repository root
 import numpy as np
 from nq import ptx as P
 from nq.ptx.mma import a_coords, mma_m16n8k16_f16_f32_warp
-from nq.kernels.int4 import gemv_mma as M
+from nq.kernels.int4.layout import mma_layout
 from nq.loader.quant import quantize_int4, pack_value_shuffle
 
 rng = np.random.default_rng(7)
 w = rng.standard_normal((16, 128)).astype(np.float32)   # one 16-row tile, one group of 128
 q, scales = quantize_int4(w)                             # int8 in [-7, 7], fp16 (16, 1)
 file_words = pack_value_shuffle(q)                       # (16, 16): the file's row-major words
-frag = M.mma_layout(file_words).reshape(32, 8)           # [lane][8 words]: a warp's group
+frag = mma_layout(file_words).reshape(32, 8)           # [lane][8 words]: a warp's group
 print("lane 5 loads the words", [hex(int(u)) for u in frag[5, :2]], "...")
 """),
     md("""
@@ -242,7 +244,7 @@ the PTX ISA says register a_r of lane (g, t) must hold A[g + 8(r % 2), 2t + 8(r 
 (`nq.ptx.mma.a_coords`).  Every lane, every word:
 """),
     code("""
-def dequant_word(u):            # the 9 instructions of nq/kernels/int4/gemv.dequant_word
+def dequant_word(u):            # the 9 instructions of nq/kernels/int4/dequant.dequant_word
     regs = []
     for v in (u, u >> 8):
         regs.append(P.add_rn_f16x2.twin(P.lop3_b32.twin(v, 0x000F000F, 0x64086408, P.LUT_AND_XOR),
@@ -290,18 +292,19 @@ y = rows * scales[:, 0].astype(np.float32)               # then the row's scale
 ## The kernel
 
 `build_kernel` specialises one kernel per (kind, N, K, tiling).  The 7B's down: a block of 32
-warps holds two tiles; the 16 warps of a tile split its 148 groups (`Tiling.ks`), each with
+warps holds two tiles; the 16 warps of a tile split its 148 groups (`MmaTiling.warps`), each with
 the next group's loads in flight; their partials meet in shared memory and one thread a row
 adds them in a fixed order (deterministic).  The PTX for sm_90, no GPU needed:
 """),
     code("""
 from tests.ptx_util import compile_ptx_sm90, count
 from nq.config import PRESETS
-from nq.kernels.int4 import gemv as G
+from nq.kernels import int4
+from nq.kernels.int4 import gemv_mma
 
 cfg = PRESETS["7b"]
-t = G.default_tiling("down", cfg.hidden_size, cfg.intermediate_size)
-pyfunc, sig = M.build_kernel("down", cfg.hidden_size, cfg.intermediate_size, t)
+t = int4.default_tiling("down", cfg.hidden_size, cfg.intermediate_size)
+pyfunc, sig = gemv_mma.build_kernel("down", cfg.hidden_size, cfg.intermediate_size, t)
 ptx = compile_ptx_sm90(pyfunc, sig)
 print(t.tag())
 for ins in ("mma.sync.aligned.m16n8k16", "lop3.b32", "ld.global.nc.v4.u32", "ld.shared.v2.u32",
@@ -313,10 +316,11 @@ Per group a warp issues 8 mmas and 32 `lop3` (4 per word); the loop body handles
 (two register sets taking turns), hence 16 and 64, and nothing spills to local memory.  To
 try another shape, change the tiling and time it inside the whole step graph on a GPU, e.g.
 
-    python3 scripts/step_variants.py --ctx 512,8192 "down.ks=8" "down.threads=512" "o_proj.mma=0"
+    python3 scripts/step_variants.py --ctx 512,8192 "down.warps=8" "down.threads=512" "o_proj.mma=0"
 
-(`docs/KERNELS_GEMV.md` lists what was measured: more warps a tile, two groups in flight,
-split-K across blocks, gate_up on the tensor cores).
+(`docs/KERNELS_GEMV.md` lists what was measured: more warps a tile, and three variants that
+lost and were retired -- two groups in flight, split-K across blocks, gate_up on the tensor
+cores; their code is at commit 13c221c).
 """),
     code("""
 from numba import cuda
@@ -324,7 +328,7 @@ from numba import cuda
 if cuda.is_available():
     from nq.loader.quant import dequantize_packed, quantize_pack
     n, k = cfg.hidden_size, cfg.intermediate_size
-    g = G.make_down_gemv(cfg)                     # the default: gemv_mma on the tensor cores
+    g = int4.make_down_gemv(cfg)                  # the default: gemv_mma on the tensor cores
     qw, sc = quantize_pack(rng.standard_normal((n, k)).astype(np.float32) / 100)
     pq, ps = g.prepare([(qw, sc)])                # the file layout -> mma_layout
     act = (rng.standard_normal(k)).astype(np.float16)

@@ -27,27 +27,25 @@ import torch  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from nq.config import PRESETS  # noqa: E402
-from nq.kernels.int4 import gemv as G  # noqa: E402
 from nq.kernels import lm_head as L  # noqa: E402
+from nq.kernels.int4 import launch  # noqa: E402
+from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling  # noqa: E402
 
 CFG = PRESETS["7b"]
 H, I, QKV = CFG.hidden_size, CFG.intermediate_size, CFG.qkv_size
 SHAPES = {"qkv": (QKV, H, QKV), "o_proj": (H, H, H), "gate_up": (I, H, 2 * I), "down": (H, I, H)}
-T = G.Tiling
+T = Tiling
 CANDIDATES = {  # the default first; then block sizes that make the grid a whole number of
     # waves over 132 SMs (288 blocks of qkv's 16 rows put 3 blocks on some SMs, 2 on others)
-    "qkv": [G.default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
+    "qkv": [default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
             T(7, threads=288)],
     # o_proj and down default to the tensor cores; the CUDA-core default second
-    "o_proj": [G.default_tiling("o_proj", H, H), G.default_tiling("o_proj", H, H, mma=False),
-               T(14, threads=448), T(7, threads=224)],
-    # two steps in flight a thread (prefetch=2): down has one step in flight at 16 warps an SM
-    # (91 registers at pf2, still one 512-thread block an SM); gate_up's pf2 costs 157
-    "gate_up": [G.default_tiling("gate_up", I, H), T(4, threads=128, prefetch=2, span=128),
-                T(4, threads=64, prefetch=2, span=128)],
-    "down": [G.default_tiling("down", H, I), G.default_tiling("down", H, I, mma=False),
-             T(16, threads=512, prefetch=2),
-             T(8, threads=256, prefetch=2)],
+    "o_proj": [default_tiling("o_proj", H, H), default_tiling("o_proj", H, H, mma=False),
+               T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448)],
+    "gate_up": [default_tiling("gate_up", I, H), T(4, threads=128, span=128),
+                T(4, threads=256, span=128)],
+    "down": [default_tiling("down", H, I), default_tiling("down", H, I, mma=False),
+             MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512)],
 }
 
 
@@ -153,14 +151,13 @@ def launcher(kind, g, b, qw, sc):
 
 def make(kind, tiling):
     n_out, k, _ = SHAPES[kind]
-    if tiling.mma:   # the tensor-core kernels (nq/kernels/int4/gemv_mma.py)
-        return {"o_proj": G.make_o_proj_gemv, "down": G.make_down_gemv,
-                "gate_up": G.make_gate_up_gemv}[kind](CFG, tiling)
+    if isinstance(tiling, MmaTiling):   # the tensor-core kernel (nq/kernels/int4/gemv_mma.py)
+        return launch.ResidualMmaGemv(kind, n_out, k, tiling)
     if kind == "qkv":
-        return G.QkvGemv(CFG, n_out, k, n_out, tiling)
+        return launch.QkvGemv(CFG, n_out, k, n_out, tiling)
     if kind == "gate_up":
-        return G.GateUpGemv(CFG, n_out, k, 2 * n_out, tiling)
-    return G.ResidualGemv(kind, CFG, n_out, k, n_out, tiling)
+        return launch.GateUpGemv(CFG, n_out, k, 2 * n_out, tiling)
+    return launch.ResidualGemv(kind, CFG, n_out, k, n_out, tiling)
 
 
 def bench_shapes(b, ceiling, quick, results, kinds=()):
@@ -220,7 +217,8 @@ def bench_lm_head(b, ceiling, quick, results):
 
 
 def bench_chain(b, best, head_kw, w_head, ceiling, results):
-    gs = {kind: make(kind, best[kind][0] if kind in best else None) for kind in SHAPES}
+    gs = {kind: make(kind, best[kind][0] if kind in best else CANDIDATES[kind][0])
+          for kind in SHAPES}
     layers = []
     nbytes = 0
     for _ in range(CFG.num_layers):

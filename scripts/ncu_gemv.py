@@ -1,13 +1,14 @@
 """Launch each default 7B INT4 GEMV a few times, eagerly, for Nsight Compute to read.
 
     source scripts/h200_env.sh
-    ncu --clock-control none --kernel-name regex:gemv_int4_down --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:gemv_mma_down --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 scripts/ncu_gemv.py
 
 Each launch reads its own copy of the weights (4 copies, so the one profiled is not in L2
-from the launch before it, as in the decode step).  `--tiling kind=ks,threads[,key=value...]`
-profiles another tiling, e.g. `--tiling down=16,512,prefetch=2`.
+from the launch before it, as in the decode step).  `--tiling kind=N,threads[,key=value...]`
+profiles another tiling of the default's type, N its first field (a Tiling's ks, an
+MmaTiling's warps), e.g. `--tiling down=8,512` or `--tiling gate_up=4,256,span=32`.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import bench_gemv as B  # noqa: E402
-from nq.kernels.int4 import gemv as G  # noqa: E402
+from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling  # noqa: E402
 
 
-def parse_tiling(kind: str, spec: str) -> G.Tiling:
+def parse_tiling(kind: str, spec: str) -> Tiling | MmaTiling:
     n_out, k, _ = B.SHAPES[kind]
-    base = G.default_tiling(kind, n_out, k)
+    base = default_tiling(kind, n_out, k)
     head, *rest = spec.split(",")
-    fields = {"ks": int(head)}
+    fields = {dataclasses.fields(base)[0].name: int(head)}
     for i, item in enumerate(rest):
         if "=" in item:
             key, value = item.split("=")
@@ -49,13 +50,13 @@ def main():
     b = B.Buffers()
     for kind in args.kinds.split(","):
         n_out, k, n_rows = B.SHAPES[kind]
-        t = parse_tiling(kind, overrides[kind]) if kind in overrides else G.default_tiling(kind, n_out, k)
+        t = parse_tiling(kind, overrides[kind]) if kind in overrides else default_tiling(kind, n_out, k)
         g = B.make(kind, t)
         ws = [(B.dev_u32(n_rows, k // 8), B.dev_f16(n_rows, k // 128)) for _ in range(args.launches)]
         for qw, sc in ws:
             B.launcher(kind, g, b, qw, sc)(0)
         torch.cuda.synchronize()
-        print(f"{kind}: {t.tag()} grid {g.grid} x {t.block}, {B.kernel_info(g)}", flush=True)
+        print(f"{kind}: {t.tag()} grid {g.grid} x {g.block}, {B.kernel_info(g)}", flush=True)
         del ws
 
 

@@ -90,8 +90,7 @@ def build_step_kernels(cfg) -> None:
     nq/runtime/engine.py's `_build_steps` when a kernel joins or leaves the step."""
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
     from nq.kernels.attention import combine, decode, plan
-    from nq.kernels.int4 import retile
-    from nq.kernels.int4.gemv import make_qkv_rope_gemv
+    from nq.kernels.int4 import make_qkv_rope_gemv, retile
     from nq.runtime.engine import ATTN_OPTIONS
     from nq.runtime.weights import gemvs
 
@@ -110,8 +109,8 @@ def build_step_kernels(cfg) -> None:
     rope_kv.rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     for residual in (True, False):
         rmsnorm.rmsnorm_kernel(cfg.hidden_size, float(cfg.rms_norm_eps), residual)
-    retile._jit()
-    retile._jit_mma()
+    retile.compile_retile_rows()
+    retile.compile_retile_mma()
     fill.fill_kernels()
 
 

@@ -7,16 +7,18 @@ on the GPU) and, for each variant, rebuilds the step with other GEMV tilings or 
 options (`Engine.variant`), recaptures it and times decode steps at each context.
 
     python3 scripts/step_variants.py --ctx 512,8192 \\
-        "down.prefetch=2" "down.prefetch=2 down.threads=256" "attn.early=1" --leave-out
+        "down.warps=8" "down.mma=0 down.threads=256" "attn.early=1" --leave-out
 
 A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
-gate_up, down; fields of nq.kernels.int4.gemv.Tiling -- a new ks reads the weights in the
-wrong order, which is fine for timing random weights and nothing else) or `attn` (keywords of
-nq.kernels.attention.decode_launcher: consumers, nstage, rows_per_copy, min_pps, early), or
-rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv; its tiling: qkv_rope.field=value).
-The baseline is timed first and last (drift between them is printed).  --leave-out also times
-the step with each region left out (the results are garbage, the timing is not): a region's
-marginal cost in the step.
+gate_up, down; fields of its tiling, nq.kernels.int4.tiling: a Tiling's ks, rows, threads,
+prefetch, span, min_blocks, an MmaTiling's warps, threads, min_blocks -- a new ks reads the
+weights in the wrong order, which is fine for timing random weights and nothing else;
+`kind.mma=0` / `kind.mma=1` first switches o_proj or down to the shape's CUDA-core /
+tensor-core default tiling) or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
+rows_per_copy, min_pps, early), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
+its tiling: qkv_rope.field=value).  The baseline is timed first and last
+(drift between them is printed).  --leave-out also times the step with each region left out
+(the results are garbage, the timing is not): a region's marginal cost in the step.
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nq.config import PRESETS  # noqa: E402
 
 
-def parse_variant(text: str, defaults: dict) -> tuple[dict, dict, bool | None]:
-    """'down.prefetch=2 attn.early=1 rope.fused=1' -> ({kind: Tiling}, {attn keyword: value},
-    fuse_rope)."""
+def parse_variant(text: str, defaults: dict, engines: dict | None = None
+                  ) -> tuple[dict, dict, bool | None]:
+    """'down.warps=8 attn.early=1 rope.fused=1' -> ({kind: tiling}, {attn keyword: value},
+    fuse_rope).  defaults: {kind: its default tiling}; engines: {kind: (CUDA-core tiling,
+    tensor-core tiling or None)}, what kind.mma=0 / kind.mma=1 switch to."""
     tilings, attn, rope = {}, {}, None
     for item in text.split():
         key, _, value = item.partition("=")
@@ -47,9 +51,19 @@ def parse_variant(text: str, defaults: dict) -> tuple[dict, dict, bool | None]:
             attn[field] = bool(v) if field == "early" else v
         elif kind == "rope" and field == "fused":
             rope = bool(v)
+        elif kind in defaults and field == "mma":
+            t = (engines or {}).get(kind, (None, None))[bool(v)]
+            if t is None:
+                raise SystemExit(f"step_variants: {item!r}: no such tiling for {kind}")
+            tilings[kind] = t
         elif kind in defaults:
             base = tilings.get(kind, defaults[kind])
-            tilings[kind] = dataclasses.replace(base, **{field: v})
+            try:
+                tilings[kind] = dataclasses.replace(base, **{field: v})
+            except TypeError:
+                names = [f.name for f in dataclasses.fields(base)]
+                raise SystemExit(f"step_variants: {item!r}: {type(base).__name__} has no field "
+                                 f"{field!r}; one of {names} (or mma=0/1)") from None
         else:
             raise SystemExit(f"step_variants: unknown kind {kind!r} in {item!r}")
     return tilings, attn, rope
@@ -94,9 +108,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     eng = Engine.random(cfg, max_len=max(ctxs) + 16 * a.steps + 64)
     print(f"engine built in {time.perf_counter() - t0:.1f} s", flush=True)
-    from nq.kernels.int4.gemv import make_qkv_rope_gemv
-    defaults = {k: g.tiling for k, g in gemvs(cfg).items()}
+    from nq.kernels.int4 import default_tiling, make_qkv_rope_gemv, mma_tiling
+    launchers = gemvs(cfg)
+    defaults = {k: g.tiling for k, g in launchers.items()}
     defaults["qkv_rope"] = make_qkv_rope_gemv(cfg).tiling
+    engines = {k: (default_tiling(k, g.n_out, g.k, mma=False), mma_tiling(k, g.n_out, g.k))
+               for k, g in launchers.items()}
     results = []
 
     def run(name, tilings, attn, rope=None):
@@ -114,7 +131,7 @@ def main(argv=None) -> int:
 
     run("baseline", None, None)
     for v in a.variants:
-        run(v, *parse_variant(v, defaults))
+        run(v, *parse_variant(v, defaults, engines))
     run("baseline (again)", None, None)
     if a.leave_out:
         eng.variant()

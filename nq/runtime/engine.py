@@ -125,7 +125,7 @@ class Engine:
         Shapes are checked here, once.  tilings / attn: see `variant`."""
         from nq.kernels import attention, embed, feed, lm_head, rope_kv
         from nq.kernels import sampling as argmax
-        from nq.kernels.int4.gemv import make_qkv_rope_gemv
+        from nq.kernels.int4 import make_qkv_rope_gemv
         from nq.runtime.weights import gemvs
 
         c, weights = self.cfg, self.w
@@ -172,10 +172,10 @@ class Engine:
     def variant(self, tilings=None, attn=None, check_layout: bool = True,
                 fuse_rope: bool | None = None) -> None:
         """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
-        ({kind: Tiling}; each must keep the uploaded weights' `ks`, which fixes their layout)
+        ({kind: Tiling or MmaTiling}; each must keep the uploaded weights' layout: `layout()`)
         and attention launcher options (attention.decode_launcher keywords), warm it up and recapture.
         The decode state is kept; `variant()` restores the defaults.  check_layout=False
-        allows another ks (timing random weights only: the outputs are then wrong)."""
+        allows another layout (timing random weights only: the outputs are then wrong)."""
         self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope)
         self.run_eager()
         self.stream.synchronize()

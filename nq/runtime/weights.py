@@ -1,9 +1,10 @@
 """Model weights on the GPU: uploaded from a mmapped .nanoqwen, or made random on the device.
 
-The GEMV kernels read the INT4 projections in their own tiled order (nq/kernels/int4/gemv.py:
-`prepare` concatenates q|k|v and gate|up along the output rows and permutes each row's
-16-byte chunks); everything else is uploaded as stored.  Each buffer is its own allocation,
-and numba aligns every allocation to at least 256 bytes, so every 16-byte load is aligned.
+The GEMV kernels read the INT4 projections in their own layout (nq/kernels/int4/layout.py:
+a launcher's `prepare` concatenates q|k|v and gate|up along the output rows, then permutes
+each row's 16-byte chunks or, for the tensor-core GEMV, builds mma fragments); everything else
+is uploaded as stored.  Each buffer is its own allocation, and numba aligns every allocation
+to at least 256 bytes, so every 16-byte load is aligned.
 """
 from __future__ import annotations
 
@@ -49,13 +50,12 @@ class DeviceWeights:
 
 
 def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
-    """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling}
-    overrides for experiments; each must keep the default's `Tiling.layout()` (ks, and the
-    rows of a block when block-major), which fixes the weights `upload` writes; threads,
-    prefetch, span, ... are free.  check_layout=False lets the layout change too: only for
-    timing random weights, whose values have no layout."""
-    from nq.kernels.int4.gemv import (make_down_gemv, make_gate_up_gemv, make_o_proj_gemv,
-                                      make_qkv_gemv)
+    """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling
+    or MmaTiling} overrides for experiments; each must keep the default's `layout()` (a Tiling's
+    ks, or the mma fragments), which fixes the weights `upload` writes; threads, prefetch,
+    span, ... are free.  check_layout=False lets the layout change too: only for timing random
+    weights, whose values have no layout."""
+    from nq.kernels.int4 import make_down_gemv, make_gate_up_gemv, make_o_proj_gemv, make_qkv_gemv
     makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
               "down": make_down_gemv}
     out = {kind: make(cfg) for kind, make in makers.items()}
@@ -65,8 +65,8 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
         d = out[kind].tiling
         if check_layout and t.layout() != d.layout():
             raise ValueError(f"gemvs: {kind} tiling {t.tag()} reads another weight layout than "
-                             f"the uploaded one ({d.tag()}; Tiling.layout: ks, and the rows of a "
-                             f"block when block-major); keep it (or re-upload)")
+                             f"the uploaded one ({d.tag()}; layout(): a Tiling's ks, or an "
+                             f"MmaTiling's fragments); keep it (or re-upload)")
         out[kind] = makers[kind](cfg, t)
     return out
 
@@ -76,18 +76,18 @@ def upload(nf, stream=0) -> DeviceWeights:
 
     Each projection group (q|k|v, o, gate|up, down) is copied from the mmapped file as it is
     into one staging buffer, its parts stacked along the output rows, then permuted into the
-    GEMV's chunk order by nq/kernels/int4/retile.py (the host path, `gemv.prepare`, is the
+    GEMV's layout by nq/kernels/int4/retile.py (the host path, a launcher's `prepare`, is the
     reference; it costs ~17 s of NumPy for the 7B on a small CPU, the GPU a few ms).
     """
     from numba import cuda
 
-    from nq.kernels.int4.gemv import chunk_permutation
-    from nq.kernels.int4.retile import _jit as compile_retile
-    from nq.kernels.int4.retile import retile, retile_mma
+    from nq.kernels.int4.layout import chunk_permutation
+    from nq.kernels.int4.retile import compile_retile_rows, retile, retile_mma
+    from nq.kernels.int4.tiling import MmaTiling
 
     cfg = nf.config
     g = gemvs(cfg)     # JIT compilation (~12 s for the 7B's kernels) is not part of load_s
-    compile_retile()
+    compile_retile_rows()
     t0 = time.perf_counter()
     stage_words = max(gm.n_rows * gm.k // 8 for gm in g.values())
     stage = cuda.device_array(stage_words, np.uint32)  # (largest group's rows * K/8,) uint32
@@ -105,8 +105,9 @@ def upload(nf, stream=0) -> DeviceWeights:
     def proj(kind, i, names):
         gm = g[kind]
         k8 = gm.k // 8
-        key = (gm.k, gm.tiling.ks)
-        if key not in perms and not gm.tiling.mma:
+        mma = isinstance(gm.tiling, MmaTiling)
+        key = None if mma else (gm.k, gm.tiling.ks)
+        if not mma and key not in perms:
             perms[key] = dev(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32))
         src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
         qw = cuda.device_array((gm.n_rows, k8), np.uint32)
@@ -127,11 +128,10 @@ def upload(nf, stream=0) -> DeviceWeights:
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
                              f"{gm.n_rows}")
-        if gm.tiling.mma:
+        if mma:
             retile_mma(src, qw, stream)
         else:
-            ks, rows_per_block = gm.tiling.layout()
-            retile(src, qw, perms[key], stream, (ks, rows_per_block) if rows_per_block else None)
+            retile(src, qw, perms[key], stream)
         return qw, sc
 
     layers = []

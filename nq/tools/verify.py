@@ -64,7 +64,7 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
     from nq.kernels import embed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
     from nq.kernels import attention
-    from nq.kernels.int4 import gemv as G
+    from nq.kernels.int4.reference import ref_gate_up, ref_o_proj, ref_qkv
     from nq.paged import PAGE, gather_kv, pool_shape
     from nq.runtime.kv_cache import make_state
     from nq.runtime.weights import gemvs
@@ -77,9 +77,9 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
     x = rng.standard_normal(cfg.hidden_size).astype(np.float32)
     out = cuda.device_array(cfg.qkv_size, np.float32)
     g["qkv"](cuda.to_device(x), L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, out, s)
-    ref = G.ref_qkv(x, w[p + "input_layernorm"], eps,
-                    np.vstack([w[p + f"{n}_proj.weight"] for n in "qkv"]),
-                    np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"]))
+    ref = ref_qkv(x, w[p + "input_layernorm"], eps,
+                  np.vstack([w[p + f"{n}_proj.weight"] for n in "qkv"]),
+                  np.concatenate([w[p + f"{n}_proj.bias"] for n in "qkv"]))
     rows.append(Row("unit", f"qkv GEMV {cfg.qkv_size}x{cfg.hidden_size}", rel(out.copy_to_host(stream=s), ref), TOL_INT4))
 
     for kind, k, wname in (("o_proj", cfg.q_size, "o_proj"), ("down", cfg.intermediate_size, "down_proj")):
@@ -87,14 +87,14 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
         dx = cuda.to_device(x)
         g[kind](cuda.to_device(a), getattr(L, "o_w" if kind == "o_proj" else "down_w"),
                 getattr(L, "o_s" if kind == "o_proj" else "down_s"), dx, s)
-        ref = G.ref_o_proj(a, w[p + f"{wname}.weight"], x)
+        ref = ref_o_proj(a, w[p + f"{wname}.weight"], x)
         rows.append(Row("unit", f"{kind} GEMV {cfg.hidden_size}x{k} (+residual)",
                         rel(dx.copy_to_host(stream=s) - x, ref - x), TOL_INT4))
 
     out = cuda.device_array(cfg.intermediate_size, np.float16)
     g["gate_up"](cuda.to_device(x), L.post_norm, L.gu_w, L.gu_s, out, s)
-    ref = G.ref_gate_up(x, w[p + "post_attention_layernorm"], eps, w[p + "gate_proj.weight"],
-                        w[p + "up_proj.weight"])
+    ref = ref_gate_up(x, w[p + "post_attention_layernorm"], eps, w[p + "gate_proj.weight"],
+                      w[p + "up_proj.weight"])
     rows.append(Row("unit", f"gate_up GEMV + SwiGLU 2x{cfg.intermediate_size}x{cfg.hidden_size}",
                     rel(out.copy_to_host(stream=s), ref), TOL_INT4))
 

@@ -47,7 +47,7 @@ def test_engine_kernels_compile_for_sm90_without_local_memory():
 
 def test_retile_reference_is_the_gemv_tiling_and_compiles():
     from nq.kernels.int4 import retile
-    from nq.kernels.int4.gemv import chunk_permutation, tile_rows
+    from nq.kernels.int4.layout import chunk_permutation, tile_rows
     from ptx_util import assert_uses
 
     rng = np.random.default_rng(0)
@@ -58,9 +58,6 @@ def test_retile_reference_is_the_gemv_tiling_and_compiles():
     ptx = compile_ptx_sm90(retile._retile, retile.RETILE_SIG)
     assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
     assert_no_local_memory(ptx)
-    ptx = compile_ptx_sm90(retile._retile_bm, retile.RETILE_BM_SIG)
-    assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
-    assert_no_local_memory(ptx)
     assert_no_local_memory(compile_ptx_sm90(retile._retile_mma, retile.RETILE_MMA_SIG))
 
 
@@ -68,20 +65,17 @@ RETILE_SIM = """
 import numpy as np
 from numba import cuda
 from nq.kernels.int4 import retile
-from nq.kernels.int4.gemv import chunk_permutation
+from nq.kernels.int4.layout import chunk_permutation, mma_layout
 rng = np.random.default_rng(1)
-# (rows, K, ks, rows a block): a part-full last block, a short last step, a one-step row
-for n, k, ks, rpb in ((40, 640, 2, 16), (37, 1152, 5, 8), (16, 256, 2, 16)):
+# (rows, K, ks): a short last step, a one-step row
+for n, k, ks in ((40, 640, 2), (37, 1152, 5), (16, 256, 2)):
     src = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
     perm = chunk_permutation(k, ks).astype(np.int32)
-    for bm in (None, (ks, rpb)):
-        dst = cuda.to_device(np.zeros_like(src))
-        retile.retile(cuda.to_device(src), dst, cuda.to_device(perm), 0, bm)
-        want = (retile.retile_reference(src, perm) if bm is None
-                else retile.retile_block_major_reference(src, perm, ks, rpb))
-        print(f"n{n}_ks{ks}_{'bm' if bm else 'rows'}", int(np.count_nonzero(dst.copy_to_host() != want)))
+    dst = cuda.to_device(np.zeros_like(src))
+    retile.retile(cuda.to_device(src), dst, cuda.to_device(perm), 0)
+    want = retile.retile_reference(src, perm)
+    print(f"n{n}_ks{ks}_rows", int(np.count_nonzero(dst.copy_to_host() != want)))
 # the tensor-core GEMV's fragment layout: whole 16-row tiles, 1 and 3 groups a row
-from nq.kernels.int4.gemv_mma import mma_layout
 for n, k in ((16, 128), (48, 384)):
     src = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
     dst = cuda.to_device(np.zeros_like(src))
@@ -91,8 +85,7 @@ for n, k in ((16, 128), (48, 384)):
 
 
 def test_retile_kernels_under_the_simulator():
-    """The re-tiling kernels (row-major, block-major and mma destinations) against the NumPy
-    references."""
+    """The re-tiling kernels (row and mma destinations) against the NumPy references."""
     from ptx_util import run_under_simulator
     errs, out = run_under_simulator(RETILE_SIM, timeout=600)
-    assert len(errs) == 8 and not any(errs.values()), out
+    assert len(errs) == 5 and not any(errs.values()), out

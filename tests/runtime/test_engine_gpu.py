@@ -159,28 +159,13 @@ def test_fill_kernels_match_their_reference():
     np.testing.assert_allclose(got.reshape(-1), 1.0 + 0.25 * (2 * u - 1), rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("n,k,ks,rpb", [(3584, 18944, 16, 32), (4608, 3584, 14, 16), (1000, 896, 3, 48)])
-def test_retile_block_major_on_the_gpu(n, k, ks, rpb):
-    """The block-major re-tile (Tiling.block_major's upload) against its NumPy reference."""
-    from numba import cuda
-
-    from nq.kernels.int4 import retile
-    from nq.kernels.int4.gemv import chunk_permutation
-    src = np.random.default_rng(n).integers(0, 2**32, (n, k // 8), dtype=np.uint32)
-    perm = chunk_permutation(k, ks).astype(np.int32)
-    dst = cuda.device_array_like(src)
-    retile.retile(cuda.to_device(src), dst, cuda.to_device(perm), 0, (ks, rpb))
-    np.testing.assert_array_equal(dst.copy_to_host(),
-                                  retile.retile_block_major_reference(src, perm, ks, rpb))
-
-
 @pytest.mark.parametrize("n,k", [(3584, 18944), (3584, 3584), (896, 4864)])
 def test_retile_mma_on_the_gpu(n, k):
-    """The tensor-core GEMV's fragment layout (Tiling.mma's upload) against gemv_mma.mma_layout."""
+    """The tensor-core GEMV's fragment layout (an MmaTiling's upload) against layout.mma_layout."""
     from numba import cuda
 
     from nq.kernels.int4 import retile
-    from nq.kernels.int4.gemv_mma import mma_layout
+    from nq.kernels.int4.layout import mma_layout
     src = np.random.default_rng(n + k).integers(0, 2**32, (n, k // 8), dtype=np.uint32)
     dst = cuda.device_array_like(src)
     retile.retile_mma(cuda.to_device(src), dst)
@@ -188,7 +173,7 @@ def test_retile_mma_on_the_gpu(n, k):
 
 
 def test_upload_retiles_on_the_gpu_exactly_as_prepare(model):
-    """weights_gpu.upload permutes on the device; gemv.prepare is the host reference."""
+    """runtime.weights.upload re-tiles on the device; the launchers' prepare is the host reference."""
     from nq.runtime.weights import gemvs
     name, nf, eng, ref = model
     g = gemvs(nf.config)

@@ -226,20 +226,26 @@ def test_step_variants_parses_variants():
     import importlib.util
     from pathlib import Path
 
-    from nq.kernels.int4.gemv import Tiling
+    from nq.kernels.int4.tiling import MmaTiling, Tiling
     path = Path(__file__).resolve().parents[2] / "scripts" / "step_variants.py"
     spec = importlib.util.spec_from_file_location("step_variants", path)
     sv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sv)
-    defaults = {"down": Tiling(ks=16, threads=512), "gate_up": Tiling(ks=4, threads=192)}
+    down_mma, down_cc = MmaTiling(warps=16, threads=1024), Tiling(ks=16, threads=512)
+    defaults = {"down": down_mma, "gate_up": Tiling(ks=4, threads=192)}
+    engines = {"down": (down_cc, down_mma), "gate_up": (Tiling(ks=4, threads=192), None)}
     tilings, attn, rope = sv.parse_variant(
-        "down.prefetch=2 down.block_major=1 attn.early=0 attn.min_pps=2 rope.fused=1", defaults)
-    assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=2, block_major=1)}
+        "down.warps=8 down.min_blocks=1 attn.early=0 attn.min_pps=2 rope.fused=1", defaults)
+    assert tilings == {"down": MmaTiling(warps=8, threads=1024, min_blocks=1)}
     assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
-    for bad in ("down.prefetch", "qkvx.threads=1", "down=2"):
+    # mma=0 switches to the CUDA-core tiling first, then its fields apply
+    tilings = sv.parse_variant("down.mma=0 down.prefetch=0", defaults, engines)[0]
+    assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=0)}
+    for bad in ("down.prefetch", "qkvx.threads=1", "down=2", "down.ks=8", "gate_up.mma=1",
+                "gate_up.block_major=1"):
         with pytest.raises(SystemExit):
-            sv.parse_variant(bad, defaults)
+            sv.parse_variant(bad, defaults, engines)
 
 
 def test_ncu_gemv_parses_tilings():
@@ -248,15 +254,16 @@ def test_ncu_gemv_parses_tilings():
     from pathlib import Path
 
     pytest.importorskip("torch")
-    from nq.kernels.int4.gemv import default_tiling
+    from nq.kernels.int4.tiling import MmaTiling, default_tiling
     path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_gemv.py"
     spec = importlib.util.spec_from_file_location("ncu_gemv", path)
     ng = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ng)
-    down = default_tiling("down", 3584, 18944)
-    t = ng.parse_tiling("down", "16,256,prefetch=2")
-    assert (t.ks, t.threads, t.prefetch) == (16, 256, 2) and t.span == down.span
-    assert ng.parse_tiling("gate_up", "4") == default_tiling("gate_up", 18944, 3584)
+    assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512)  # the default's type
+    gate_up = default_tiling("gate_up", 18944, 3584)
+    t = ng.parse_tiling("gate_up", "4,256,prefetch=0")
+    assert (t.ks, t.threads, t.prefetch) == (4, 256, 0) and t.span == gate_up.span
+    assert ng.parse_tiling("gate_up", "4") == gate_up
     with pytest.raises(TypeError):
         ng.parse_tiling("down", "16,512,nonsense=1")
 

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.gpu
 from numba import cuda  # noqa: E402  (the marker deselects this module on CPU-only runs)
 
 from nq.config import PRESETS, tiny_config  # noqa: E402
-from nq.kernels.int4 import gemv as G  # noqa: E402
+from nq.kernels.int4 import launch  # noqa: E402
+from nq.kernels.int4.reference import ref_gate_up, ref_o_proj, ref_qkv, ref_qkv_rope  # noqa: E402
+from nq.kernels.int4.tiling import Tiling  # noqa: E402
 from nq.kernels import lm_head as L  # noqa: E402
 from nq.kernels import rope_kv as R  # noqa: E402
 from nq.paged import PAGE, pool_shape
@@ -54,9 +56,8 @@ SHAPES = [  # (kind, n_out, k)
     ("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 4864, 896), ("down", 896, 4864),
     ("qkv", 1000, 128), ("down", 200, 4864), ("gate_up", 1000, 640), ("o_proj", 8, 128),
 ]
-TILINGS = [None, G.Tiling(ks=3, rows=2, threads=64), G.Tiling(ks=8, span=128, prefetch=False),
-           G.Tiling(ks=5, threads=256, min_blocks=2),
-           G.Tiling(ks=3, rows=2, threads=64, l2_steps=2), G.Tiling(ks=2, threads=128, prefetch=2)]
+TILINGS = [None, Tiling(ks=3, rows=2, threads=64), Tiling(ks=8, span=128, prefetch=0),
+           Tiling(ks=5, threads=256, min_blocks=2), Tiling(ks=2, threads=128)]
 
 
 def run_case(kind, n, k, tiling, seed):
@@ -66,23 +67,23 @@ def run_case(kind, n, k, tiling, seed):
     x[rng.integers(0, k)] = 900.0                      # a "massive activation" channel
     nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
     if kind == "qkv":
-        g = G.QkvGemv(cfg, n, k, n, tiling)
+        g = launch.QkvGemv(cfg, n, k, n, tiling)
         qw, sc, wd = rand_int4(rng, n, k)
         bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
         pq, ps = g.prepare([(qw, sc)])
         out = cuda.to_device(np.full(n, np.nan, np.float32))
         g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps),
           cuda.to_device(bias), out, 0)
-        return out.copy_to_host(), G.ref_qkv(x, nw, cfg.rms_norm_eps, wd, bias)
+        return out.copy_to_host(), ref_qkv(x, nw, cfg.rms_norm_eps, wd, bias)
     if kind == "gate_up":
-        g = G.GateUpGemv(cfg, n, k, 2 * n, tiling)
+        g = launch.GateUpGemv(cfg, n, k, 2 * n, tiling)
         q1, s1, w1 = rand_int4(rng, n, k)
         q2, s2, w2 = rand_int4(rng, n, k)
         pq, ps = g.prepare([(q1, s1), (q2, s2)])
         out = cuda.to_device(np.full(n, np.nan, np.float16))
         g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out, 0)
-        return out.copy_to_host().astype(np.float32), G.ref_gate_up(x, nw, cfg.rms_norm_eps, w1, w2)
-    g = G.ResidualGemv(kind, cfg, n, k, n, tiling)
+        return out.copy_to_host().astype(np.float32), ref_gate_up(x, nw, cfg.rms_norm_eps, w1, w2)
+    g = launch.ResidualGemv(kind, cfg, n, k, n, tiling)
     qw, sc, wd = rand_int4(rng, n, k)
     a = (rng.standard_normal(k) * 3).astype(np.float16)
     a[rng.integers(0, k)] = 3000.0
@@ -90,7 +91,7 @@ def run_case(kind, n, k, tiling, seed):
     pq, ps = g.prepare([(qw, sc)])
     xd = cuda.to_device(xr)
     g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd, 0)
-    return xd.copy_to_host(), G.ref_o_proj(a, wd, xr)
+    return xd.copy_to_host(), ref_o_proj(a, wd, xr)
 
 
 @pytest.mark.parametrize("kind", ["qkv", "o_proj", "gate_up", "down", "qkv_rope"])
@@ -98,8 +99,9 @@ def test_default_kernels_do_not_spill_on_the_device(kind):
     """The register caps (min_blocks) are chosen for the device's JIT, which the offline ptxas
     of the CPU tests does not reproduce: read the local memory of what actually runs."""
     cfg = PRESETS["7b"]
-    make = {"qkv": G.make_qkv_gemv, "o_proj": G.make_o_proj_gemv, "gate_up": G.make_gate_up_gemv,
-            "down": G.make_down_gemv, "qkv_rope": G.make_qkv_rope_gemv}[kind]
+    make = {"qkv": launch.make_qkv_gemv, "o_proj": launch.make_o_proj_gemv,
+            "gate_up": launch.make_gate_up_gemv, "down": launch.make_down_gemv,
+            "qkv_rope": launch.make_qkv_rope_gemv}[kind]
     kern = make(cfg).kernel
     local = kern.get_local_mem_per_thread()
     # qkv_rope: libdevice sinf/cosf keep 28 B for the Payne-Hanek reduction (rope_kv's too)
@@ -121,31 +123,18 @@ def test_int4_gemv_tilings(kind, n, k, tiling):
 
 
 @pytest.mark.parametrize("kind,n,k,tiling", [
-    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True)),
-    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, block_major=True)),
-    ("qkv", 1000, 896, G.Tiling(ks=3, rows=2, threads=64, block_major=True)),  # part-full last block
-    ("down", 200, 4864, G.Tiling(ks=5, threads=128, prefetch=2, block_major=True)),
-    ("gate_up", 18944, 3584, G.Tiling(ks=4, threads=192, span=128, stream=True)),
-    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, stream=True, block_major=True)),
-    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, prefetch=2)),  # both steps before the wait
-    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, prefetch=2)),
-    # bulk: weights through a shared-memory ring filled by a producer warp's cp.async.bulk
-    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True, bulk=3)),
-    ("down", 3584, 18944, G.Tiling(ks=16, threads=512, block_major=True, bulk=2)),
-    ("o_proj", 3584, 3584, G.Tiling(ks=14, threads=256, block_major=True, bulk=2)),
-    ("qkv", 4608, 3584, G.Tiling(ks=14, threads=256, block_major=True, bulk=4)),
-    ("qkv", 1000, 896, G.Tiling(ks=3, rows=2, threads=64, block_major=True, bulk=2)),  # part-full
-    ("down", 200, 4864, G.Tiling(ks=5, threads=128, block_major=True, bulk=3))],  # 8 steps, 3 stages
-    ids=lambda v: v.tag() if isinstance(v, G.Tiling) else str(v))
-def test_int4_gemv_layout_and_load_options(kind, n, k, tiling):
-    """The block-major weight layout, streaming loads, two steps loaded ahead and the bulk-copy
-    ring (not defaults; scripts/step_variants.py times them): the same bits as the plain layout
-    and loads."""
+    ("down", 3584, 18944, Tiling(ks=16, threads=512)),
+    ("o_proj", 3584, 3584, Tiling(ks=14, threads=256)),
+    ("qkv", 1000, 896, Tiling(ks=3, rows=2, threads=64)),
+    ("gate_up", 18944, 3584, Tiling(ks=4, threads=192, span=128, min_blocks=3))],
+    ids=lambda v: v.tag() if isinstance(v, Tiling) else str(v))
+def test_int4_gemv_prefetch_keeps_the_bits(kind, n, k, tiling):
+    """`prefetch` only moves the next step's loads before this step's math: the same products
+    in the same order, so the same bits with and without it."""
     got, ref = run_case(kind, n, k, tiling, seed=11)
     assert rel(got, ref) < TOL_INT4
-    plain = dataclasses.replace(tiling, block_major=False, stream=False, prefetch=1, bulk=0)
-    row_major, _ = run_case(kind, n, k, plain, seed=11)
-    assert np.array_equal(got, row_major)  # the same products in the same order
+    without, _ = run_case(kind, n, k, dataclasses.replace(tiling, prefetch=0), seed=11)
+    assert np.array_equal(got, without)
 
 
 def test_int4_gemv_deterministic():
@@ -176,7 +165,7 @@ def test_qkv_rope_equals_qkv_then_rope_kv(cfg, pos):
     tilings, one upload of qkv's prepared weights), and within TOL_INT4 of ref_qkv_rope."""
     rng = np.random.default_rng(pos + cfg.head_dim)
     n, k = cfg.qkv_size, cfg.hidden_size
-    fused, plain = G.make_qkv_rope_gemv(cfg), G.make_qkv_gemv(cfg)
+    fused, plain = launch.make_qkv_rope_gemv(cfg), launch.make_qkv_gemv(cfg)
     assert fused.tiling.ks == plain.tiling.ks and fused.tiling.threads == plain.tiling.threads
     x = (rng.standard_normal(k) * 2).astype(np.float32)
     x[rng.integers(0, k)] = 900.0
@@ -204,7 +193,7 @@ def test_qkv_rope_equals_qkv_then_rope_kv(cfg, pos):
         f"q differs from qkv + rope_kv in {int((q != q_ref).sum())} of {q.size}"
     assert np.array_equal(kv.view(np.uint16), kv_ref.view(np.uint16)), \
         f"KV pool differs from qkv + rope_kv in {int((kv != kv_ref).sum())} elements"
-    rq, rk, rv = G.ref_qkv_rope(cfg, x, nw, wd, bias, pos)
+    rq, rk, rv = ref_qkv_rope(cfg, x, nw, wd, bias, pos)
     page, slot = table[pos // PAGE], pos % PAGE
     assert rel(q, rq.reshape(-1)) < TOL_INT4
     assert rel(kv[page, :, 0, slot].astype(np.float32), rk.astype(np.float32)) < TOL_INT4

@@ -1,0 +1,168 @@
+"""How the INT4 GEMVs split their work, and which split each shape gets.
+
+Two kernels, two small frozen dataclasses, so that no field means two things:
+
+    Tiling      the CUDA-core GEMV (gemv.py): `ks` lanes share a weight row's groups
+    MmaTiling   the tensor-core GEMV (gemv_mma.py): `warps` warps share a 16-row tile's groups
+
+`default_tiling(kind, n_out, k)` picks one for a projection: the measured winners for the 7B
+(the tables below, each entry with its figure and what lost beside it, so that the next reader
+need not re-run the experiment), `mma_tiling`'s rule for o_proj and down at other sizes, and
+a rule for the rest.  A tiling fixes the prepared weights' layout (`layout()`): tilings with
+equal layouts read the same uploaded weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from nq.config import GROUP_SIZE
+from nq.kernels.common import STATIC_SMEM_LIMIT
+
+KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
+MMA_KINDS = ("o_proj", "down")   # kinds the tensor-core kernel takes (x += W . a)
+TILE = 16                        # rows of an mma tile (m16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The CUDA-core GEMV's split: a thread owns `rows` output rows and, of each, the groups
+    j, j + ks, j + 2ks, ... (lane j of a segment of pow2(ks) lanes); one such set of ks
+    groups is a "step".  Retired fields (l2_steps, block_major, stream, bulk, prefetch=2) lost
+    on the H200; gemv.py's epitaphs give their figures."""
+    ks: int              # lanes a row's groups are spread over (1..32)
+    rows: int = 1        # output rows per thread (gate_up: gate/up pairs; qkv_rope: 2, a RoPE pair)
+    threads: int = 128   # threads per block
+    prefetch: int = 1    # 1: step s+1's loads are issued before step s's math; 0: after
+    span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
+    min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+
+    @property
+    def lanes(self) -> int:
+        """Lanes of a row's segment: ks rounded up to a power of two (the shuffle tree's)."""
+        return 1 << (self.ks - 1).bit_length()
+
+    def rows_per_block(self) -> int:
+        return (self.threads // self.lanes) * self.rows
+
+    def layout(self) -> tuple:
+        """What fixes the prepared weights (layout.tile_rows): ks."""
+        return ("rows", self.ks)
+
+    def tag(self) -> str:
+        return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
+                + ("_s128" if self.span == 128 else "")
+                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTiling:
+    """The tensor-core GEMV's split: a block holds threads / 32 / warps row tiles of 16 rows;
+    the `warps` warps of a tile split its groups (warp w: groups w, w + warps, ...).
+    Retired: split-K and prefetch=2 (gemv_mma.py's epitaphs)."""
+    warps: int           # warps a 16-row tile's groups are split over
+    threads: int         # threads per block: a multiple of 32 * warps, at most 1024
+    min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+
+    def rows_per_block(self) -> int:
+        return TILE * (self.threads // 32 // self.warps)
+
+    def layout(self) -> tuple:
+        """What fixes the prepared weights: the mma fragment layout (layout.mma_layout)."""
+        return ("mma", TILE)
+
+    def tag(self) -> str:
+        return f"mma_w{self.warps}_t{self.threads}" + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+
+
+def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
+    """The tensor-core tiling for o_proj or down, or None where gemv_mma cannot take the shape
+    (N not a multiple of 16, or K's staged activations over 48 KB: the 32B's down).  One 16-row
+    tile a block, its groups split over `warps` warps: half the groups under 32 of them, else
+    the largest divisor of the group count in 8..16, else 16; none under 16 groups (a small
+    o_proj), where the CUDA-core kernel tied or won.
+
+    Measured in the step graph (scripts/step_variants.py, session 5) against the CUDA-core
+    tilings, ms a step at 512: 7B o_proj 14 warps -0.048 (beside the mma down), down 16 warps
+    -0.069 (t1024, two tiles a block: -0.091, the 7B's measured entry); 1.5B o_proj 6 warps
+    0.000, down 14 -0.125 (16: -0.103); 14B o_proj 10 -0.397 (8: -0.359, 20: -0.350), down 12
+    t384 -0.244 (16 t512 -0.104); 3B o_proj 8 -0.004, down 16 -0.171; 0.5B down 16 -0.097, but
+    o_proj (7 groups) 3 warps +0.012.  gate_up on the tensor cores lost at the 7B (gemv_mma.py's
+    epitaph), so the kernel takes o_proj and down only."""
+    if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > STATIC_SMEM_LIMIT:
+        return None
+    groups = k // GROUP_SIZE
+    if groups < 16:
+        return None
+    if groups < 32:
+        warps = max(1, groups // 2)
+    else:
+        warps = max((d for d in range(8, 17) if groups % d == 0), default=16)
+    return MmaTiling(warps=warps, threads=32 * warps)
+
+
+def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
+                   mma: bool = True) -> Tiling | MmaTiling:
+    """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
+
+    mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
+    every size measured; mma=False gives the CUDA-core tiling for the shape.  The CUDA-core
+    rule: a single wave whose threads each own >= 1 whole group; spread a row over as many
+    lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
+    """
+    if kind == "qkv_rope":
+        # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
+        # Same threads and span too: rstd's summation order and the fp16 partials then match
+        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  No register cap:
+        # the H200's JIT takes 124 (two 256-thread blocks an SM, the 7B's 144 blocks in one
+        # wave); the offline CUDA 13 ptxas takes ~210 given only .maxntid 256.  In the 7B step
+        # graph (scripts/step_variants.py) the uncapped kernel beat min_blocks=2 at 32K (+0.025
+        # against +0.21 ms over qkv + rope_kv); at 512 it saves 0.05 ms.  Alone, graph, no PDL:
+        # 9.26 us against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
+        return dataclasses.replace(default_tiling("qkv", n_out, k, sms), rows=2)
+    groups = k // GROUP_SIZE
+    # (kind, n_out, k) -> Tiling, chosen inside the whole decode step on the H200
+    # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step
+    # rank tilings differently, because with PDL the next kernel's blocks start beside these.
+    measured = {
+        # 8.3 us alone; L2 prefetch: +0.005 ms.  span 128 (one fp16 partial a group): -0.010 ms
+        # a step at 512 and 8K, as qkv_rope, which takes this tiling (session 4)
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, span=128),
+        ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
+        # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
+        # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
+        ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
+        # gate_up on the tensor cores lost in the step (session 5): ks2 t256 +0.017 ms (+0.046
+        # beside the mma down), ks2 t128 +0.018, ks4 t256 +0.084, ks1 t128 +0.51, ks7 t224 +0.19
+        ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
+        # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
+        # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
+        # 25.2 / 19.0 us; regions -0.19 ms) but the whole step went 2.17 -> 2.38 ms (kernel_gap
+        # 0.02 -> 0.32 ms): a next kernel's blocks no longer fit beside the running one.
+    }
+    # on the tensor cores, against the CUDA-core entries above, in the 7B step (session 5):
+    measured_mma = {
+        # a 16-row tile a block, 14 warps splitting its 28 groups: -0.048 ms a step at 512
+        # beside the mma down (7 warps t448, two tiles a block: -0.007; 14 warps t896: +0.030)
+        ("o_proj", 3584, 3584): MmaTiling(warps=14, threads=448),
+        # two tiles a block of 32 warps, 16 a tile: -0.091 ms at 512 and 8K against the
+        # CUDA-core down, which ncu read as issue-bound; 16 warps t512 -0.069, 32 t1024 +0.022,
+        # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61
+        ("down", 3584, 18944): MmaTiling(warps=16, threads=1024),
+    }
+    if mma:
+        t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
+        if t is not None:
+            return t
+    if (kind, n_out, k) in measured:
+        return measured[(kind, n_out, k)]
+    budget = sms * 700
+    best = 1
+    for ks in range(1, min(32, groups) + 1):
+        lanes = 1 << (ks - 1).bit_length()
+        if n_out * lanes > budget and best > 1:
+            break
+        steps = -(-groups // ks)
+        waste = steps * ks - groups
+        if waste * 8 <= groups or ks == groups:  # at most 1/8 of the last step idle
+            best = ks
+    return Tiling(ks=best, rows=1, threads=256 if k * 2 > 16384 else 128)
