@@ -36,8 +36,8 @@ DEFAULT_CHUNK = 2048
 def layout_of(gemv) -> object:
     """The weight layout a decode GEMV's upload wrote, as the prefill GEMM names it: "mma"
     (the fragment layout) or ("rows", ks) (the row layout of a CUDA-core tiling)."""
-    lay = gemv.tiling.layout()
-    return "mma" if lay[0] < 0 else ("rows", int(lay[0]))
+    kind, arg = gemv.tiling.layout()          # ("rows", ks) or ("mma", 16)
+    return "mma" if kind == "mma" else ("rows", int(arg))
 
 
 class Prefill:
