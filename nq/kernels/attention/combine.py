@@ -33,7 +33,8 @@ COMBINE_SIG = "void(int32[::1], float32[:, :, ::1], float32[:, :, ::1], float16[
 @functools.cache
 def combine_body(head_dim: int, max_splits: int, min_pps: int):
     """The kernel body for one (head_dim, max_splits, min_pps); the plan's two numbers must be
-    the split kernel's (nq/kernels/attention/plan.py)."""
+    the split kernel's (nq/kernels/attention/plan.py).  Legend: D head_dim, MAXS / MINP
+    max_splits / min_pps, GROUPS split groups, RED floats of the groups' sums."""
     from nq.kernels.common import dev, warp_max, warp_sum
     from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 

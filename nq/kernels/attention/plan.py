@@ -47,8 +47,8 @@ ALIGN = 16       # ldmatrix rows and bulk copies need 16-byte shared addresses
 CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
 ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
-MIN_PPS = 1         # fewest pages a split takes (the fp32 kernel's 512-token figure: 15.7 vs
-#                     20.7 us at 4; in the step 2 wins by 0.013 ms at 512, docs/PERF.md 0.3)
+MIN_PPS = 1         # fewest pages a split takes: 1 won alone (first kernel, 512 tokens: 15.7 vs
+#                     20.7 us at 4); in the step graph 2 won by 0.013 ms at 512 (engine's)
 CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads): 66 for the 7B
 
 
