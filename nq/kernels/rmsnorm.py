@@ -1,7 +1,7 @@
 """Standalone RMSNorm: fp32 rows x (T, hidden) -> fp16 h (T, hidden), optionally adding a
 residual first (x += r, written back, then h = norm(x) * w).
 
-Decode fuses the norm into the qkv and gate_up GEMV prologues (gemv_int4.py); this kernel is
+Decode fuses the norm into the qkv and gate_up GEMV prologues (int4/gemv.py); this kernel is
 for prefill, the final norm before lm_head if the engine wants it separate, and tests.
 One block of 256 threads per row: the sum of squares is reduced in fp32 (per-thread partials,
 warp xor-shuffles, then 8 warp sums in shared memory; nq/kernels/common.py), as HF's fp32

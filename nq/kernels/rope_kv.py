@@ -98,9 +98,6 @@ def rope_kv_body(num_heads: int, num_kv: int, head_dim: int):
     return rope_kv
 
 
-# The old name, still read by tests/kernels/int4/test_gemv_cpu.py's simulator run (another
-# branch owns it); delete once that test calls rope_kv_body.
-_rope_kv_kernel = rope_kv_body
 
 ROPE_KV_SIG = ("void(float32[::1], int32[::1], float32[::1], int32[::1], "
                "float16[:, :, :, :, ::1], float32[::1])")

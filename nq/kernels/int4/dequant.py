@@ -36,8 +36,8 @@ def dequant_word(q):
     """A word's 8 weights as 4 fp16x2 pairs (the ValueShuffle order's (w0,w1), (w2,w3), (w4,w5),
     (w6,w7)): (q & 0x000F000F) ^ 0x64086408 is 1032+n, minus 1032; (q & 0x00F000F0) ^
     0x64806480 is 1152+16n, times 1/16 minus 72; the same on q >> 8.  9 instructions.  A device
-    function body (gemv_mma wraps it: its words are mma A fragments in this order; dot8 below
-    keeps these instructions interleaved with its fmas)."""
+    function body (gemv_mma wraps it: its words are mma A fragments in this order; gemv.py's
+    dot8 keeps these instructions interleaved with its fmas)."""
     lo0 = lop3_b32(q, _MASK_LO, _MAGIC_LO, LUT_AND_XOR)
     hi0 = lop3_b32(q, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
     q8 = q >> _SH8

@@ -36,15 +36,9 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
     chunks: |out - ref_fp64| / |ref| ~ 1e-3 (tests allow 5e-3 relative to the row norm).
   * The segment reduces its lanes with shuffles; lane 0 writes (one writer per element).
 
-qkv_rope reads qkv's weights as they are (same `prepare`, same default ks, so one upload
-serves both): a thread owns one RoPE pair, rows r0 = h*D + i and r0 + D/2 of head h (rows=2;
-`weight_row` maps the pair to its rows), so lane 0 holds both halves of the rotation.  Its
-fp32 y = acc*rstd + bias is exactly what qkv writes, and the rotation is rope_kv's arithmetic
-(fp32 angle pos*inv_freq[i], precise libdevice cosf/sinf: not fastmath, whose Payne-Hanek
-path for |angle| > 1e5 keeps 28 bytes of local memory, as rope_kv's does; the same fmas
-rope_kv's expressions compile to), so with qkv's threads, ks and span the outputs are
-bit-identical to qkv followed by rope_kv.  state and table are read after
-griddepcontrol.wait (the previous step's argmax advances the position).
+qkv_rope is qkv with rope_kv's job as its epilogue (rope_epilogue.py says how it stays bit
+for bit qkv + rope_kv): a thread owns one RoPE pair, its rows=2 slots the pair's two rows
+(`weight_row`), so it reads qkv's uploaded weights as they are.
 """
 from __future__ import annotations
 
@@ -54,13 +48,13 @@ import math
 
 import numpy as np
 from numba import cuda, float32, uint32
-from numba.cuda.types import float16
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
                                      _SH8, _SIXTEENTH, pow2_scale_f32)
+from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import KINDS, Tiling
 from nq.paged import PAGE, STATE_POS
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
@@ -423,46 +417,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if row < n_out:
             x[row] += v
 
-    def put_rope(bias, kv, q_out, row0, v0, v1, pos, page, fr):
-        """rope_kv's job for RoPE pair row0 // 2, from the fp32 dot products v0, v1 of its rows
-        (times rstd).  Its inputs y0, y1 are qkv's outputs bit for bit; its arithmetic is
-        rope_kv's as compiled: rope_kv writes x1*c - x2*s and x2*c + x1*s, which the compilers
-        contract (LLVM, then ptxas: sm_90 SASS, CUDA 13) into fma(x1, c, -(x2*s)) and
-        fma(x1, s, x2*c).  Left to contraction here the second came out fma(y1, c, y0*s) (a
-        different rounding), so both are spelled out: no mul-add pair is left to contract."""
-        if row0 < n_out:
-            r0 = weight_row(row0, 0)
-            y0 = float32(v0 + cvt_f32_f16(ld_global_nc_u16(bias, r0)))   # = put_qkv's out[r0]
-            y1 = float32(v1 + cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF)))
-            p = row0 >> 1
-            b = p // HALF   # head: [q heads | k heads | v heads]
-            i = p % HALF
-            slot = pos % PAGE
-            if b < HQ + HKV:
-                ang = float32(pos) * fr
-                c = math.cos(ang)
-                s = math.sin(ang)
-                z0 = cuda.fma(y0, c, -(y1 * s))
-                z1 = cuda.fma(y0, s, y1 * c)
-                if b < HQ:
-                    q_out[b * D + i] = z0
-                    q_out[b * D + i + HALF] = z1
-                else:
-                    kv[page, b - HQ, 0, slot, i] = float16(z0)
-                    kv[page, b - HQ, 0, slot, i + HALF] = float16(z1)
-            else:
-                kv[page, b - HQ - HKV, 1, slot, i] = float16(y0)
-                kv[page, b - HQ - HKV, 1, slot, i + HALF] = float16(y1)
-
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
         load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, start, put_qkv, \
-        put_swiglu, put_residual, put_rope = (
+        put_swiglu, put_residual = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk,
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
-                             seg_sum, mainloop, early, start, put_qkv, put_swiglu, put_residual,
-                             put_rope))
+                             seg_sum, mainloop, early, start, put_qkv, put_swiglu, put_residual))
+    put_rope = dev(put_rope_body(n_out, HQ, HKV, D, weight_row))   # after weight_row's dev
 
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):

@@ -331,7 +331,7 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
             return getattr(simk._kernel_context, name)
 
     def rope_kv_sim(cfg):
-        fn = R._rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        fn = R.rope_kv_body(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         cells = tuple(types.CellType(RunningFakeCuda()) if n == "cuda" else c
                       for n, c in zip(fn.__code__.co_freevars, fn.__closure__))
         return cuda.jit(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells))

@@ -1,0 +1,63 @@
+"""qkv_rope's epilogue: rope_kv's job (nq/kernels/rope_kv.py) done by the qkv GEMV itself, so
+that q and the new K, V slot come out of one kernel.
+
+The qkv_rope kernel (gemv.py) reads qkv's weights as they are (same `prepare`, same default
+ks, so one upload serves both): a thread owns one RoPE pair, rows r0 = h*D + i and r0 + D/2
+of head h (rows=2; `weight_row` maps the pair to its rows), so lane 0 holds both halves of
+the rotation.  Its
+fp32 y = acc*rstd + bias is exactly what qkv writes, and the rotation is rope_kv's arithmetic
+(fp32 angle pos*inv_freq[i], precise libdevice cosf/sinf: not fastmath, whose Payne-Hanek
+path for |angle| > 1e5 keeps 28 bytes of local memory, as rope_kv's does; the same fmas
+rope_kv's expressions compile to), so with qkv's threads, ks and span the outputs are
+bit-identical to qkv followed by rope_kv.  state and table are read after
+griddepcontrol.wait (the previous step's argmax advances the position).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+from numba.cuda.types import float16
+
+from nq.paged import PAGE
+from nq.ptx import cvt_f32_f16, ld_global_nc_u16
+
+
+def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
+    """The epilogue's device-function body for a qkv_rope kernel of N = n_out rows and heads
+    (HQ, HKV, D); weight_row is the kernel's (a RoPE pair's weight rows).  gemv.py wraps it with
+    `dev`, so it is inlined with these as constants."""
+    HALF = D // 2
+
+    def put_rope(bias, kv, q_out, row0, v0, v1, pos, page, fr):
+        """rope_kv's job for RoPE pair row0 // 2, from the fp32 dot products v0, v1 of its rows
+        (times rstd).  Its inputs y0, y1 are qkv's outputs bit for bit; its arithmetic is
+        rope_kv's as compiled: rope_kv writes x1*c - x2*s and x2*c + x1*s, which the compilers
+        contract (LLVM, then ptxas: sm_90 SASS, CUDA 13) into fma(x1, c, -(x2*s)) and
+        fma(x1, s, x2*c).  Left to contraction here the second came out fma(y1, c, y0*s) (a
+        different rounding), so both are spelled out: no mul-add pair is left to contract."""
+        if row0 < n_out:
+            r0 = weight_row(row0, 0)
+            y0 = float32(v0 + cvt_f32_f16(ld_global_nc_u16(bias, r0)))   # = put_qkv's out[r0]
+            y1 = float32(v1 + cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF)))
+            p = row0 >> 1
+            b = p // HALF   # head: [q heads | k heads | v heads]
+            i = p % HALF
+            slot = pos % PAGE
+            if b < HQ + HKV:
+                ang = float32(pos) * fr
+                cos_a = math.cos(ang)
+                sin_a = math.sin(ang)
+                z0 = cuda.fma(y0, cos_a, -(y1 * sin_a))
+                z1 = cuda.fma(y0, sin_a, y1 * cos_a)
+                if b < HQ:
+                    q_out[b * D + i] = z0
+                    q_out[b * D + i + HALF] = z1
+                else:
+                    kv[page, b - HQ, 0, slot, i] = float16(z0)
+                    kv[page, b - HQ, 0, slot, i + HALF] = float16(z1)
+            else:
+                kv[page, b - HQ - HKV, 1, slot, i] = float16(y0)
+                kv[page, b - HQ - HKV, 1, slot, i + HALF] = float16(y1)
+
+    return put_rope
