@@ -109,7 +109,7 @@ def check(kind: str, n: int, k: int, layout, tiles: Tiles) -> None:
     if kind == "gate_up" and t.ta % 2:
         raise ValueError(f"gemm: gate_up needs an even ta (a warp holds gate and up tiles of "
                          f"the same rows), got {t.tag()}")
-    if (t.wk * t.rows * 4) % t.threads or (t.wk * t.tokens * 16) % t.threads or t.threads % 16:
+    if (t.wk * t.rows * 4) % t.threads or (t.wk * t.tokens * 16) % t.threads:
         raise ValueError(f"gemm: tiles {t.tag()}: the 16-byte copies of a slice (4 a weight "
                          f"row, 16 a token, per group) must be a whole number a thread")
     if t.smem_bytes() > SMEM_OPTIN_LIMIT:
