@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 
 from nq.ptx import _sim
 from nq.ptx._asm import ptx

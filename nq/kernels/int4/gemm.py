@@ -15,7 +15,7 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev, need
 from nq.kernels.int4.dequant import dequant_word
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_cg_shared_global_16,
+from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
                     cvta_to_shared_u32, ld_global_nc_u16, ld_shared_v4_u32_at, ldmatrix_x4,
                     lop3_b32, mma_sync_m16n8k16_f16_f32, mul_rn_f16x2, st_global_u16)
@@ -458,6 +458,16 @@ DEFAULT_CONFIGS = ((16, SMALL), (64, MEDIUM), (None, LARGE))
 L2_BAND_BYTES = 16 << 20        # activations of a band of token blocks kept in L2 (of 60 MB)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled(kind, n, k, layout, tiles):
+    """(kernel, name): build_gemm's kernel compiled (once a process) and opted into its
+    dynamic shared memory."""
+    body, sig, name = build_gemm(kind, n, k, layout, tiles)
+    kern = compile_kernel(body, sig, name, launch_bounds=(tiles.threads,))
+    allow_smem(kern, tiles.smem_bytes())
+    return kern, name
+
+
 def _flat(a):
     return a.reshape(int(np.prod(a.shape)))
 
@@ -475,10 +485,7 @@ class Gemm:
         self.w_rows = 2 * n if kind == "gate_up" else n
         self.configs = []
         for max_m, tiles in configs:
-            body, sig, name = build_gemm(kind, n, k, layout, tiles)
-            kern = compile_kernel(body, sig, name, launch_bounds=(tiles.threads,))
-            allow_smem(kern, tiles.smem_bytes())
-            self.configs.append((max_m, tiles, kern, name))
+            self.configs.append((max_m, tiles) + compiled(kind, n, k, layout, tiles))
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens."""

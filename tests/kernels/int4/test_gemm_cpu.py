@@ -9,7 +9,7 @@ import pytest
 from nq.config import PRESETS
 from nq.kernels.int4 import gemm as M
 from nq.kernels.int4.layout import chunk_permutation, mma_layout, tile_rows
-from nq.loader.quant import dequantize_packed, pack_value_shuffle
+from nq.loader.quant import pack_value_shuffle
 from nq.ptx.mma import a_coords
 
 ptx_util = pytest.importorskip("ptx_util")
