@@ -16,12 +16,13 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, cp_async_cg_shared_global_16,
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
                     cvta_to_shared_u32, ld_global_nc_u16, ld_shared_v4_u32_at, ldmatrix_x4,
                     lop3_b32, mma_sync_m16n8k16_f16_f32, mul_rn_f16x2, st_global_u16)
 
 KINDS = ("plain", "qkv", "o_proj", "down", "gate_up")
+ALIGN = None if SIMULATOR else 128   # cp.async and ldmatrix need 16 (the simulator takes none)
 TILE = 16                       # weight rows of an mma A tile (m16)
 _NEG1032 = 0xE408E408           # fp16x2 (-1032, -1032): dequant.py's lo-nibble offset
 _MASK_LO = 0x000F000F
@@ -313,7 +314,7 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
     def mainloop(acc, xf, qw, sc, m, band):
         """The block's sums over all of K into acc (warps with wk = 0 hold the block's; the
         others' were added to theirs).  Returns (nb, m0, wn, wm, wk, g, t)."""
-        smem = cuda.shared.array(0, uint32)
+        smem = cuda.shared.array(0, uint32, alignment=ALIGN)  # the ring, sized at launch
         sbase = cvta_to_shared_u32(smem)
         tid = int32(cuda.threadIdx.x)
         lane = tid & 31
@@ -366,7 +367,7 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
             # past its last slice), added by the wk = 0 warp in a fixed order: deterministic
             cp_async_wait_group(0)
             cuda.syncthreads()
-            red = cuda.shared.array(0, float32)
+            red = cuda.shared.array(0, float32, alignment=ALIGN)  # the same memory
             if wk > 0:
                 base = (((wk - 1) * WN + wn) * WM + wm) * NACC
                 for r in range(NACC):
