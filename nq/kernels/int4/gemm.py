@@ -1,0 +1,203 @@
+"""INT4-weight x fp16-activation GEMM on the tensor cores (mma.sync), for prefill.
+
+Prefill ran one decode step a token (955 ms for 512 tokens of the 7B).  Here each projection of
+a layer is one GEMM over all M tokens: Y^T = W . X^T, W the (N, K) INT4 weights exactly as
+uploaded for decode (no fp16 copy, no re-layout), X (M, K) fp16 row-major, fp32 accumulation,
+the decode epilogues fused: qkv out = W.h + bias (fp32); o_proj/down x += W.a (the fp32
+residual, one writer an element); gate_up out = silu(Wg.h) * (Wu.h) (fp16, W = [gate; up]);
+plain out = W.x (tests).  M (1..8192) is a launch argument; a few tile configurations are
+compiled once and picked per M (`DEFAULT_CONFIGS`).  The kernel is in gemm_kernel.py.
+
+The mma.  `mma.sync.m16n8k16` with the weights as A (16 rows x 16 k) and the tokens as B (16 k
+x 8 tokens): X row-major is B's "col" layout, so `ldmatrix.x4` of 16 token rows from shared
+memory gives two tokens tiles' B fragments.  A warp owns ta weight tiles x tb token tiles
+(ta*tb*4 fp32 accumulators a lane); a block is wn x wm x wk warps (rows, tokens, K):
+
+    tiles    warps (n x m x k)  block tile  stages  smem    regs (rows/mma)  blocks/SM  for
+    SMALL    1 x 1 x 4          32 x 16     4       96 KB   150 / 128        2          M <= 16
+    MEDIUM   4 x 1 x 1          128 x 32    4       64 KB   150 / 154        3          M <= 64
+    LARGE    4 x 2 x 1          128 x 128   3       120 KB  206 / 200        1          M > 64
+    (warp tile 32 rows x tb*8 tokens: ta = 2 everywhere, tb = 2, 4, 8; ptxas for sm_90, 7B
+    shapes, no spills, no local memory)
+
+A k-slice is wk groups of 128 k (one scale a row a group); wk > 1 (SMALL) gives each of the
+wk warps its own group of the slice and adds their sums through shared memory at the end, in
+a fixed order (deterministic).  The slices stream through a `stages`-deep ring of cp.async.cg
+16-byte copies (nq/ptx/async_copy.py), one barrier a slice: wait for slice s, barrier, issue
+slice s + stages - 1 into the buffer slice s - 1 left, multiply slice s.  Each thread's copies
+are planned once (`copy_plan`).  Shared layouts are swizzled for conflict-free reads: token
+r's 16-byte chunk c of a group at chunk c ^ (r & 7) of its 256-byte row (ldmatrix's 8 rows hit
+8 bank groups); an mma-layout lane's two 16-byte halves swapped when lane bit 2 is set.
+
+The weights, per uploaded layout (`layout=` "mma" or ("rows", ks)):
+  * mma fragment layout (o_proj, down; layout.mma_layout): a tile's group is 1 KB, lane l's 32
+    bytes are its 8 A fragments, one word a k16 chunk; `ld.shared.v4` gives 4, and
+    `dequant_word` (9 instructions) turns a word into the fragment.
+  * row layout (qkv, gate_up; layout.tile_rows): a row's group is 4 pieces of 16 bytes, placed
+    by chunk_permutation (`row_piece_word` finds them; the copies move them into a 64-byte row
+    of the stage).  Lane (g, t) of chunk c needs pair t of words 2c, 2c+1 of rows g and g+8:
+    two `ld.shared.v4` (rows g, g+8) serve two chunks, and `gather_fragment` shifts each of
+    the 4 words by 4t and applies dequant's low-nibble trick: 12 instructions a fragment.
+    Chosen over dequantising a tile into shared memory as fp16 and ldmatrix'ing it: each
+    fragment feeds tb = 8 mmas in LARGE, so the gather's 3 extra instructions are 0.4 an mma,
+    where the fp16 round trip costs a st.shared + ldmatrix a fragment, 4x the shared bytes
+    and a second barrier a slice (it would dequantise once per block instead of once per
+    warp row of the block: wm = 2 in LARGE, the only saving).
+Scales: folded into the dequantised fp16 pairs (`mul.rn.f16x2`, 4 a fragment), so the mma
+accumulates across all of K.  The folded weight q*s is rounded to fp16 once: a relative error
+up to 2^-11 a weight, ~2^-11/sqrt(3) ~ 3e-4 of a dot product's norm over random signs
+(measured 1.3-1.8e-4 under the simulator) -- the rounding an fp16 checkpoint's weights carry.
+Per-group fp32 partials scaled in fp32 (gemv_mma's way, 1e-5) would need another ta*tb*4
+registers (64 in LARGE) and as many FMAs as the folding's multiplies.
+
+Instructions (SASS, nvdisasm of the sm_90 cubin, 7B shapes), per mma:
+    LARGE  mma layout 4.4 (slice: 567 for 128 HMMA a warp; the 4-chunk inner loop 214 for 64:
+           64 HMMA, 16 LDSM, 2 LDS, 8 x 13 dequant+scale, ~20 addressing); row layout 5.5
+           (703; inner 242); the slice's copies, scales and barrier ~140 a thread.
+    MEDIUM 6.8 / 10.8, SMALL 13.8 / 22.8 (fewer mmas share each fragment and each copy).
+At the mma.sync peak (~450 TFLOP/s, DEVICE.md) a sub-partition issues one m16n8k16 every ~9.5
+cycles, so LARGE's 4.4-5.5 issue slots an mma leave the issue port ~50-60 % busy: the tensor
+pipe, fed by 2 warps a sub-partition with 16 independent accumulators each, is the limit.
+Shared memory: ~185 bytes an mma (ldmatrix 128, weights 16, the copies' writes 40) = ~80 of
+128 bytes a cycle at peak.  L2 -> SM: 40 KB a slice per 1024 mma (102 FLOP a byte): 2.9 TB/s
+at 300 TFLOP/s.  Predicted (not yet measured): LARGE ~300 TFLOP/s (2/3 of the mma.sync peak)
+on full waves; at M = 512 the 7B grids are 112 (o_proj, down: 0.85 of the SMs), 144 (qkv: 2
+waves, the second 12 blocks) and 1184 (gate_up) blocks, so ~0.9 ms a layer, ~25 ms of
+projections for 28 layers; M = 8192 ~ 370 ms.  Both miss the 20 ms / 300 ms goals: the next
+step is wgmma (sm_90a, ~2x the mma.sync rate) with bulk copies instead of cp.async.
+
+Grid order: blocks (weight block nb, token block mb), token blocks in bands of `band` (chosen
+by the launcher: band x BM x K fp16 <= 16 MB); inside a band the token block varies fastest,
+so the band's blocks that read one weight tile run side by side (one DRAM read, the rest L2
+hits) and the band's activations stay in L2 while every weight block passes over them.
+
+M = 16 (speculative verification of 4-16 tokens): SMALL, 32 weight rows x 16 tokens a block,
+its 4 warps splitting each slice's 4 groups: grids of 144 (qkv), 112 (o_proj, down) and 1184
+(gate_up) blocks stream the weights once; 14-23 instructions an mma (a fragment feeds 2
+mmas), 28-45 a weight word, so ~25-40 us of issue a layer against ~30 us of reading its 117 MB:
+issue- and memory-bound alike.  M <= 7 runs the same kernel on the first m tokens (the rest of the
+token tile is computed from a repeated row and not stored).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from nq.config import GROUP_SIZE
+from nq.kernels.build import compile_kernel
+from nq.kernels.common import allow_smem, need
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
+                                         gather_fragment, layout_tag, row_piece_word)
+
+
+# ---- the NumPy reference -------------------------------------------------------------------------
+
+def ref_gemm(kind, x, w_deq, bias=None, out=None):
+    """fp64 reference.  x (M, K), w_deq (N, K) dequantised weights (gate_up: (2I, K), gate rows
+    then up rows) -> plain: x.W^T; qkv: + bias; o_proj/down: out + x.W^T (out = the residual);
+    gate_up: silu(x.Wg^T) * (x.Wu^T), (M, I)."""
+    y = np.asarray(x, np.float64) @ np.asarray(w_deq, np.float64).T
+    if kind == "plain":
+        return y
+    if kind == "qkv":
+        return y + np.asarray(bias, np.float64)
+    if kind in ("o_proj", "down"):
+        return np.asarray(out, np.float64) + y
+    if kind == "gate_up":
+        half = y.shape[1] // 2
+        gate, up = y[:, :half], y[:, half:]
+        return gate / (1.0 + np.exp(-gate)) * up
+    raise ValueError(f"ref_gemm: kind {kind!r} is not one of {KINDS}")
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+
+# (largest M, tiles), tried in order: the first whose max_m >= M runs.  SMALL streams the
+# weights at M <= 16 (speculative verification of 4-16 tokens, a spread-out decode): 32 rows x
+# 16 tokens a block, its 4 warps split K.  LARGE is the prefill tile: 128 rows x 128 tokens.
+SMALL = Tiles(ta=2, tb=2, wn=1, wm=1, wk=4, stages=4)
+MEDIUM = Tiles(ta=2, tb=4, wn=4, wm=1, wk=1, stages=4)
+LARGE = Tiles(ta=2, tb=8, wn=4, wm=2, wk=1, stages=3)
+DEFAULT_CONFIGS = ((16, SMALL), (64, MEDIUM), (None, LARGE))
+L2_BAND_BYTES = 16 << 20        # activations of a band of token blocks kept in L2 (of 60 MB)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(kind, n, k, layout, tiles):
+    """(kernel, name): build_gemm's kernel compiled (once a process) and opted into its
+    dynamic shared memory."""
+    body, sig, name = build_gemm(kind, n, k, layout, tiles)
+    kern = compile_kernel(body, sig, name, launch_bounds=(tiles.threads,))
+    allow_smem(kern, tiles.smem_bytes())
+    return kern, name
+
+
+def _flat(a):
+    return a.reshape(int(np.prod(a.shape)))
+
+
+class Gemm:
+    """One projection's GEMM: `g(x, qw, sc, [bias,] out, m, stream=0)` computes the first m
+    rows of out from the first m rows of x (both may be allocated for a larger M).
+    x (>= m, K) fp16; qw (Nw, K/8) uint32 and sc (Nw, K/128) fp16 as uploaded for decode (Nw = N,
+    gate_up 2I); bias (N,) fp16 (qkv); out (>= m, N) fp32 (plain, qkv: written; o_proj, down:
+    the residual, added to) or fp16 (gate_up, (>= m, I)).  Checks, then launches; allocates
+    nothing, and m = 0 launches nothing."""
+
+    def __init__(self, kind, n, k, layout, configs=DEFAULT_CONFIGS):
+        self.kind, self.n, self.k, self.layout = kind, n, k, layout
+        self.w_rows = 2 * n if kind == "gate_up" else n
+        self.configs = []
+        for max_m, tiles in configs:
+            self.configs.append((max_m, tiles) + compiled(kind, n, k, layout, tiles))
+
+    def pick(self, m):
+        """(tiles, kernel, name) that run m tokens."""
+        for max_m, tiles, kern, name in self.configs:
+            if max_m is None or m <= max_m:
+                return tiles, kern, name
+        raise ValueError(f"gemm: no tile configuration takes M={m}; end the list with "
+                         f"(None, tiles)")
+
+    def grid(self, tiles, m):
+        """(blocks, band): NB weight blocks x ceil(m / BM) token blocks, and the token blocks of a
+        band (block_coords): as many as keep band x BM x K fp16 within L2_BAND_BYTES."""
+        out_tiles = tiles.wn * tiles.ta // (2 if self.kind == "gate_up" else 1)
+        nb = -(-(self.n // TILE) // out_tiles)
+        mt = -(-m // tiles.tokens)
+        band = max(1, min(mt, L2_BAND_BYTES // (tiles.tokens * self.k * 2)))
+        return nb * mt, band
+
+    def __call__(self, x, qw, sc, *rest, stream=0):
+        bias = None
+        if self.kind == "qkv":
+            bias, out, m = rest
+        else:
+            out, m = rest
+        m = int(m)
+        tiles, kern, name = self.pick(max(m, 1))
+        if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
+            raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
+                             f"{tuple(x.shape)} and {tuple(out.shape)}")
+        need(x, f"{name} x", np.float16, (x.shape[0], self.k))
+        need(qw, f"{name} qweight", np.uint32, (self.w_rows, self.k // 8))
+        need(sc, f"{name} scales", np.float16, (self.w_rows, self.k // GROUP_SIZE), 2)
+        out_t, n_out = (np.float16, self.n) if self.kind == "gate_up" else (np.float32, self.n)
+        need(out, f"{name} out", out_t, (out.shape[0], n_out), 4)
+        if m == 0:
+            return
+        blocks, band = self.grid(tiles, m)
+        args = (_flat(x), _flat(qw), _flat(sc))
+        if bias is not None:
+            need(bias, f"{name} bias", np.float16, (self.n,), 2)
+            args += (bias,)
+        kern[blocks, tiles.threads, stream, tiles.smem_bytes()](*args, out, np.int32(m),
+                                                                 np.int32(band))
+
+
+@functools.lru_cache(maxsize=None)
+def make_gemm(kind: str, n: int, k: int, layout, configs=DEFAULT_CONFIGS) -> Gemm:
+    """The GEMM of one projection shape (compiled once per process): kind in KINDS, n output
+    features (gate_up: I), k input features, layout "mma" or ("rows", ks)."""
+    return Gemm(kind, n, k, layout, configs)
