@@ -95,7 +95,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: in
     CPR = D // 8                       # 16-byte chunks of a row
     RPP = NTH // CPR                   # rows a copy pass covers
     PASSES = BN // RPP
-    assert NTH % CPR == 0 and BN % RPP == 0 and RPP % 8 == 0
+    assert NTH % CPR == 0 and BN % RPP == 0
     VOFF = BN * RB                     # V tile after the K tile in a stage
     STAGE = 2 * BN * RB
     PENDING = NST - 2                  # copy groups left in flight when a tile is consumed
