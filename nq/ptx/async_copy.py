@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 
 from nq.ptx import _sim
 from nq.ptx._asm import ptx
@@ -59,6 +60,24 @@ def cp_async_cg_shared_global_16(dst, src, src_idx):
     assert dst % 16 == 0, "cp.async: the shared destination must be 16-byte aligned"
     _sim.shared_bytes(dst, 16)     # the destination must be a registered shared array
     _queues().open.append((dst, _bytes_at(src, src_idx, 16).copy()))
+
+
+@ptx("cp.async.cg.shared.global [%0], [%1], 16, %3;", args=("u32", "arr", "idx", "u32"),
+     effect="memory")
+def cp_async_cg_shared_global_16_zfill(dst, src, src_idx, src_bytes):
+    """`cp.async.cg.shared.global [dst], [&src[src_idx]], 16, src_bytes;` -- the same copy, of
+    which only the first src_bytes (0 or 16 in practice) come from global memory and the rest
+    of the 16 are zero-filled.  src_bytes = 0 writes a zero chunk and reads nothing: prefill
+    attention clears the K/V tile slots past the end of the context this way, without a branch
+    (stale pool slots may hold NaN, and 0 x NaN is NaN in the tensor core too).
+    """
+    dst, n = int(dst), int(src_bytes)
+    assert dst % 16 == 0 and 0 <= n <= 16, "cp.async: 16-byte aligned dst, src_bytes <= 16"
+    _sim.shared_bytes(dst, 16)
+    data = np.zeros(16, np.uint8)
+    if n:
+        data[:n] = _bytes_at(src, src_idx, 16, align=16)[:n]
+    _queues().open.append((dst, data))
 
 
 @ptx("cp.async.commit_group;", effect="memory")

@@ -237,7 +237,12 @@ def extras_set(w, h, f, out, o16):
     tile[i // 8, i % 8] = w[i]
     if i < 8:
         ftile[i] = f[i]
+    ctile = cuda.shared.array(64, dtype=np.uint32, alignment=16)
+    P.cp_async_cg_shared_global_16_zfill(P.cvta_to_shared_u32(ctile) + 16 * (i % 16), w, 4 * (i % 16), 16 * (i % 2))
+    P.cp_async_commit_group()
+    P.cp_async_wait_group(0)
     cuda.syncthreads()
+    a3 = ctile[i % 64]
     a, b, c, d = P.ld_shared_v4_u32(tile, (i // 8, 4 * (i % 2)))
     a2, b2, c2, d2 = P.ld_shared_v4_u32_at(P.cvta_to_shared_u32(tile) + 16 * (i % 8))
     a += a2 ^ b2 ^ c2 ^ d2
@@ -249,7 +254,7 @@ def extras_set(w, h, f, out, o16):
     x0 += y0 + y1 + y2 + y3
     hb = P.ld_global_nc_u16(h, i)
     bits = P.mov_b32_u32_from_f32(x0 + x1 + x2 + x3)
-    out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2))
+    out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2)) + a3
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(bits) + P.cvt_f32_f16(hb)))
 
 
@@ -263,6 +268,7 @@ def extras_ptx():
     "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global",
+    "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -274,7 +280,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     from test_async_copy import async_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 45
+    assert len(names) == 46
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx())
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()

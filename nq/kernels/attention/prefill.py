@@ -1,0 +1,345 @@
+"""Causal prefill attention on the tensor cores, reading K/V straight from the paged cache.
+
+DESIGN NOTE (placeholder, rewritten below once measured)
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda  # a module global: the simulator swaps it for its fake module
+from numba.cuda.types import float32, int32, uint32
+
+from nq.kernels.build import compile_kernel, kernel_name
+from nq.paged import PAGE, check_paged_args
+
+WARPS = 8          # warps a CTA, 16 query rows each: 128 rows share every K/V tile
+BN = 64            # keys a tile (4 pages): S is 16 x 64 a warp, 32 fp32 registers a lane
+NSTAGE = 3         # K/V tiles in flight (cp.async groups); 32 KiB a stage at head_dim 128
+ALIGN = 256        # stage base alignment: the swizzle's xor must not carry into the row base
+LOG2E = 1.4426950408889634
+NEG_BIG = -1e30    # finite "-inf": exp2(NEG_BIG - m) == 0, and NEG_BIG - NEG_BIG is not NaN
+
+
+# ---- NumPy models --------------------------------------------------------------------------------
+
+def prefill_attention_reference(q, k, v, start: int) -> np.ndarray:
+    """q (M, Hq, D), k and v (S, Hkv, D) holding positions 0..S-1 (S >= start + M) -> o
+    (M, Hq, D) float64: query i (position start + i) attends to keys 0..start + i, query head h
+    to kv head h // (Hq / Hkv), scale 1/sqrt(D); computed in float64 from the values given."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    m, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = np.einsum("ihd,jhd->hij", q, np.repeat(k, g, axis=1)) / math.sqrt(d)   # (Hq, M, S)
+    masked = np.arange(k.shape[0])[None, :] > (start + np.arange(m))[:, None]
+    s = np.where(masked[None], -np.inf, s)
+    p = np.exp(s - s.max(axis=2, keepdims=True))
+    p /= p.sum(axis=2, keepdims=True)
+    return np.einsum("hij,jhd->ihd", p, np.repeat(v, g, axis=1))
+
+
+def rounded_q(q, head_dim: int) -> np.ndarray:
+    """q (float32) as the kernel multiplies it: fp16(q * log2(e)/sqrt(D)), scaled back, float64.
+    The reference of these values leaves only the kernel's own roundings (fp16 P, fp16 o, fp32
+    accumulation) to the tolerance."""
+    scale = np.float32(LOG2E / math.sqrt(head_dim))
+    q16 = (np.asarray(q, np.float32) * scale).astype(np.float16)
+    return q16.astype(np.float64) / float(scale)
+
+
+def tokens_per_cta(gqa: int, warps: int = WARPS) -> int:
+    """Query tokens a CTA takes: its 16 x warps rows are (token, head of the group) pairs."""
+    return 16 * warps // gqa
+
+
+def chunk_offset(row: int, chunk: int, head_dim: int) -> int:
+    """Byte offset of 16-byte chunk `chunk` (dims 8c..8c+7) of token row `row` in a K or V
+    tile of shared memory: rows of 2*head_dim bytes, chunk c stored at c ^ (row % 8)."""
+    return row * 2 * head_dim + ((chunk ^ (row % 8)) * 16)
+
+
+def smem_bytes(head_dim: int, nstage: int = NSTAGE) -> int:
+    """Dynamic shared memory: nstage x (K tile + V tile), plus slack to align them to 256
+    bytes (numba declares the dynamic array `.align 4`)."""
+    return nstage * 2 * BN * 2 * head_dim + ALIGN
+
+
+# ---- kernel --------------------------------------------------------------------------------------
+
+def _name(gqa, head_dim, num_kv, warps, nstage):
+    return kernel_name("prefill_attn", g=gqa, d=head_dim, kv=num_kv, w=warps, st=nstage)
+
+
+@functools.cache
+def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: int):
+    """The kernel body for one head shape; see the module doc."""
+    from nq.kernels.common import dev
+    from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group, cp_async_wait_group,
+                        cvta_to_shared_u32_at, ldmatrix_x4, ldmatrix_x4_trans,
+                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32)
+
+    G, D, HKV, NW, NST = gqa, head_dim, num_kv, warps, nstage
+    HQ = G * HKV
+    T = tokens_per_cta(G, NW)          # query tokens a CTA
+    assert T >= 1, f"gqa {G} needs more than {NW} warps"
+    NTH = 32 * NW
+    KS = D // 16                       # k-steps of S = Q K^T; dim pairs of O += P V
+    NTO = D // 8                       # dim n-tiles of O
+    NTS = BN // 8                      # key n-tiles of S
+    KB = BN // 16                      # 16-key blocks of a tile: ldmatrix of K, k-steps of P V
+    RB = 2 * D                         # bytes of a token row
+    CPR = D // 8                       # 16-byte chunks of a row
+    RPP = NTH // CPR                   # rows a copy pass covers
+    PASSES = BN // RPP
+    assert NTH % CPR == 0 and BN % RPP == 0
+    VOFF = BN * RB                     # V tile after the K tile in a stage
+    STAGE = 2 * BN * RB
+    PENDING = NST - 2                  # copy groups left in flight when a tile is consumed
+    QW, AW, SW = 4 * KS, 4 * NTO, 4 * NTS   # local array sizes (registers after unrolling)
+    QSCALE = float32(LOG2E / math.sqrt(D))
+    NEG = float32(NEG_BIG)
+    ZERO = float32(0.0)
+    Z = uint32(0)
+    FULL = 0xFFFFFFFF
+    PG = PAGE
+
+    def load_tile(kv, table, kvh, sbase, pos0, kv_len, last_pg, tid):
+        """Issue this thread's cp.async copies of the K and V tile of keys pos0..pos0+BN-1
+        (pos0 a multiple of BN) into the stage at shared address sbase; rows at or past kv_len
+        are zero filled and read nothing."""
+        c = tid % CPR
+        rr = tid // CPR
+        for i in range(PASSES):
+            row = rr + RPP * i
+            p = pos0 + row
+            pid = table[min(p // PG, last_pg)]
+            nbytes = uint32(16) if p < kv_len else Z
+            off = row * RB + ((c ^ (row % 8)) * 16)
+            cp_async_cg_shared_global_16_zfill(sbase + off, kv, (pid, kvh, 0, p % PG, 8 * c), nbytes)
+            cp_async_cg_shared_global_16_zfill(sbase + VOFF + off, kv, (pid, kvh, 1, p % PG, 8 * c), nbytes)
+
+    load_tile = dev(load_tile)
+
+    def prefill_attn(q, kv, table, o, start, m):
+        # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
+        # o (M_max, HQ*D/2) uint32 = fp16 pairs; start, m: the chunk (keys 0..start+m-1 cached)
+        smu = cuda.shared.array(0, uint32)     # NST stages of [K tile | V tile], swizzled rows
+        qf = cuda.local.array(QW, uint32)      # A fragments of Q (fp16, pre-scaled), per k-step
+        acc = cuda.local.array(AW, float32)    # O C fragments: [dim n-tile][c0..c3]
+        sc = cuda.local.array(SW, float32)     # S C fragments: [key n-tile][c0..c3], then P
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        kvh = cuda.blockIdx.x
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * T   # the longest rows start first
+        n_tok = min(T, m - t0)
+        kv_len = start + m                     # keys in the cache, every one finite
+        n_tiles = (start + t0 + n_tok + BN - 1) // BN
+        last_pg = (kv_len - 1) // PG
+        sm0 = cvta_to_shared_u32_at(smu, 0)
+        stage0 = sm0 + (ALIGN - sm0 % ALIGN) % ALIGN
+
+        # This lane's two rows (g and g + 8 of the warp's 16): row r is token r // G of the
+        # CTA, head r % G of kv head kvh.  Padding rows (past the CTA's tokens) get q = 0 and
+        # see every cached key: finite, never stored.
+        r0 = 16 * warp + g
+        r1 = r0 + 8
+        ok0 = r0 // G < n_tok
+        ok1 = r1 // G < n_tok
+        tk0 = t0 + min(r0 // G, n_tok - 1)
+        tk1 = t0 + min(r1 // G, n_tok - 1)
+        h0 = kvh * G + r0 % G
+        h1 = kvh * G + r1 % G
+        qp0 = start + tk0 if ok0 else kv_len - 1   # row 0 sees keys 0..qp0
+        qp1 = start + tk1 if ok1 else kv_len - 1
+        w_tok0 = (16 * warp) // G                  # warp-uniform: the warp's first token
+        w_active = w_tok0 < n_tok
+        w_last = start + t0 + min((16 * warp + 15) // G, n_tok - 1)   # its last position
+
+        for ks in range(KS):
+            for half in range(2):                 # a0/a1 (dims 2t..), a2/a3 (dims 8+2t..)
+                d = 16 * ks + 8 * half + 2 * t
+                x0 = pack_f16x2_from_f32(q[tk0, h0, d] * QSCALE, q[tk0, h0, d + 1] * QSCALE)
+                x1 = pack_f16x2_from_f32(q[tk1, h1, d] * QSCALE, q[tk1, h1, d + 1] * QSCALE)
+                qf[4 * ks + 2 * half] = x0 if ok0 else Z
+                qf[4 * ks + 2 * half + 1] = x1 if ok1 else Z
+        for i in range(AW):
+            acc[i] = ZERO
+        m0 = NEG
+        m1 = NEG
+        l0 = ZERO
+        l1 = ZERO
+        # This lane's ldmatrix rows.  Chunk 2k + c of a row sits at (2k + c) ^ (row % 8) =
+        # (c ^ row % 8) ^ 2k, and a stage starts 256-byte aligned with rows of 128 or 256
+        # bytes, so the address of k-step k is (row base + 16 (c ^ row % 8)) ^ 32k: one xor
+        # with an immediate per ldmatrix, the 16-key block offsets (4 KiB) added after it.
+        x = lane % 8                  # = row % 8 of every row the lane addresses
+        kfrag = ((lane % 8) + 8 * (lane // 16)) * RB + ((lane // 8) % 2 ^ x) * 16
+        vfrag = ((lane % 8) + 8 * ((lane // 8) % 2)) * RB + ((lane // 16) ^ x) * 16 + VOFF
+        for s in range(NST - 1):
+            if s < n_tiles:
+                load_tile(kv, table, kvh, stage0 + s * STAGE, s * BN, kv_len, last_pg, tid)
+            cp_async_commit_group()
+        for j in range(n_tiles):
+            cp_async_wait_group(PENDING)    # this thread's copies of tile j have landed
+            cuda.syncthreads()             # everyone's; and tile j-1's stage is read by all
+            jn = j + NST - 1
+            if jn < n_tiles:
+                load_tile(kv, table, kvh, stage0 + (jn % NST) * STAGE, jn * BN, kv_len,
+                          last_pg, tid)
+            cp_async_commit_group()        # an empty group past the end keeps the count
+            pos0 = j * BN
+            if w_active and pos0 <= w_last:   # warp-uniform: skip tiles all past the warp
+                sb = stage0 + (j % NST) * STAGE
+                for i in range(SW):
+                    sc[i] = ZERO
+                kbase = sb + kfrag
+                for ks in range(KS):
+                    a0, a1, a2, a3 = qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3]
+                    kaddr = kbase ^ (32 * ks)
+                    for kb in range(KB):
+                        b0, b1, b2, b3 = ldmatrix_x4(kaddr + kb * 16 * RB)
+                        i = 8 * kb
+                        sc[i], sc[i + 1], sc[i + 2], sc[i + 3] = mma_sync_m16n8k16_f16_f32(
+                            a0, a1, a2, a3, b0, b1, sc[i], sc[i + 1], sc[i + 2], sc[i + 3])
+                        sc[i + 4], sc[i + 5], sc[i + 6], sc[i + 7] = mma_sync_m16n8k16_f16_f32(
+                            a0, a1, a2, a3, b2, b3, sc[i + 4], sc[i + 5], sc[i + 6], sc[i + 7])
+                # Causal mask: key pos0 + 8nt + 2t + e is visible to row 0 iff <= qp0.  Keys
+                # past kv_len were zero filled (finite) and lie past every qp.
+                lim0 = int32(qp0 - pos0 - 2 * t)   # 32-bit compares below
+                lim1 = int32(qp1 - pos0 - 2 * t)
+                mx0 = NEG
+                mx1 = NEG
+                for nt in range(NTS):
+                    for e in range(2):
+                        i = 4 * nt + e
+                        col = int32(8 * nt + e)
+                        v0 = sc[i] if col <= lim0 else NEG
+                        v1 = sc[i + 2] if col <= lim1 else NEG
+                        sc[i] = v0
+                        sc[i + 2] = v1
+                        mx0 = max(mx0, v0)
+                        mx1 = max(mx1, v1)
+                # row max over the quad holding the row (lanes 4g..4g+3)
+                mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
+                mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+                mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+                mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+                # Every row sees key 0 in tile 0, so m is a real score from then on and a
+                # fully masked row of a later tile gets p = exp2(NEG - m) = 0.
+                mn0 = max(m0, mx0)
+                mn1 = max(m1, mx1)
+                al0 = math.exp2(m0 - mn0)
+                al1 = math.exp2(m1 - mn1)
+                m0 = mn0
+                m1 = mn1
+                ps0 = ZERO
+                ps1 = ZERO
+                for nt in range(NTS):
+                    for e in range(2):
+                        i = 4 * nt + e
+                        p0 = math.exp2(sc[i] - mn0)
+                        p1 = math.exp2(sc[i + 2] - mn1)
+                        sc[i] = p0
+                        sc[i + 2] = p1
+                        ps0 += p0
+                        ps1 += p1
+                l0 = l0 * al0 + ps0     # this lane's share; the quad is summed at the end
+                l1 = l1 * al1 + ps1
+                for jd in range(NTO):
+                    acc[4 * jd] *= al0
+                    acc[4 * jd + 1] *= al0
+                    acc[4 * jd + 2] *= al1
+                    acc[4 * jd + 3] *= al1
+                # O += P V: P's A fragments are S's C fragments repacked to fp16 in registers
+                # (key n-tiles 2kb, 2kb+1 are k-step kb), V's B fragments by ldmatrix.trans.
+                for kb in range(KB):
+                    i = 8 * kb
+                    pa0 = pack_f16x2_from_f32(sc[i], sc[i + 1])
+                    pa1 = pack_f16x2_from_f32(sc[i + 2], sc[i + 3])
+                    pa2 = pack_f16x2_from_f32(sc[i + 4], sc[i + 5])
+                    pa3 = pack_f16x2_from_f32(sc[i + 6], sc[i + 7])
+                    vaddr = sb + vfrag + kb * 16 * RB
+                    for db in range(KS):
+                        v0, v1, v2, v3 = ldmatrix_x4_trans(vaddr ^ (32 * db))
+                        jd = 8 * db
+                        acc[jd], acc[jd + 1], acc[jd + 2], acc[jd + 3] = \
+                            mma_sync_m16n8k16_f16_f32(pa0, pa1, pa2, pa3, v0, v1, acc[jd],
+                                                      acc[jd + 1], acc[jd + 2], acc[jd + 3])
+                        acc[jd + 4], acc[jd + 5], acc[jd + 6], acc[jd + 7] = \
+                            mma_sync_m16n8k16_f16_f32(pa0, pa1, pa2, pa3, v2, v3, acc[jd + 4],
+                                                      acc[jd + 5], acc[jd + 6], acc[jd + 7])
+
+        if w_active:
+            l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+            l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+            l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+            l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+            inv0 = float32(1.0) / l0
+            inv1 = float32(1.0) / l1
+            c0 = h0 * (D // 2) + t
+            c1 = h1 * (D // 2) + t
+            for jd in range(NTO):
+                if ok0:
+                    o[tk0, c0 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd] * inv0,
+                                                             acc[4 * jd + 1] * inv0)
+                if ok1:
+                    o[tk1, c1 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd + 2] * inv1,
+                                                             acc[4 * jd + 3] * inv1)
+
+    return prefill_attn
+
+
+SIG = "void(float32[:, :, ::1], float16[:, :, :, :, ::1], int32[::1], uint32[:, ::1], int32, int32)"
+
+
+@functools.cache
+def _jit(gqa, head_dim, num_kv, warps, nstage):
+    body = _prefill_kernel(gqa, head_dim, num_kv, warps, nstage)
+    return compile_kernel(body, SIG, _name(gqa, head_dim, num_kv, warps, nstage),
+                          launch_bounds=(32 * warps,), fastmath=True)
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warps: int = WARPS,
+                               nstage: int = NSTAGE):
+    """Check the arrays once; return `launch(m, start, stream=0)`, which attends the m query
+    rows q[:m] (positions start..start+m-1, rotated; their K/V already in the cache) to keys
+    0..start+i and writes o[:m].
+
+    q (M_max, num_heads, head_dim) float32; o (M_max, num_heads*head_dim) float16 (o_proj's
+    input); kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) float16; table int32 block table
+    (positions 0..start+m-1 must be mapped).  One compiled kernel serves every m and start."""
+    from nq.kernels.common import allow_smem, need
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m_max = q.shape[0]
+    need(q, "prefill attention: q", np.float32, (m_max, hq, d))
+    need(o, "prefill attention: o", np.float16, (m_max, hq * d))
+    check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
+    if warps not in (2, 4, 8) or not 2 <= nstage <= 6:
+        raise ValueError(f"prefill attention: unsupported warps={warps}, nstage={nstage}")
+    if tokens_per_cta(cfg.gqa_ratio, warps) < 1:
+        raise ValueError(f"prefill attention: {cfg.gqa_ratio} query heads a kv head need more "
+                         f"than {warps} warps (16 rows each)")
+    kern = _jit(cfg.gqa_ratio, d, hkv, warps, nstage)
+    nbytes = smem_bytes(d, nstage)
+    allow_smem(kern, nbytes)
+    o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims
+    tpc = tokens_per_cta(cfg.gqa_ratio, warps)
+    max_pos = table.shape[0] * PAGE
+
+    def launch(m, start, stream=0):
+        m, start = int(m), int(start)
+        if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
+            raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
+                             f"and start + m <= {max_pos} (the block table's reach)")
+        kern[(hkv, -(-m // tpc)), 32 * warps, stream, nbytes](q, kv_layer, table, o32, start, m)
+
+    return launch

@@ -1,0 +1,46 @@
+"""A vectorised stand-in for nq/ptx/mma.py's whole-warp mma model, for long simulator runs.
+
+Under the CUDA simulator every lane of a warp evaluates the whole warp's mma model
+(nq/ptx/mma.py) element by element in Python, 1.5 ms a lane: ~50 ms per mma.sync, which makes
+a prefill attention tile cost seconds.  This builds the same matrices with numpy index arrays
+and computes them the same way (float64 A @ B + C, rounded once to float32), so the results
+are bit for bit the model's (tests/kernels/attention/test_prefill_attn_cpu.py checks it on
+random operands) in a tenth of the time.  `install()` swaps it in; the mma twin looks the
+model up at call time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from nq.ptx import mma as _mma
+
+_LANE = np.arange(32)[:, None, None]
+_REG4 = np.arange(4)[None, :, None]
+_REG2 = np.arange(2)[None, :, None]
+_HALF = np.arange(2)[None, None, :]
+_G, _T = _LANE // 4, _LANE % 4
+A_ROW, A_COL = _G + 8 * (_REG4 & 1), 2 * _T + _HALF + 8 * (_REG4 >> 1)   # (32, 4, 2)
+B_K, B_N = 2 * _T + _HALF + 8 * _REG2, _G + 0 * _HALF                     # (32, 2, 2)
+C_ROW, C_COL = (_G + 8 * (_REG4 >> 1))[..., 0], (2 * _T + (_REG4 & 1))[..., 0]   # (32, 4)
+
+
+def _halves(words, n):
+    """32 lanes' n uint32 registers -> (32, n, 2) float64 of their fp16 halves (lo, hi)."""
+    w = np.array(words, dtype=np.uint32).reshape(32, n)
+    return w.view(np.float16).reshape(32, n, 2).astype(np.float64)
+
+
+def mma_m16n8k16_f16_f32_warp(a, b, c) -> np.ndarray:
+    """nq.ptx.mma.mma_m16n8k16_f16_f32_warp, vectorised."""
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    C = np.zeros((16, 8))
+    A[A_ROW, A_COL] = _halves(a, 4)
+    B[B_K, B_N] = _halves(b, 2)
+    C[C_ROW, C_COL] = np.asarray(c, dtype=np.float32).reshape(32, 4)
+    D = (A @ B + C).astype(np.float32)
+    return D[C_ROW, C_COL]
+
+
+def install() -> None:
+    _mma.mma_m16n8k16_f16_f32_warp = mma_m16n8k16_f16_f32_warp
