@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import cuda  # a module global: the simulator swaps it for its fake module
 
 from nq.kernels.build import compile_kernel, kernel_name
 
@@ -30,7 +31,6 @@ def rmsnorm_reference(x, w, eps, residual=None):
 @functools.cache
 def rmsnorm_body(hidden: int, eps: float, with_residual: bool):
     """The kernel body for rows of `hidden`, eps, with or without the residual add."""
-    from numba import cuda
     from numba.cuda.types import float16, float32
 
     from nq.kernels.common import block_rstd, dev, warp_sum

@@ -193,7 +193,7 @@ def rmsnorm_rows_launcher(x, w, h, eps: float):
     need(x, "rmsnorm_rows: x", np.float32, (m_max, hid), align=4)
     need(w, "rmsnorm_rows: w", np.float16, (hid,), align=2)
     need(h, "rmsnorm_rows: h", np.float16, (m_max, hid), align=2)
-    kern = rmsnorm._jit(hid, float(eps), False)
+    kern = rmsnorm.rmsnorm_kernel(hid, float(eps), False)
 
     def launch(m, stream=0):
         kern[_rows("rmsnorm_rows", m, m_max), rmsnorm.THREADS, stream](x, x, w, h)

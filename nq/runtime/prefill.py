@@ -7,7 +7,7 @@ model as matrices: per chunk of m <= `chunk` tokens at positions start .. start+
     embed_rows      x = emb[ids]                                   (m, H) fp32 residual
     per layer       h = rmsnorm_rows(x, w_in)                       (m, H) fp16
                     qkv = gemm_qkv(h) + b                           (m, q+2kv) fp32
-                    q, K/V pages = rope_kv_rows(qkv, start)         q (m, Hq, D); K, V fp16 into
+                    q, K/V pages = rope_kv_rows(qkv, start)         q (m, Hq, D) fp32; K, V fp16 into
                                                                     the pages at start+i
                     o = prefill_attention(q, pages[0..start+i])     (m, Hq*D) fp16, causal
                     x += gemm_o(o)
@@ -55,10 +55,11 @@ class Prefill:
         self.eng, self.cfg = eng, c
         self.chunk = C = max(1, min(int(chunk), eng.max_len))
         H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        self.ids = cuda.device_array(C, np.int32)                    # the chunk's token ids
         self.x = cuda.device_array((C, H), np.float32)               # residual stream
         self.h = cuda.device_array((C, H), np.float16)               # RMSNorm output
         self.qkv = cuda.device_array((C, c.qkv_size), np.float32)    # [q | k | v] + bias
-        self.q = cuda.device_array((C, c.num_heads, D), np.float16)  # rotated q
+        self.q = cuda.device_array((C, c.num_heads, D), np.float32)  # rotated q
         self.o = cuda.device_array((C, c.q_size), np.float16)        # attention output
         self.a = cuda.device_array((C, I), np.float16)               # SwiGLU output
         g = gemvs(c)   # the decode tilings fix the uploaded layouts the GEMMs read
@@ -68,10 +69,11 @@ class Prefill:
             "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"])),
             "down": make_gemm("down", H, I, layout_of(g["down"])),
         }
-        self.embed = rows.embed_rows_launcher(w.embed, eng.prompt, self.x)
-        self.norm_in = [rows.rmsnorm_rows_launcher(c, self.x, L.input_norm, self.h)
+        self.embed = rows.embed_rows_launcher(w.embed, self.ids, self.x)
+        eps = float(c.rms_norm_eps)
+        self.norm_in = [rows.rmsnorm_rows_launcher(self.x, L.input_norm, self.h, eps)
                         for L in w.layers]
-        self.norm_post = [rows.rmsnorm_rows_launcher(c, self.x, L.post_norm, self.h)
+        self.norm_post = [rows.rmsnorm_rows_launcher(self.x, L.post_norm, self.h, eps)
                           for L in w.layers]
         self.rope = [rows.rope_kv_rows_launcher(c, self.qkv, eng.inv_freq, eng.d_table,
                                                 eng.kv[i], self.q) for i in range(c.num_layers)]
@@ -80,7 +82,7 @@ class Prefill:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.x, self.h, self.qkv, self.q, self.o, self.a))
+        return sum(a.nbytes for a in (self.ids, self.x, self.h, self.qkv, self.q, self.o, self.a))
 
     def run(self, first: int, start: int, n: int, stream) -> None:
         """Enqueue the prefill of the n prompt tokens eng.prompt[first : first+n] at positions
@@ -90,7 +92,8 @@ class Prefill:
 
     def _chunk(self, first: int, start: int, m: int, stream) -> None:
         w, gm = self.eng.w, self.gemm
-        self.embed(first, m, stream)
+        self.ids[:m].copy_to_device(self.eng.prompt[first:first + m], stream=stream)
+        self.embed(m, stream)
         for i, L in enumerate(w.layers):
             self.norm_in[i](m, stream)
             gm["qkv"](self.h, L.qkv_w, L.qkv_s, L.qkv_b, self.qkv, m, stream=stream)

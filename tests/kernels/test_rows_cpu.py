@@ -27,7 +27,7 @@ def test_rope_kv_rows_ptx_matches_rope_kv(name):
     cfg = PRESETS[name]
     body, sig, _ = rows._rope_kv_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     ptx = compile_ptx_sm90(body, sig)
-    decode = compile_ptx_sm90(rope_kv._rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads,
+    decode = compile_ptx_sm90(rope_kv.rope_kv_body(cfg.num_heads, cfg.num_kv_heads,
                                                       cfg.head_dim), rope_kv.ROPE_KV_SIG)
     assert ("ld.local" in ptx) == ("ld.local" in decode)
     assert count(ptx, "sin.approx") == count(ptx, "cos.approx") == 0
@@ -60,7 +60,7 @@ SIM_SCRIPT = textwrap.dedent('''
     def forward_cuda(body):
         body.__closure__[body.__code__.co_freevars.index("cuda")].cell_contents = LaunchCuda()
 
-    forward_cuda(rmsnorm._rmsnorm_kernel(320, 1e-6, False))
+    forward_cuda(rmsnorm.rmsnorm_body(320, 1e-6, False))
     rng = np.random.default_rng(0)
 
     def report(name, ok):
@@ -108,7 +108,7 @@ SIM_SCRIPT = textwrap.dedent('''
         dec_pool = cuda.to_device(np.zeros(pool_shape(cfg, n_pages)[1:], np.float16))
         dec_q = cuda.device_array(cfg.q_size, np.float32)
         same = np.isnan(got_q[m:]).all()
-        forward_cuda(rope_kv._rope_kv_kernel(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+        forward_cuda(rope_kv.rope_kv_body(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
         for i in range(m):
             rope_kv.rope_kv_launcher(cfg, cuda.to_device(qkv[i]), make_state(pos=start + i),
                                      d_inv, d_table, dec_pool, dec_q)()

@@ -25,6 +25,9 @@ def test_nd_source_index():
     pool = np.arange(2 * 3 * 16, dtype=np.float16).reshape(2, 3, 16)
     tile = np.zeros(8, dtype=np.float16)
     P.cp_async_cg_shared_global_16_zfill.twin(P.cvta_to_shared_u32.twin(tile), pool, (1, 2, 8), 16)
+    assert not tile.any()                           # in flight: lands at the wait, not before
+    P.cp_async_commit_group.twin()
+    P.cp_async_wait_group.twin(0)
     np.testing.assert_array_equal(tile, pool[1, 2, 8:])
 
 
