@@ -60,11 +60,25 @@ cycles, so LARGE's 4.4-5.5 issue slots an mma leave the issue port ~50-60 % busy
 pipe, fed by 2 warps a sub-partition with 16 independent accumulators each, is the limit.
 Shared memory: ~185 bytes an mma (ldmatrix 128, weights 16, the copies' writes 40) = ~80 of
 128 bytes a cycle at peak.  L2 -> SM: 40 KB a slice per 1024 mma (102 FLOP a byte): 2.9 TB/s
-at 300 TFLOP/s.  Predicted (not yet measured): LARGE ~300 TFLOP/s (2/3 of the mma.sync peak)
-on full waves; at M = 512 the 7B grids are 112 (o_proj, down: 0.85 of the SMs), 144 (qkv: 2
-waves, the second 12 blocks) and 1184 (gate_up) blocks, so ~0.9 ms a layer, ~25 ms of
-projections for 28 layers; M = 8192 ~ 370 ms.  Both miss the 20 ms / 300 ms goals: the next
-step is wgmma (sm_90a, ~2x the mma.sync rate) with bulk copies instead of cp.async.
+at 300 TFLOP/s.  Predicted before measuring: LARGE ~300 TFLOP/s (2/3 of the mma.sync peak),
+less where the 7B grids leave SMs idle at M = 512 (112 blocks for o_proj and down, 144 = two
+waves for qkv), ~25 ms of projections for 28 layers at M = 512.
+
+Measured (H200, scripts/bench_gemm.py, graph-timed, weights rotated past L2; TFLOP/s of the
+default tiles, cuBLAS fp16 x @ w.T beside them):
+             M = 16 (SMALL)   512            2048           8192
+    qkv      33  (cuBLAS 59)  126 (653)      206 (744)      231 (749)
+    o_proj   39  (47)         215 (629)      186 (669)      215 (756)
+    gate_up  61  (59)         249 (708)      252 (756)      254 (643)
+    down     59  (56)         264 (730)      264 (710)      304 (682)
+    28 layers 3.77 ms (3.65)  28.5 ms (9.5)  108 ms (36)    408 ms (161)
+So LARGE runs at 41-68 % of the mma.sync peak (gate_up, down 55-68), a third of cuBLAS;
+M = 512 misses the 20 ms goal by 1.4x and 8K the 300 ms one likewise: the next step is wgmma
+(sm_90a) with bulk copies.  Other tiles measured then: a fourth stage changes nothing (+-1 %);
+128 x 64 with 4 warps, two blocks an SM (Tiles(2, 8, 4, 1, 1, 4)) wins on o_proj and down at
+M >= 2048 (203 / 293 TFLOP/s) and loses 2-4 % on gate_up; MEDIUM beats LARGE on o_proj at
+2048 (243); 64 x 128 (Tiles(2, 8, 2, 2, 1, 4)) loses 20-35 % everywhere (twice the
+activation bytes a FLOP).
 
 Grid order: blocks (weight block nb, token block mb), token blocks in bands of `band` (chosen
 by the launcher: band x BM x K fp16 <= 16 MB); inside a band the token block varies fastest,
@@ -74,8 +88,12 @@ hits) and the band's activations stay in L2 while every weight block passes over
 M = 16 (speculative verification of 4-16 tokens): SMALL, 32 weight rows x 16 tokens a block,
 its 4 warps splitting each slice's 4 groups: grids of 144 (qkv), 112 (o_proj, down) and 1184
 (gate_up) blocks stream the weights once; 14-23 instructions an mma (a fragment feeds 2
-mmas), 28-45 a weight word, so ~25-40 us of issue a layer against ~30 us of reading its 117 MB:
-issue- and memory-bound alike.  M <= 7 runs the same kernel on the first m tokens (the rest of the
+mmas), 28-45 a weight word.  Predicted ~25-40 us a layer (issue) against ~30 us of reading its
+117 MB; measured 135 us (3.77 ms for 28 layers, level with cuBLAS fp16's 3.65): ~0.9 TB/s of
+INT4, so neither bound holds -- each block also reads all of X (16 x K fp16: twice its 32
+rows' weight bytes) and spends ~360 instructions a slice on
+copies and the row layout's piece addressing.  Open: wider SMALL blocks (more rows a block, X
+read fewer times).  M <= 7 runs the same kernel on the first m tokens (the rest of the
 token tile is computed from a repeated row and not stored).
 """
 from __future__ import annotations
