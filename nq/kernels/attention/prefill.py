@@ -78,9 +78,10 @@ def _name(gqa, head_dim, num_kv, warps, nstage):
 def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: int):
     """The kernel body for one head shape; see the module doc."""
     from nq.kernels.common import dev
-    from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group, cp_async_wait_group,
-                        cvta_to_shared_u32_at, ldmatrix_x4, ldmatrix_x4_trans,
-                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32)
+    from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group,
+                        cp_async_wait_group, cvta_to_shared_u32_at, griddepcontrol_wait,
+                        ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32,
+                        pack_f16x2_from_f32)
 
     G, D, HKV, NW, NST = gqa, head_dim, num_kv, warps, nstage
     HQ = G * HKV
@@ -131,6 +132,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: in
         qf = cuda.local.array(QW, uint32)      # A fragments of Q (fp16, pre-scaled), per k-step
         acc = cuda.local.array(AW, float32)    # O C fragments: [dim n-tile][c0..c3]
         sc = cuda.local.array(SW, float32)     # S C fragments: [key n-tile][c0..c3], then P
+        griddepcontrol_wait()   # PDL (nq/ptx/griddep.py): q and the chunk's K/V come from upstream
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
