@@ -185,6 +185,9 @@ def _store(disp, argtypes, key: str, inputs: dict, path: Path) -> None:
     if lib._linking_files or lib.needs_cudadevrt or kernel.cooperative:
         return  # links other files or libraries at load: not cacheable as one cubin
     (cc, cubin), = lib._cubin_cache.items()
+    cubin = getattr(cubin, "code", cubin)  # cuda.core's ObjectCode holds the bytes in .code
+    if not isinstance(cubin, (bytes, bytearray, memoryview)):
+        return  # an object this numba-cuda keeps in another form: compile every start
     header = {"key": key, "inputs": inputs, "entry": kernel.entry_name, "cc": list(cc),
               "sha256": hashlib.sha256(cubin).hexdigest(), "bytes": len(cubin),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
