@@ -204,6 +204,11 @@ def _load(disp, argtypes, header: dict, cubin: bytes, name: str, options: dict) 
     from numba.cuda.dispatcher import _Kernel
 
     cc = tuple(header["cc"])
+    try:  # numba-cuda on cuda.core keeps cubins as ObjectCode (what get_cufunc loads)
+        from cuda.core import ObjectCode
+    except ImportError:
+        from cuda.core.experimental import ObjectCode
+    cubin = ObjectCode.from_cubin(bytes(cubin))
     lib = CUDACodeLibrary._rebuild(
         codegen=None, name=name, entry_name=header["entry"], llvm_strs=[], ptx_cache={},
         cubin_cache={cc: cubin}, linkerinfo_cache={}, max_registers=None, nvvm_options={},
