@@ -2,14 +2,14 @@
 (28 q heads, 4 kv heads, d 128), one layer's chunk at a time, timed with CUDA events.
 
 Cases are m:start (a chunk of m query tokens after start cached ones); the defaults are a 512
-and a 2048 prompt, and 2048-token chunks at 6144 and 30000 (the 8K and 32K prompts' last
-chunks).  Each case is launched `--warmup` times, then `--reps` times each between its own
+and a 2048 prompt, 2048-token chunks at 6144 and 30000 (the 8K and 32K prompts' last
+chunks), and a 16-token chat turn at 30000 (the known gap: a grid of 4 CTAs).  Each case is launched `--warmup` times, then `--reps` times each between its own
 pair of events; the median is reported with TFLOP/s of the causal work, 4 D Hq sum(start+i+1)
 (the masked half of the diagonal tiles not counted), and the 28-layer time.  The kernel is
 compute-bound (~18 KB of K/V per 126 rows of a CTA a tile), so L2 reuse across repetitions
 flatters nothing much; pages are scattered as a real cache's are.
 
-    python3 scripts/bench_prefill_attn.py [--cases 512:0,2048:0,2048:6144,2048:30000]
+    python3 scripts/bench_prefill_attn.py [--cases 512:0,2048:0,2048:6144,2048:30000,16:30000]
         [--variants 8:3,8:2,4:2] [--reps 10] [--json]
 
 --variants is a sweep of warps:nstage.  Results go to stderr; --json adds one JSON line on
@@ -37,8 +37,8 @@ def causal_flops(cfg, m: int, start: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="512:0,2048:0,2048:6144,2048:30000")
-    ap.add_argument("--variants", default="8:3", help="warps:nstage, comma-separated")
+    ap.add_argument("--cases", default="512:0,2048:0,2048:6144,2048:30000,16:30000")
+    ap.add_argument("--variants", default="8:3,8:2,4:2", help="warps:nstage, comma-separated")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one JSON line on stdout")

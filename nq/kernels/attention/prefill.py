@@ -1,6 +1,75 @@
 """Causal prefill attention on the tensor cores, reading K/V straight from the paged cache.
 
-DESIGN NOTE (placeholder, rewritten below once measured)
+Prefill runs a chunk of M prompt tokens (positions start..start+M-1) through a layer at once:
+rmsnorm_rows -> qkv GEMM -> rope_kv_rows (rotated q; K/V into the pages) -> this kernel ->
+o_proj GEMM.  Query token i attends to keys 0..start+i, all already in the cache, so a chat
+turn continuing a context is the same launch with start > 0.  M and start are launch
+arguments: one compiled kernel per head shape serves every chunk.
+
+CTA (kv head h, tile of T query tokens), WARPS=8 warps, 16 query rows a warp.  The 128 rows
+are (token, head) pairs of h's GQA group: row r is token r // G, query head h*G + r % G
+(q[t, h*G:(h+1)*G] is contiguous, so is o's row).  At G = 7, T = 18 tokens fill 126 rows.
+Why stack the group: every K/V tile staged in shared memory serves all G heads, so L2->SM
+traffic is 1/128 of a K/V byte per row (compute-bound at ~2.5 TB/s of L2 for 300 TFLOP/s;
+64-row CTAs would need 5 TB/s), and a short chunk still fills the rows: one query head a CTA
+would need M >= 128 per CTA and re-read each tile from L2 once per head.  Grid (Hkv,
+ceil(M/T)), the CTAs with the latest tokens (the longest rows) first, so the short ones fill
+the tail.  Warp w's rows need keys 0..its last position: it skips the tiles past it, and a
+warp of padding rows only helps load.
+
+K/V tiles: 64 keys (4 pages) of K and of V, NSTAGE=3 stages in dynamic shared memory (32 KiB
+a stage at d128: 96 KiB + 256 B of alignment slack; d64 half).  Every thread issues 16-byte
+cp.async copies (8 a tile at d128: chunk tid % 16 of rows tid // 16 + 16 i of K and V), with
+an XOR swizzle (chunk c of row r at c ^ (r % 8)) so the 8 rows an ldmatrix phase reads fall in
+8 bank groups; a bulk copy of a page keeps the pool's layout, whose 256-byte rows put those 8
+rows in one bank group (8-way conflicts), and bulk copies per row are issue-bound (decode.py's
+table).  Rows at or past start + M are zero filled by the copy (src-size 0, nothing read):
+stale slots of the last page may hold NaN, and 0 x NaN is NaN in the tensor core.
+Pipeline: tiles 0..NSTAGE-2 in flight at the start; per tile j, cp.async.wait_group
+(NSTAGE-2) and one __syncthreads (tile j landed for every thread; tile j-1's stage read by
+every warp), then the copies of tile j+NSTAGE-1 into that stage, then tile j's math.
+
+A warp's tile (fragments as nq/ptx/mma.py): S = Q K^T is 16 x 64, 8 key n-tiles x D/16
+k-steps = 64 mma (d128), fed by 32 ldmatrix.x4 of K (one per k-step and 16 keys); Q's A
+fragments stay in registers for the whole CTA.  The k-step address is (row base + 16 (c ^ row
+% 8)) ^ 32 k: one xor with an immediate.  Causal mask (key > the row's position -> -1e30,
+finite), row max over the lane quad (2 shuffles), online softmax in the log2 domain (q is
+pre-scaled by log2(e)/sqrt(D), exp2 = ex2.approx; m and the lane's share of l in fp32, the
+quad's l summed at the end), O rescaled by exp2(m_old - m_new).  O += P V: P's A fragments
+are S's C fragments repacked to fp16 in registers (FlashAttention-2), V's B fragments come
+from ldmatrix.x4.trans, 4 k-steps x D/8 dim n-tiles = 64 mma.  Every row sees key 0 in tile
+0, so m is a real score from then on and a fully masked row of a later tile gets p = 0.
+Padding rows (past the CTA's tokens, or G not dividing 128) have q = 0 and see every cached
+key: finite, never stored.
+
+Registers (ptxas, numba-cuda 0.30 / CUDA 13.0): 229 at d128 (64 O + 32 S + 32 Q fragments),
+165 at d64; no spills, no local memory; 256 threads at <= 255 registers is one CTA an SM,
+which 96 KiB of stages asks for anyway.
+
+Precision.  q arrives fp32 (rope_kv_rows writes what decode's rope_kv writes, bit for bit;
+its bytes are nothing next to K/V) and is rounded once, to fp16(q * log2(e)/sqrt(D)); K and
+V are the cache's fp16; S and O accumulate in fp32; P goes to the P V mma as fp16, as in
+every fp16 flash attention (decode.py splits P into hi + lo fp16 because its fragment rows
+8-15 were idle; here all 16 are real rows and the split would double the P V mma); l sums
+the fp32 p.  tests/kernels/attention/test_prefill_attn_gpu.py's `tolerance` derives the
+bound: ~2^-11 (max|v| + |o|) against the float64 reference of the fp16-rounded q.
+
+Measured on the H200 (7B shape, one layer, median of 5, clocks not locked; TFLOP/s of the
+causal work 4 D Hq sum(start + i + 1); two runs, which differ by up to ~10%):
+
+    m     start    8 warps x 3 stages       8 x 2             4 x 2 (2 CTAs an SM)
+    512       0    0.072 ms   26 TFLOP/s    0.074 ms  26      0.069 ms  27
+    2048      0    0.195     154            0.195    154      0.204    148
+    2048   6144    1.04      203            1.02     207      1.00     211
+    2048  30000    4.34      210            4.17     218      4.07     224
+
+so an 8K prompt's attention (13.5 TFLOP, four 2048 chunks) is ~70 ms over 28 layers and
+32K's (215 TFLOP) ~1 s: ~47 % of the ~450 TFLOP/s mma.sync peak (DEVICE.md).  Not kept:
+skipping the mask on interior tiles (a warp-uniform branch around the 32 compare/selects a
+lane) measured within that noise; 4 warps x 3 stages likewise (220 TFLOP/s at 30000).  Known
+gap: a short chunk at depth (16 tokens at start 30000: 0.86-1.2 ms/layer, a grid of 4 CTAs)
+wants the KV range split across CTAs as decode does; the next step past ~50 % of peak is
+wgmma (sm_90a) with producer/consumer warps instead of a __syncthreads per tile.
 """
 from __future__ import annotations
 
