@@ -64,8 +64,9 @@ def bitonic_sort_desc(buf, n, tid, nthreads):
     while size <= n:
         stride = size // 2
         while stride > 0:
-            for t in range(tid, n // 2, nthreads):
-                i = (t // stride) * 2 * stride + (t % stride)
+            low = stride - 1                 # stride is a power of two: no integer division
+            for t in range(tid, n >> 1, nthreads):
+                i = ((t & ~low) << 1) | (t & low)
                 j = i + stride
                 a = buf[i]
                 b = buf[j]
@@ -75,5 +76,5 @@ def bitonic_sort_desc(buf, n, tid, nthreads):
                     buf[i] = b
                     buf[j] = a
             cuda.syncthreads()
-            stride //= 2
-        size *= 2
+            stride >>= 1
+        size <<= 1

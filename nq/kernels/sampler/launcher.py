@@ -18,7 +18,6 @@ from nq.kernels.sampler import kernels as K
 from nq.kernels.sampler.params import PARAMS_LEN, P_WINDOW, pack_params
 
 NB, THREADS, BITS = 128, 256, 11   # measured: see the package doc's table
-HISTORY_GRID, HISTORY_THREADS = 64, 256
 
 
 class Sampler:
@@ -132,8 +131,8 @@ class Sampler:
 
     def _rebuild(self, stream) -> None:
         for op in (0, 1):
-            self.history[HISTORY_GRID, HISTORY_THREADS, stream](self.counts, self.ctx, self.ctl,
-                                                                self.params, op)
+            self.history[self.nb, self.threads, stream](self.counts, self.ctx, self.ctl,
+                                                        self.params, op)
 
     # ---- inspection (tests) -------------------------------------------------------------------
     def history_length(self) -> int:
