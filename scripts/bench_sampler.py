@@ -103,7 +103,7 @@ def main():
     ctl = s.ctl.copy_to_host()
     ctl[K.C_MODE] = K.MODE_DONE
     s.ctl.copy_to_device(ctl, stream=stream)
-    noop = timed(lambda: [s.select[s.nb, s.threads, stream](
+    noop = timed(lambda: [s.select[s.nb, s.threads, stream, s.smem](
         s.pen, state, s.params, out, s.ctl, s.hist_cnt, s.hist_mass, s.cand)
         for _ in range(s.passes)], args.reps) / s.passes
     results["idle select pass"] = noop

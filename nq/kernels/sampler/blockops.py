@@ -57,6 +57,23 @@ def block_scan(buf, n_per, tot, tid, nthreads):
     cuda.syncthreads()
 
 
+def block_max(buf, v, tid, nthreads):
+    """max of v over the block (every thread gets it): a shared-memory tree over buf (smem of
+    nthreads, a power of two).  64-bit shared atomics are compare-and-swap loops on sm_90: 256
+    threads racing on one word cost ~10 us, the tree ~0.3 us."""
+    buf[tid] = v
+    cuda.syncthreads()
+    half = nthreads >> 1
+    while half > 0:
+        if tid < half:
+            buf[tid] = max(buf[tid], buf[tid + half])
+        cuda.syncthreads()
+        half >>= 1
+    out = buf[0]
+    cuda.syncthreads()
+    return out
+
+
 def bitonic_sort_desc(buf, n, tid, nthreads):
     """Sort buf[0:n] (int64 smem, n a power of two, same n in every thread) into descending
     order: log2(n) * (log2(n) + 1) / 2 compare-exchange stages, one __syncthreads each."""

@@ -80,6 +80,7 @@ def _device_functions(V, VALID, T, BITS, RING):
     value_of = dev(blockops.value_of)
     block_scan = dev(blockops.block_scan)
     bitonic = dev(blockops.bitonic_sort_desc)
+    block_max = dev(blockops.block_max)
     philox = dev(philox4x32_10)
     uniform = dev(uniform_open01)
 
@@ -164,15 +165,25 @@ def _device_functions(V, VALID, T, BITS, RING):
         cuda.syncthreads()
 
     return dict(key_of=key_of, value_of=value_of, block_scan=block_scan, bitonic=bitonic,
+                block_max=block_max,
                 shift_at=shift_at, mass=mass, param_f32=param_f32, score=score,
                 score_of=score_of, philox=philox,
                 plan_level=plan_level)
+
+
+def select_smem_bytes(bits: int) -> int:
+    """Dynamic shared memory of the select kernel: two int64 arrays of 2^bits."""
+    return 16 << bits
 
 
 def _constants(vocab, valid, nb, threads, bits, ring):
     if vocab % 4 or not 0 < valid <= vocab:
         raise ValueError(f"sampler: vocab {vocab} must be a multiple of 4 and valid_vocab "
                          f"{valid} in (0, vocab]")
+    per_block = -(-(vocab // 4) // (nb * threads)) * threads * 4
+    if per_block > 4096:
+        raise ValueError(f"sampler: {nb} blocks of {threads} threads give a block {per_block} "
+                         "ids; at most 4096 keep a bin's 20-bit mass parts below 2^32")
     nbins = 1 << bits
     if threads % 32 or nbins % threads or threads > nbins:
         raise ValueError(f"sampler: {threads} threads must be a multiple of 32 dividing the "
@@ -187,6 +198,7 @@ def penalize_kernel(V, VALID, NB, T, BITS, RING):
     f = _device_functions(V, VALID, T, BITS, RING)
     key_of, block_scan, plan_level, param_f32 = (f["key_of"], f["block_scan"], f["plan_level"],
                                                  f["param_f32"])
+    block_max = f["block_max"]
     NBINS = 1 << BITS
     E = NBINS // T
     NG = V // 4
@@ -200,14 +212,12 @@ def penalize_kernel(V, VALID, NB, T, BITS, RING):
         h = cuda.shared.array(NBINS, int32)
         tot = cuda.shared.array(T, int32)
         res = cuda.shared.array(4, int32)
-        smax = cuda.shared.array(1, int64)
+        red = cuda.shared.array(T, int64)
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         for r in range(tid, NBINS, T):
             h[r] = 0
-        if tid == 0:
-            smax[0] = 0
         griddepcontrol_wait()  # PDL: logits come from lm_head, state from the step so far
         griddepcontrol_launch_dependents()
         # the step's history change (the input token enters at its position; with a window,
@@ -243,14 +253,13 @@ def penalize_kernel(V, VALID, NB, T, BITS, RING):
                     kmax = max(kmax, k)
                     if top_k > 0:
                         cuda.atomic.add(h, int32(k >> L1_SHIFT), 1)
-        cuda.atomic.max(smax, 0, kmax)
-        cuda.syncthreads()
+        kmax = block_max(red, kmax, tid, T)
         if top_k > 0:
             for r in range(tid, NBINS, T):
                 if h[r] != 0:
                     cuda.atomic.add(hist_cnt, r, h[r])
         if tid == 0:
-            cuda.atomic.max(ctl, C_KEYMAX, smax[0])
+            cuda.atomic.max(ctl, C_KEYMAX, kmax)
         cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
@@ -299,6 +308,7 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
     key_of, value_of, block_scan, bitonic = f["key_of"], f["value_of"], f["block_scan"], f["bitonic"]
     shift_at, mass, param_f32, plan_level = f["shift_at"], f["mass"], f["param_f32"], f["plan_level"]
     score, score_of, philox = f["score"], f["score_of"], f["philox"]
+    block_max = f["block_max"]
     NBINS = 1 << BITS
     CAP = NBINS
     E = NBINS // T
@@ -307,17 +317,25 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
     IDXMASK = (1 << IDXB) - 1
     NEG_INF = float32(-np.inf)
     INF64 = float64(np.inf)
+    # dynamic shared memory (select_smem_bytes): int64 [0, CAP) the candidates (final) or a
+    # level's mass scan, int64 [CAP, 2 CAP) the final mass scan; during a level's histogram the
+    # second half holds two int32 arrays instead, the high and low 20-bit parts of each bin's
+    # mass, because 64-bit shared atomics are compare-and-swap loops on sm_90 (a level with
+    # top-k off took 22 us with them) and 32-bit ones are native
+    HI, LO = 2 * CAP, 3 * CAP      # int32 indices of the second half
+    LOW20 = (1 << 20) - 1
 
     def select(pen, state, params, out_ids, ctl, hist_cnt, hist_mass, cand_g):
         # pen (V,) f32; out_ids (ring,) int32; ctl (CTL_LEN,) int64; hist_cnt (NBINS,) int32,
         # hist_mass (NBINS,) int64, cand_g (CAP,) int64: zero / unused between passes
         hc = cuda.shared.array(NBINS, int32)
-        hm = cuda.shared.array(NBINS, int64)
-        cand = cuda.shared.array(CAP, int64)
+        dyn64 = cuda.shared.array(0, int64)
+        dyn32 = cuda.shared.array(0, int32)
+        cand = dyn64[0:CAP]
+        hm = dyn64[CAP:2 * CAP]
         tot32 = cuda.shared.array(T, int32)
         tot64 = cuda.shared.array(T, int64)
         res = cuda.shared.array(4, int32)
-        sbest = cuda.shared.array(1, int64)
         last = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
@@ -338,12 +356,11 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
         pos = int64(state[STATE_POS]) & 0xFFFFFFFF
         seed_lo = int64(params[P_SEED_LO]) & 0xFFFFFFFF
         seed_hi = int64(params[P_SEED_HI]) & 0xFFFFFFFF
-        if tid == 0:
-            sbest[0] = -1
         if mode == MODE_LEVEL:
             for r in range(tid, NBINS, T):
                 hc[r] = 0
-                hm[r] = 0
+                dyn32[HI + r] = 0
+                dyn32[LO + r] = 0
             cuda.syncthreads()
             digit = (int64(1) << (s0 - s1)) - 1
             for g in range(b * T + tid, NG, NB * T):
@@ -356,13 +373,17 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
                             r = int32((c >> s1) & digit)
                             cuda.atomic.add(hc, r, 1)
                             if not k_on:
-                                cuda.atomic.add(hm, r, mass(v, top))
+                                q = mass(v, top)
+                                cuda.atomic.add(dyn32, HI + r, int32(q >> 20))
+                                cuda.atomic.add(dyn32, LO + r, int32(q & LOW20))
             cuda.syncthreads()
             for r in range(tid, NBINS, T):
                 if hc[r] != 0:
                     cuda.atomic.add(hist_cnt, r, hc[r])
-                    if not k_on:
-                        cuda.atomic.add(hist_mass, r, hm[r])
+                    if not k_on:   # both parts are sums below 2^32: read them unsigned
+                        cuda.atomic.add(hist_mass, r,
+                                        ((int64(dyn32[HI + r]) & 0xFFFFFFFF) << 20)
+                                        + (int64(dyn32[LO + r]) & 0xFFFFFFFF))
         else:
             cuda.syncthreads()
             boundary = mode == MODE_BOUNDARY
@@ -389,10 +410,9 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
                                 x = x0 if e == 0 else (x1 if e == 1 else (x2 if e == 2 else x3))
                                 best = max(best, score_of(v, int64(i), x, temp))
             if boundary:
-                cuda.atomic.max(sbest, 0, best)
-                cuda.syncthreads()
-                if tid == 0 and sbest[0] >= 0:
-                    cuda.atomic.max(ctl, C_BEST, sbest[0])
+                best = block_max(tot64, best, tid, T)
+                if tid == 0 and best >= 0:
+                    cuda.atomic.max(ctl, C_BEST, best)
         cuda.threadfence()
         cuda.syncthreads()
         if tid == 0:
@@ -469,10 +489,8 @@ def select_kernel(V, VALID, NB, T, BITS, RING):
             c = cand[r]
             best = max(best, score(value_of(c >> IDXB), IDXMASK - (c & IDXMASK), temp, step,
                                    pos, seed_lo, seed_hi))
-        cuda.atomic.max(sbest, 0, best)
-        cuda.syncthreads()
+        best = block_max(tot64, best, tid, T)
         if tid == 0:
-            best = sbest[0]
             if boundary:
                 best = max(best, cuda.atomic.exch(ctl, C_BEST, -1))
             tok = int32(IDXMASK - (best & IDXMASK))

@@ -40,6 +40,7 @@ class Sampler:
         self.vocab, self.valid, self.ring = int(vocab), int(valid_vocab), int(max_len)
         self.nb, self.threads, self.bits = int(nb), int(threads), int(bits)
         self.cap = 1 << self.bits
+        self.smem = K.select_smem_bytes(self.bits)
         self.passes = K.n_select_passes(self.vocab, self.bits)
         self.penalize, self.select, self.history = K.compiled(
             self.vocab, self.valid, self.nb, self.threads, self.bits, self.ring)
@@ -73,7 +74,7 @@ class Sampler:
         self.penalize[self.nb, self.threads, stream](logits, state, self.params, self.counts,
                                                      self.ctx, self.pen, self.ctl, self.hist_cnt)
         for _ in range(self.passes):
-            self.select[self.nb, self.threads, stream](self.pen, state, self.params, out_ids,
+            self.select[self.nb, self.threads, stream, self.smem](self.pen, state, self.params, out_ids,
                                                        self.ctl, self.hist_cnt, self.hist_mass,
                                                        self.cand)
 
