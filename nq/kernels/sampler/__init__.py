@@ -2,7 +2,7 @@
 temperature and a seeded draw over the fp32 logits (vocab,), where argmax used to stand.
 
 Why: copying 152,064 logits to the host and sampling in NumPy made the Instruct model's default
-sampling run at 232 tok/s where greedy ran at 534.  Here a sampled token costs ~29 us of GPU
+sampling run at 232 tok/s where greedy ran at 534.  Here a sampled token costs ~28 us of GPU
 time inside the step and no host round trip.
 
 The chain (nq/sample.py's, i.e. llama.cpp's order and meaning):
@@ -45,9 +45,16 @@ Launches a step (one graph node each, programmatic edges, every kernel waits fir
                                 resolved); real logits need 1 (top-k on) to 3 (top-k off)
 Bytes are not the cost (2-3 MB from L2 is ~1 us of the chip); the launches and the
 last-block tails are, so the design counts kernels: 2 doing work at the defaults.
-Measured on the H200 (scripts/bench_sampler.py, graph replays, 152,064 logits):
-argmax 4.6 us; Qwen defaults (T 0.7, k 20, p 0.8, rep 1.05) 28.8 us; top-p 0.95 with top-k off
-42.5 us; min-p 0.05 41 us; nothing cut 26 us; an idle select launch 1.0 us.
+Measured on the H200 (scripts/bench_sampler.py, graph replays with PDL edges, 152,064 logits,
+2026-12-01): argmax 4.8 us; Qwen defaults (T 0.7, k 20, p 0.8, rep 1.05) 27.7 us; greedy
+through the sampler 25.7 us; top-p 0.95 with top-k off 38.7 us; min-p 0.05 37.7 us; nothing cut
+27.3 us; top-k 1000 52.1 us; an idle select launch 1.07 us.  ncu (each kernel alone, so launch
+latency included) at the defaults: penalize 11.4 us (10.3 in a graph), the compacting select
+14.9 us, each idle select 2.5 us.  What the time is: the last blocks' serial tails (a ticket,
+~10 dependent L2 round trips, a dozen __syncthreads), not bytes.
+Lost experiments: 64-bit shared atomics for block maxima and bin masses (compare-and-swap loops
+on sm_90): a top-k-off level 22.1 -> 17.5 us without them; integer division in the bitonic
+network's index math: top-k 1000 105 -> 52 us without it (both in commit history).
 
 Penalty history: counts (vocab,) int32 and ctx (max_len,) int32, the context's tokens by
 position.  A step's input token (state.token, at state.pos) enters the history in that step:
@@ -59,7 +66,9 @@ seed_history, append_history after a batched prefill, truncate_history, a new wi
 the table from ctx with two small kernels: O(context) once, outside the step.
 
 Layout: params.py (the parameter block), reference.py (the NumPy chain and its tolerances),
-blockops.py (shared-memory scan and sort), kernels.py (the passes), launcher.py (Sampler).
+blockops.py (shared-memory scan, max and sort), plan.py (the passes' shared state, masses,
+scores, the level planner), kernels.py (the passes), launcher.py (Sampler, and how an engine
+drives it).
 """
 from nq.kernels.sampler.launcher import Sampler, make_sampler
 from nq.kernels.sampler.params import (PARAMS_LEN, from_sampling_params, pack_params,

@@ -7,7 +7,14 @@
 
 `launch` allocates nothing and reads every parameter on the device, so it can be captured once.
 The history methods copy a few bytes and launch two small kernels: call them outside capture,
-between steps (nq/kernels/sampler/__init__.py says when the engine needs each).
+between steps.  The history must mirror the KV cache's tokens; an engine keeps it so with:
+
+    reset()                           -> s.reset(stream)
+    batched prefill of positions [start, start + done) from its device prompt buffer
+                                      -> s.append_history(prompt[:done], start, stream)
+    truncate(n), and after generation books fewer tokens than the graph fed (the last
+    step's token is read but not kept)  -> s.truncate_history(n, stream)
+    decode steps (replays)            -> nothing: each step enters its own input token
 """
 from __future__ import annotations
 
