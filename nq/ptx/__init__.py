@@ -19,6 +19,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     async_copy cp_async_cg_shared_global_16 (+ _zfill), cp_async_commit_group, cp_async_wait_group
     mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
     dp4a      dp4a_s32
+    mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
 """
 from nq.ptx._asm import SIMULATOR
@@ -26,6 +27,7 @@ from nq.ptx.async_copy import (cp_async_cg_shared_global_16, cp_async_cg_shared_
                                cp_async_commit_group, cp_async_wait_group)
 from nq.ptx.bulk import cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
 from nq.ptx.dp4a import dp4a_s32
+from nq.ptx.mulhi import mul_hi_u32
 from nq.ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
 from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
 from nq.ptx.half import (add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, mul_rn_f16x2,
@@ -61,6 +63,6 @@ __all__ = [
     "cp_async_cg_shared_global_16", "cp_async_cg_shared_global_16_zfill",
     "cp_async_commit_group", "cp_async_wait_group",
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
-    "dp4a_s32",
+    "dp4a_s32", "mul_hi_u32",
     "griddepcontrol_wait", "griddepcontrol_launch_dependents",
 ]
