@@ -166,15 +166,15 @@ class Gemm:
     def __init__(self, kind, n, k, layout, configs=DEFAULT_CONFIGS):
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
         self.w_rows = 2 * n if kind == "gate_up" else n
-        self.configs = []
-        for max_m, tiles in configs:
-            self.configs.append((max_m, tiles) + compiled(kind, n, k, layout, tiles))
+        self.configs = tuple(configs)
 
     def pick(self, m):
-        """(tiles, kernel, name) that run m tokens."""
-        for max_m, tiles, kern, name in self.configs:
+        """(tiles, kernel, name) that run m tokens.  A tile configuration is compiled (or loaded
+        from the kernel cache) the first time an M needs it: the large-tile kernels take ~3 s
+        each to compile, and a short prompt never needs them."""
+        for max_m, tiles in self.configs:
             if max_m is None or m <= max_m:
-                return tiles, kern, name
+                return (tiles,) + compiled(self.kind, self.n, self.k, self.layout, tiles)
         raise ValueError(f"gemm: no tile configuration takes M={m}; end the list with "
                          f"(None, tiles)")
 
