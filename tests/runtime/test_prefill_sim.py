@@ -66,7 +66,7 @@ def test_batched_prefill_under_the_simulator_matches_the_reference(tmp_path):
     from nq.config import tiny_config
     from nq.loader.hf import pack
     from nq.loader.synth import make_hf_snapshot
-    cfg = tiny_config(num_layers=1, intermediate_size=256, vocab_size=256)
+    cfg = tiny_config(num_layers=1, intermediate_size=256)
     path = pack(make_hf_snapshot(tmp_path / "hf", cfg, seed=1), tmp_path / "m.nanoqwen",
                 progress=False)
     vals, out = run_under_simulator(SCRIPT.replace("PATH", repr(str(path))), timeout=900)
