@@ -81,7 +81,7 @@ def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
     the largest divisor of the group count in 8..16, else 16; none under 16 groups (a small
     o_proj), where the CUDA-core kernel tied or won.
 
-    Measured in the step graph (scripts/step_variants.py, session 5) against the CUDA-core
+    Measured in the step graph (scripts/step_variants.py, 32d8702) against the CUDA-core
     tilings, ms a step at 512: 7B o_proj 14 warps -0.048 (beside the mma down), down 16 warps
     -0.069 (t1024, two tiles a block: -0.091, the 7B's measured entry); 1.5B o_proj 6 warps
     0.000, down 14 -0.125 (16: -0.103); 14B o_proj 10 -0.397 (8: -0.359, 20: -0.350), down 12
@@ -125,13 +125,13 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
     # rank tilings differently, because with PDL the next kernel's blocks start beside these.
     measured = {
         # 8.3 us alone; L2 prefetch: +0.005 ms.  span 128 (one fp16 partial a group): -0.010 ms
-        # a step at 512 and 8K, as qkv_rope, which takes this tiling (session 4)
+        # a step at 512 and 8K, as qkv_rope, which takes this tiling (946790c)
         ("qkv", 4608, 3584): Tiling(ks=14, threads=256, span=128),
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
         # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
-        # gate_up on the tensor cores lost in the step (session 5): ks2 t256 +0.017 ms (+0.046
+        # gate_up on the tensor cores lost in the step (32d8702): ks2 t256 +0.017 ms (+0.046
         # beside the mma down), ks2 t128 +0.018, ks4 t256 +0.084, ks1 t128 +0.51, ks7 t224 +0.19
         ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
@@ -139,7 +139,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # 25.2 / 19.0 us; regions -0.19 ms) but the whole step went 2.17 -> 2.38 ms (kernel_gap
         # 0.02 -> 0.32 ms): a next kernel's blocks no longer fit beside the running one.
     }
-    # on the tensor cores, against the CUDA-core entries above, in the 7B step (session 5):
+    # on the tensor cores, against the CUDA-core entries above, in the 7B step (32d8702):
     measured_mma = {
         # a 16-row tile a block, 14 warps splitting its 28 groups: -0.048 ms a step at 512
         # beside the mma down (7 warps t448, two tiles a block: -0.007; 14 warps t896: +0.030)
