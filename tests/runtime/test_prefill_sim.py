@@ -60,7 +60,7 @@ print("kv_rel", worst)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long   # ~10 minutes of simulated threads: `python3 -m pytest -m long`
 def test_batched_prefill_under_the_simulator_matches_the_reference(tmp_path):
     """One layer of the tiny shape (the simulator runs ~10^4 threads a second)."""
     from nq.config import tiny_config
