@@ -52,13 +52,15 @@ SIM_SCRIPT = textwrap.dedent('''
     from nq.runtime.kv_cache import make_state
 
     class LaunchCuda:
-        """rope_kv's and rmsnorm's factories import `cuda` into a closure cell, which the
-        simulator does not swap: forward it to the fake module of the running launch."""
+        """A factory that imports `cuda` into a closure cell escapes the simulator's swap of
+        module globals: forward it to the fake module of the running launch.  (rmsnorm now
+        reads `cuda` as a module global, which the simulator swaps by itself.)"""
         def __getattr__(self, name):
             return getattr(simk._kernel_context, name)
 
     def forward_cuda(body):
-        body.__closure__[body.__code__.co_freevars.index("cuda")].cell_contents = LaunchCuda()
+        if "cuda" in body.__code__.co_freevars:
+            body.__closure__[body.__code__.co_freevars.index("cuda")].cell_contents = LaunchCuda()
 
     forward_cuda(rmsnorm.rmsnorm_body(320, 1e-6, False))
     rng = np.random.default_rng(0)
