@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from nq.config import PRESETS
+from nq.tools.environment import gpu_clocks, versions
 
 NO_GPU = ("nq bench needs an NVIDIA GPU with a working CUDA driver (numba.cuda.is_available() "
           "is False{why}); run it on the H100/H200, or use `nq generate --backend numpy` here")
@@ -167,8 +166,8 @@ def footnotes(args, ceiling_gbs: float) -> str:
     p, n = args.p[0], args.n
     return "\n".join([
         ("- ppP: a P-token prompt, ids on the host to the first token's logits on the host "
-         f"(batched prefill, chunks of up to 2048 tokens, then the decode step for the last "
-         f"token); t/s = P / TTFT; TFLOP/s = prefill FLOPs / TTFT; bytes/token at context P/2."),
+         "(batched prefill, chunks of up to 2048 tokens, then the decode step for the last "
+         "token); t/s = P / TTFT; TFLOP/s = prefill FLOPs / TTFT; bytes/token at context P/2."),
         (f"- tg{n}: {n} decode steps after the {p}-token prompt (CUDA graph, one event per "
          f"step); t/s mean ± sd over {args.r} runs, ITL percentiles over all steps."),
         ("- tgN @ dC: decode steps with the cache made C tokens long by eng.fake_context; the "
@@ -177,71 +176,6 @@ def footnotes(args, ceiling_gbs: float) -> str:
          f"device-to-device copy in this run, {ceiling_gbs:.0f} GB/s (read + write); clocks "
          "not locked."),
     ])
-
-
-# ---- environment ----------------------------------------------------------------------------
-_SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "clocks.sm", "clocks.mem", "clocks.max.sm",
-               "clocks.max.mem", "temperature.gpu", "power.draw")
-
-
-def gpu_clocks() -> dict:
-    """Name, driver and current SM/memory clocks (MHz) of the GPU numba uses: nvidia-smi, else
-    pynvml, else {"error": why}.  Never fails."""
-    bus = None
-    try:
-        from numba import cuda
-        bus = int(cuda.get_current_device().PCI_BUS_ID)
-    except Exception:  # noqa: BLE001 -- no bus id: take the first GPU listed
-        bus = None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(_SMI_FIELDS),
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=20, check=True).stdout
-        rows = [dict(zip(_SMI_FIELDS, (v.strip() for v in line.split(","))))
-                for line in out.strip().splitlines() if line.strip()]
-        pick = [r for r in rows if bus is not None and _bus(r["pci.bus_id"]) == bus] or rows[:1]
-        return {"source": "nvidia-smi", **pick[0]} if pick else {"error": "nvidia-smi listed no GPU"}
-    except Exception as e:  # noqa: BLE001
-        smi_error = f"nvidia-smi: {e}"
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(h)
-        return {"source": "pynvml", "name": name.decode() if isinstance(name, bytes) else name,
-                "driver_version": str(pynvml.nvmlSystemGetDriverVersion()),
-                "clocks.sm": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "clocks.mem": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)}
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"{smi_error}; pynvml: {e}"}
-
-
-def _bus(bus_id: str):
-    try:  # "00000000:19:00.0" -> 0x19
-        return int(bus_id.split(":")[1], 16)
-    except (IndexError, ValueError):
-        return None
-
-
-def versions() -> dict:
-    from importlib import metadata
-
-    import nq
-    v = {"nq": nq.__version__, "python": platform.python_version(), "numpy": np.__version__}
-    for dist in ("numba", "numba-cuda", "cuda-bindings", "torch"):
-        try:
-            v[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            v[dist] = None
-    try:
-        from cuda.bindings import driver as cu
-
-        from nq.runtime.graphs import _check
-        d = int(_check(cu.cuDriverGetVersion()))
-        v["cuda_driver"] = f"{d // 1000}.{d % 1000 // 10}"
-    except Exception as e:  # noqa: BLE001
-        v["cuda_driver"], v["cuda_driver_error"] = None, str(e)[:200]
-    return v
 
 
 # ---- measurements (GPU) ---------------------------------------------------------------------
