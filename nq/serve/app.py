@@ -82,8 +82,9 @@ def submit(state: State, req: Request) -> Job:
         return state.engine.submit(req, asyncio.get_running_loop(), asyncio.Queue())
     except QueueFull:
         wait = state.engine.retry_after_s()
-        raise APIError(503, f"the server is busy ({len(state.engine.queue)} requests waiting, "
-                       f"the most --queue allows); retry in about {wait} s",
+        raise APIError(503, f"the server is busy: one request runs and "
+                       f"{len(state.engine.queue)} wait, as many as --queue "
+                       f"{state.engine.queue.maxsize} allows; retry in about {wait} s",
                        code="queue_full", headers={"Retry-After": str(wait)})
 
 

@@ -77,23 +77,31 @@ class Job:
 
 
 class JobQueue:
-    """FIFO of at most `maxsize` waiting jobs; `put` never blocks."""
+    """FIFO of at most `maxsize` jobs waiting behind the running one; `put` never blocks.
+    The running job is tracked under the same lock, so admission is exact."""
 
     def __init__(self, maxsize: int):
         self.maxsize, self.items, self.cond = maxsize, collections.deque(), threading.Condition()
+        self.running: Job | None = None
 
     def put(self, job: Job) -> None:
         with self.cond:
-            if len(self.items) >= self.maxsize:
+            if len(self.items) + (self.running is not None) > self.maxsize:
                 raise QueueFull
             self.items.append(job)
             self.cond.notify()
 
     def get(self, timeout: float) -> Job | None:
+        """The next job, which becomes the running one (None after `timeout` s without one)."""
         with self.cond:
             if not self.items:
                 self.cond.wait(timeout)
-            return self.items.popleft() if self.items else None
+            self.running = self.items.popleft() if self.items else None
+            return self.running
+
+    def finish(self) -> None:
+        with self.cond:
+            self.running = None
 
     def remove(self, job: Job) -> None:
         with self.cond:
@@ -118,7 +126,6 @@ class Engine:
         self.queue = JobQueue(queue)
         self.slots_wanted = slots
         self.cache: PromptCache | None = None
-        self.busy = False
         self.stopping = False        # set from a signal handler: a plain attribute, no locks
         self.job_s = 1.0             # running mean of a job's time, for Retry-After
         self._ready = threading.Event()
@@ -139,6 +146,10 @@ class Engine:
         job.engine = self
         return job
 
+    @property
+    def busy(self) -> bool:
+        return self.queue.running is not None
+
     def retry_after_s(self) -> int:
         return max(1, round(self.job_s * (len(self.queue) + 1)))
 
@@ -157,18 +168,18 @@ class Engine:
         self._ready.set()
         while not self.stopping:
             job = self.queue.get(timeout=0.2)
-            if job is None or job.cancelled.is_set():
+            if job is None:
                 continue
-            self.busy = True
             t0 = time.perf_counter()
             try:
-                job.post("done", self._run(job))
+                if not job.cancelled.is_set():
+                    job.post("done", self._run(job))
             except Exception as e:  # noqa: BLE001 -- one request fails, the server goes on
                 self.cache.forget()
                 print(f"nq: request failed: {type(e).__name__}: {e}", file=sys.stderr)
                 job.post("error", f"{type(e).__name__}: {e}")
             finally:
-                self.busy = False
+                self.queue.finish()
                 self.job_s = 0.8 * self.job_s + 0.2 * (time.perf_counter() - t0)
         for job in self.queue.drain():
             job.post("error", "the server is shutting down")
