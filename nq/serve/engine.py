@@ -173,7 +173,11 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 if not job.cancelled.is_set():
-                    job.post("done", self._run(job))
+                    res = self._run(job)
+                    if self.stopping and res.stop_type == "none":  # cut short by a shutdown
+                        job.post("error", "the server is shutting down; the reply was cut")
+                    else:
+                        job.post("done", res)
             except Exception as e:  # noqa: BLE001 -- one request fails, the server goes on
                 self.cache.forget()
                 print(f"nq: request failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -194,7 +198,8 @@ class Engine:
             if cached < len(ids):
                 backend.prefill(ids[cached:])
             self.cache.hold(ids)
-            return self._result(job, ids, [], "", "length", "limit", "", cached, t_start, None)
+            return self._result(job, ids, [], "", "length", "limit", "", cached, t_start, None,
+                                None)
         if req.presence or req.frequency:
             backend = PenalizedBackend(backend, req.presence, req.frequency)
 
@@ -252,11 +257,11 @@ class Engine:
             raw = tok.decode(out)
             word = min(((raw.find(s), s) for s in req.stop if s in raw), default=(0, ""))[1]
         return self._result(job, ids, out, "".join(shown), finish, stop_type, word, cached,
-                            t_start, stats)
+                            t_start, why["t_first"], stats)
 
-    def _result(self, job, ids, out, text, finish, stop_type, word, cached, t_start, stats):
-        now = time.perf_counter()
-        first = t_start + stats.ttft_s if stats is not None and out else now
+    def _result(self, job, ids, out, text, finish, stop_type, word, cached, t_start, t_first,
+                stats):
+        first = t_first or time.perf_counter()  # prefill only: its end
         res = Result(ids=out, text=text, finish=finish, stop_type=stop_type, stopping_word=word,
                      prompt_tokens=len(ids), cached_tokens=cached,
                      tokens_cached=self.cache.backend.length, ttft_s=first - job.t_submit,
