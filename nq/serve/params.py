@@ -103,8 +103,8 @@ def stop_strings(body: dict, name: str = "stop") -> list[str]:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise bad(name, "give a string or a list of strings")
-    if len(v) > 16:
-        raise bad(name, f"{len(v)} stop strings; give at most 16")
+    if len(v) > 64:  # editors send a dozen or more (Continue: every FIM token, fences, ...)
+        raise bad(name, f"{len(v)} stop strings; give at most 64")
     return [s for s in v if s]
 
 
