@@ -23,6 +23,7 @@ server gives `nq generate --temp 0`'s tokens.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 
@@ -76,22 +77,21 @@ def number(body: dict, name: str, default=None, lo=None, hi=None, lo_open=False,
     return v
 
 
-def flag(body: dict, name: str, default: bool = False) -> bool:
+def _typed(body: dict, name: str, kind: type, default, what: str):
     v = body.get(name)
     if v is None:
         return default
-    if not isinstance(v, bool):
-        raise bad(name, f"{v!r} is not true or false")
+    if not isinstance(v, kind):
+        raise bad(name, f"expected {what}, got {json.dumps(v)[:40]}")
     return v
+
+
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    return _typed(body, name, bool, default, "true or false")
 
 
 def string(body: dict, name: str, default: str | None = None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad(name, f"expected a string, got {type(v).__name__}")
-    return v
+    return _typed(body, name, str, default, "a string")
 
 
 def stop_strings(body: dict, name: str = "stop") -> list[str]:

@@ -1,7 +1,7 @@
 """`nq serve` as a real process on 127.0.0.1 (any free port) over the tiny model, NumPy backend.
 
 `server` is started once for the whole folder (tests that need other flags start their own
-with `start_server`); its log goes to a file, which tests may read.  Teardown sends SIGTERM
+with the `start` fixture); its log goes to a file, which tests may read.  Teardown sends SIGTERM
 and expects a clean exit.
 """
 import os
@@ -54,6 +54,12 @@ def start_server(model, log: Path, *flags) -> Server:
     url = m.group(1)
     httpx.get(url + "/health", timeout=10).raise_for_status()
     return Server(proc, url, log)
+
+
+@pytest.fixture(scope="session")
+def start():
+    """start(model, log_path, *flags) -> Server: another server, for other flags."""
+    return start_server
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,6 @@ import sys
 import httpx
 import pytest
 
-from conftest import start_server  # noqa: E402  (tests/serve/conftest.py, first on sys.path)
-
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 
@@ -93,8 +91,8 @@ KEY = "s3cret-test-key-0123"
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_nanoqwen, tmp_path_factory):
-    s = start_server(tiny_nanoqwen, tmp_path_factory.mktemp("keyed") / "server.log",
+def keyed(start, tiny_nanoqwen, tmp_path_factory):
+    s = start(tiny_nanoqwen, tmp_path_factory.mktemp("keyed") / "server.log",
                      "-c", "256", "--queue", "0", "--api-key", KEY)
     yield s
     if s.proc.poll() is None:

@@ -105,3 +105,12 @@ def test_next_request_after_a_disconnect_is_served_normally(server, http):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     assert time.time() - t < 5  # not behind 3000 tokens of an abandoned reply
     assert "Traceback" not in server.log()
+
+
+def test_a_non_streamed_client_that_leaves_is_cancelled(server, http, metric):
+    generated = metric("nq_generated_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", timeout=0.5, json={
+            "prompt": "x", "max_tokens": 4000, "temperature": 0, "ignore_eos": True})
+    assert wait_for(lambda: metric("nq_requests_running") == 0)
+    assert metric("nq_generated_tokens_total") - generated < 4000
