@@ -106,3 +106,20 @@ def test_one_slot_only_truncates(tiny_nanoqwen):
     assert cache.prepare(list(range(5)) + [77, 78]) == 5 and backend.length == 5
     assert cache.prepare(list(range(5))) == 4  # at least one token is prefilled
     assert cache.saved == [] and backend.length == 4
+
+
+def test_the_repeat_penalty_sees_the_cached_prefix(tiny_nanoqwen):
+    """generate(history=...): a reused cache penalises as a fresh prefill of the whole prompt."""
+    nf = NanoqwenFile(tiny_nanoqwen)
+    backend = NumpyBackend.from_file(nf, max_len=64)
+    start = Tokenizer.from_nanoqwen(nf).encode("def")
+    ids = start + generate(backend, start, 20, GREEDY)[0]  # its own loop: the penalty bites
+    params = SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=-1)
+    fresh, _ = generate(backend, ids, 8, params)
+    backend.reset()
+    backend.prefill(ids[:-2])
+    kept, _ = generate(backend, ids[-2:], 8, params, keep_context=True, history=ids[:-2])
+    assert kept == fresh
+    backend.truncate(len(ids) - 2)
+    forgot, _ = generate(backend, ids[-2:], 8, params, keep_context=True)
+    assert forgot != fresh  # without it the penalty would miss the cached tokens
