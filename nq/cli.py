@@ -1,4 +1,4 @@
-"""The `nq` command: pack, info, generate, chat, bench, verify, cache.
+"""The `nq` command: pack, info, generate, chat, serve, bench, verify, cache.
 
 Flags follow llama.cpp where a user would look for them (`-m -p -f -n -c --temp --top-k
 --top-p --min-p --repeat-penalty --seed`).  Generated text goes to stdout; tokens, TTFT and
@@ -277,6 +277,11 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from nq.serve import main as serve  # lazy: starlette and uvicorn load only for `nq serve`
+    return serve(args)
+
+
 def cmd_bench(args) -> int:
     from nq.tools.bench import run  # lazy: numba and torch load only for `nq bench`
     return run(args)
@@ -415,6 +420,23 @@ def build_parser() -> argparse.ArgumentParser:
                                      "in $NQ_CACHE/kernels")
     s.add_argument("action", choices=["info", "clear"])
     s.set_defaults(func=cmd_cache)
+
+    s = sub.add_parser("serve", help="OpenAI- and llama.cpp-compatible HTTP server "
+                                     "(/v1/chat/completions, /v1/completions, /infill); "
+                                     "docs/SERVE.md")
+    _model_args(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface; set --api-key then)")
+    s.add_argument("--port", type=int, default=8080, help="port (0: any free one, printed)")
+    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` (or set $NQ_API_KEY, "
+                                     "which keeps the key out of `ps`)")
+    s.add_argument("--alias", help="the model name /v1/models reports (default: -m's name)")
+    s.add_argument("--queue", type=int, default=16,
+                   help="requests that may wait for the engine; more get 503 + Retry-After")
+    s.add_argument("--cache-slots", type=int, default=1,
+                   help="conversations whose KV cache is kept (LRU); > 1 needs the numpy "
+                        "backend for now")
+    s.set_defaults(func=cmd_serve)
 
     from nq.tools.verify import add_parser as add_verify
     add_verify(sub)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -89,9 +89,9 @@ class StopStrings:
 
 
 def _sampled_ids(backend, prompt_ids: list[int], n: int, sampler: Sampler,
-                 stop_ids: frozenset[int]) -> Iterator[int]:
-    """Host-side sampling over a backend's logits."""
-    history = list(prompt_ids)
+                 stop_ids: frozenset[int], history: Sequence[int] = ()) -> Iterator[int]:
+    """Host-side sampling over a backend's logits; `history`: the ids before prompt_ids."""
+    history = list(history) + list(prompt_ids)
     logits = backend.prefill(np.asarray(prompt_ids, dtype=np.int64))
     for i in range(n):
         tok = sampler.sample(logits, history)
@@ -104,14 +104,17 @@ def _sampled_ids(backend, prompt_ids: list[int], n: int, sampler: Sampler,
 
 def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
              stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
-             keep_context: bool = False) -> tuple[list[int], GenerationStats]:
+             keep_context: bool = False, history: Sequence[int] = ()
+             ) -> tuple[list[int], GenerationStats]:
     """Generate up to `n` tokens after `prompt_ids`; stop early on any id in `stop_ids`.
 
     `on_token` sees every generated id as soon as the host knows it (stop ids included, so the
     caller decides what to print); if it returns True, generation stops there (a stop string:
     stop_reason "stop").  With `keep_context` the backend's cache is kept and
     `prompt_ids` continue it (a chat turn); afterwards the cache holds the prompt and every
-    generated id but the last.  Returns the generated ids and the timing statistics.
+    generated id but the last.  `history` is what the kept cache holds before `prompt_ids`:
+    the repeat penalty's window covers it, so a reused cache samples as a fresh prefill would.
+    Returns the generated ids and the timing statistics.
     """
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token (-p TEXT or -f FILE)")
@@ -121,10 +124,10 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
         backend.reset()
     if n <= 0:
         return [], stats
-    if hasattr(backend, "generate_ids"):
+    if hasattr(backend, "generate_ids") and not (history and params.repeat_penalty != 1.0):
         source = backend.generate_ids(prompt_ids, n, params, stop)
-    else:
-        source = _sampled_ids(backend, prompt_ids, n, Sampler(params), stop)
+    else:  # (a penalised backend samples on the host anyway)
+        source = _sampled_ids(backend, prompt_ids, n, Sampler(params), stop, history)
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = t_prev = None

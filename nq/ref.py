@@ -164,6 +164,19 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def snapshot(self) -> tuple:
+        """A copy of the filled rows, for `restore` (the server's prompt-cache slots)."""
+        n = self.length
+        return n, [k[:n].copy() for k in self._k], [v[:n].copy() for v in self._v]
+
+    def restore(self, state: tuple) -> None:
+        n, ks, vs = state
+        self.length = 0
+        self.reserve(n)
+        for dst, src in zip(self._k + self._v, ks + vs):
+            dst[:n] = src
+        self.length = n
+
 
 # ---- model ----------------------------------------------------------------------------------
 
@@ -293,6 +306,13 @@ class NumpyBackend:
     def truncate(self, n: int) -> None:
         """Keep the first n cached tokens (later rows are overwritten by the next forward)."""
         self.model.cache.length = min(int(n), self.model.cache.length)
+
+    def snapshot(self) -> tuple:
+        """The cache's contents (a copy), to `restore` later."""
+        return self.model.cache.snapshot()
+
+    def restore(self, state: tuple) -> None:
+        self.model.cache.restore(state)
 
     def prefill(self, ids) -> np.ndarray:
         """Append ids (T,) to the context -> logits (vocab,) fp32 of the last position."""
