@@ -102,7 +102,7 @@ class ChatSession:
                 on_token(t)
         try:
             _, stats = generate(self.backend, new, n, self.params, self.stop, collect,
-                                keep_context=True)
+                                keep_context=True, history=ids[:keep])
         except KeyboardInterrupt:
             stats = GenerationStats(prompt_tokens=len(new), generated_tokens=len(out),
                                     stop_reason="interrupted")
