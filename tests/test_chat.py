@@ -208,3 +208,18 @@ def test_nq_chat_under_a_terminal(tiny_nanoqwen):
         except ProcessLookupError:
             pass
         subprocess.run(["true"])
+
+
+def test_a_sampled_turn_penalises_the_whole_conversation(parts):
+    """With the repeat penalty over the whole history (generation_config's semantics), a turn
+    that reuses the cache samples exactly as a fresh prefill of the rendered conversation: the
+    cached tokens are in the penalty's window too."""
+    backend, tok = parts
+    params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5,
+                            repeat_last_n=-1, seed=11)
+    chat = ChatSession(backend, tok, params, max_ctx=512)
+    chat.turn("Hello there", 8)
+    reply, _ = chat.turn("Again", 8)
+    ids = tok.encode(tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True))
+    out, _ = generate(backend, ids, 8, params, tok.eos_ids)
+    assert reply == tok.decode([t for t in out if t not in tok.eos_ids])
