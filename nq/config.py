@@ -78,6 +78,9 @@ class ModelConfig:
             need(int(getattr(self, f)) > 0, f"{f} must be a positive integer")
         need(self.head_dim in (64, 128),
              f"head_dim={self.head_dim}; the attention kernels are built for 64 or 128")
+        need(self.hidden_size % GROUP_SIZE == 0,
+             f"hidden_size={self.hidden_size} is not a multiple of {GROUP_SIZE}: the INT4 weights "
+             f"are quantised in groups of {GROUP_SIZE} along it")
         need(self.num_heads % self.num_kv_heads == 0,
              f"num_attention_heads={self.num_heads} is not a multiple of "
              f"num_key_value_heads={self.num_kv_heads}")
