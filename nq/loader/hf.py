@@ -336,9 +336,10 @@ def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes]) -> None:
         folder = folder.parent
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise LoadError(f"{out}: the packed model needs {need / 2**30:.2f} GiB, the file system "
-                        f"holding {folder} has {free / 2**30:.2f} GiB free; free some space or "
-                        "write elsewhere")
+        def size(n):
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        raise LoadError(f"{out}: the packed model needs {size(need)}, the file system holding "
+                        f"{folder} has {size(free)} free; free some space or write elsewhere")
 
 
 def pack(src: str, out, revision: str | None = None, progress: bool = True) -> Path:
