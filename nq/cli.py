@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
-from nq.errors import os_error_words, signals_as_interrupts
+from nq.errors import interrupted, os_error_words, signals_as_interrupts
 from nq.loader.resolve import DEFAULT_REPO, resolve_model
 
 
@@ -466,10 +465,7 @@ def main(argv=None) -> int:
         with signals_as_interrupts():
             return _main(argv)
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"\nnq: {'interrupted' if signum == signal.SIGINT else signal.Signals(signum).name}",
-              file=sys.stderr)
-        return 128 + signum
+        return interrupted(e)
 
 
 def _main(argv) -> int:

@@ -1,14 +1,17 @@
 """What the `nq` command says when something outside nq fails: an OSError in words, and
-SIGTERM/SIGHUP turned into an interrupt so that the clean-up Ctrl-C runs also runs for them.
+signals turned into interrupts that end a run cleanly wherever they land.
 
-Without the second, `kill PID` (or a closed terminal) ends a pack where it stands and leaves
-its `<out>.tmp-PID` behind; with it, the writer's `except BaseException` removes the file.
+SIGTERM/SIGHUP raise as Ctrl-C does, so the same clean-up runs: without it `kill PID` (or a
+closed terminal) ends a pack where it stands and leaves its `<out>.tmp-PID` behind.  And no
+signal is raised inside an import (see `_interrupt`).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import signal
+import sys
 import threading
 
 # errno -> what it means for the file named, and what to do (instead of "[Errno 28] ...")
@@ -46,21 +49,60 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+_active = 0                      # how many signals_as_interrupts blocks are open
+
+
+def _in_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt(signum, frame):
+    """KeyboardInterrupt for SIGINT, Terminated for the others; but inside an import, the same
+    signal again 20 ms later: an exception raised in Python's import machinery becomes an
+    ImportError (numpy: "PyCapsule_Import could not import module") or is dropped ("Exception
+    ignored in ... _get_module_lock"), so a Ctrl-C in the first second would print a traceback,
+    or be lost."""
+    if _in_import(frame):
+        threading.Timer(0.02, _again, (signum,)).start()
+        return
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def _again(signum):
+    if _active:                  # not once the command has ended and its handlers are gone
+        os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager
-def signals_as_interrupts(signals=(signal.SIGTERM, signal.SIGHUP)):
-    """Inside: these signals raise Terminated; the previous handlers come back on exit (a test
-    calling nq.cli.main leaves pytest's own handling as it was).  Only the main thread may set
+def signals_as_interrupts(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Inside: these signals raise KeyboardInterrupt/Terminated (see _interrupt); the previous
+    handlers come back on exit (a test calling nq.cli.main leaves pytest's as it was).  A
+    SIGINT that is ignored (a background job) stays ignored.  Only the main thread may set
     handlers; elsewhere this does nothing."""
+    global _active
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise_terminated) for s in signals}
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        if previous[s] != signal.SIG_IGN or s != signal.SIGINT:
+            signal.signal(s, _interrupt)
+    _active += 1
     try:
         yield
     finally:
+        _active -= 1
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """Say how the run ended (stderr) and return its exit status, 128 + the signal."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    name = "interrupted" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"\nnq: {name}", file=sys.stderr)
+    return 128 + signum
