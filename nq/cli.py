@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from nq.errors import interrupted, os_error_words, signals_as_interrupts
 from nq.loader.resolve import DEFAULT_REPO, resolve_model
 
 
@@ -24,8 +25,9 @@ def _err(msg: str) -> int:
 # ---- subcommands ----------------------------------------------------------------------------
 def cmd_pack(args) -> int:
     from nq.loader.hf import pack, resolve_snapshot
+    from nq.loader.outfile import check_output
 
-    out = Path(args.out)
+    out = check_output(args.out)   # a directory or an unwritable folder: refused before any download
     if out.exists() and not args.force:
         raise FileExistsError(f"{out} exists; pass --force to replace it (the new file is written "
                               "beside it and renamed over it only once complete)")
@@ -46,17 +48,32 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _decode(data: bytes | str, where: str) -> str:
+    """Prompt bytes as text (newlines as read_text makes them); not UTF-8 is named, with the byte."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte {data[e.start]:#04x} at offset "
+                             f"{e.start}); convert it, e.g. `iconv -f latin1 -t utf-8`") from None
+    return data.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _stdin() -> str:
+    return _decode(getattr(sys.stdin, "buffer", sys.stdin).read(), "stdin")
+
+
 def _read_prompt(args) -> str:
     if args.file and args.prompt is not None:
         raise ValueError("give the prompt once: -p TEXT or -f FILE, not both")
     if args.file == "-":
-        return sys.stdin.read()
+        return _stdin()
     if args.file:
-        return Path(args.file).read_text()
+        return _decode(Path(args.file).read_bytes(), args.file)
     if args.prompt is not None:
         return args.prompt
     if not sys.stdin.isatty():
-        return sys.stdin.read()
+        return _stdin()
     raise ValueError("no prompt: give -p TEXT, -f FILE (- for stdin), or text on stdin")
 
 
@@ -176,7 +193,7 @@ def print_run_stats(stats) -> None:
 def cmd_generate(args) -> int:
     import time
     t_start = time.perf_counter()
-    from nq.generate import StopStrings, generate
+    from nq.generate import Interrupted, StopStrings, generate
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
     parts = [("import", time.perf_counter() - t_start)]
@@ -194,6 +211,10 @@ def cmd_generate(args) -> int:
         raise ValueError(f"-n {args.n}: give a token count, or -1 to run until an end token "
                          "or a full context")
     until_full = args.n < 0
+    if len(ids) >= ctx:  # refused before any weight is read
+        return _err(f"the prompt is {len(ids)} tokens, the context -c is {ctx}: no room to "
+                    f"generate; shorten the prompt or raise -c (this model was trained on "
+                    f"{nf.config.max_position_embeddings})")
     if args.n < 0:  # llama.cpp's -n -1: until an end-of-sequence token or the context is full
         args.n = ctx - len(ids)
     if len(ids) + max(args.n, 1) > ctx:
@@ -234,7 +255,10 @@ def cmd_generate(args) -> int:
         emit(text)
         return stopped
 
-    out, stats = generate(backend, ids, args.n, params, stop, on_token=show)
+    try:
+        out, stats = generate(backend, ids, args.n, params, stop, on_token=show)
+    except Interrupted as e:  # Ctrl-C: show what there is, and the statistics so far
+        out, stats = e.ids, e.stats
     emit(stopper.flush())
     if stats.stop_reason == "length" and until_full:
         stats.stop_reason = "context"
@@ -249,22 +273,29 @@ def cmd_generate(args) -> int:
     else:
         sys.stdout.write("\n")
         why = {"length": f"-n {args.n} reached", "eos": "end of sequence",
-               "stop": "a stop string", "context": f"the context (-c {ctx}) is full"}
+               "stop": "a stop string", "context": f"the context (-c {ctx}) is full",
+               "interrupted": "an interrupt"}
         print(f"nq: {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated "
               f"(ended by {why.get(stats.stop_reason, stats.stop_reason)}); TTFT "
               f"{stats.ttft_s * 1e3:.1f} ms, decode {stats.decode_tok_s:.2f} tok/s "
               f"[{args.backend}]", file=sys.stderr)
         if args.verbose:
             print_run_stats(stats)
-    return 0
+    return 130 if stats.stop_reason == "interrupted" else 0
 
 
 def cmd_cache(args) -> int:
     """`nq cache info|clear`: the compiled-kernel cache (nq/kernels/build.py)."""
     from nq.kernels.build import cache_entries, cache_root, clear_cache
     if args.action == "clear":
+        from nq.loader.outfile import remove_stale
+        from nq.loader.resolve import cache_dir
         n, size = clear_cache()
         print(f"nq: removed {n} files ({size / 1e6:.1f} MB) from {cache_root()}")
+        stale = remove_stale(cache_dir(), "*.nanoqwen.tmp-*")  # packs killed half-way
+        if stale:
+            print(f"nq: removed {len(stale)} unfinished packs "
+                  f"({sum(b for _, b in stale) / 1e6:.1f} MB) from {cache_dir()}")
         return 0
     entries = cache_entries()
     total = sum(size for _, size, _ in entries)
@@ -450,6 +481,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """`nq ...`; Ctrl-C, SIGTERM and SIGHUP anywhere (start-up included) end it without a
+    traceback, exit status 128 + the signal (130 for Ctrl-C)."""
+    try:
+        with signals_as_interrupts():
+            return _main(argv)
+    except KeyboardInterrupt as e:
+        return interrupted(e)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not the top level's
@@ -460,9 +501,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="Grid size .* will likely result in GPU under-utilization")
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+    except OSError as e:
+        return _err(os_error_words(e))
+    except (ValueError, RuntimeError) as e:
         return _err(str(e))
     except Exception as e:  # CUDA driver/compiler and template errors: say what, not a traceback
         kind = type(e).__module__.split(".")[0]

@@ -78,6 +78,9 @@ class ModelConfig:
             need(int(getattr(self, f)) > 0, f"{f} must be a positive integer")
         need(self.head_dim in (64, 128),
              f"head_dim={self.head_dim}; the attention kernels are built for 64 or 128")
+        need(self.hidden_size % GROUP_SIZE == 0,
+             f"hidden_size={self.hidden_size} is not a multiple of {GROUP_SIZE}: the INT4 weights "
+             f"are quantised in groups of {GROUP_SIZE} along it")
         need(self.num_heads % self.num_kv_heads == 0,
              f"num_attention_heads={self.num_heads} is not a multiple of "
              f"num_key_value_heads={self.num_kv_heads}")
@@ -177,8 +180,28 @@ class ModelConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
-        return cls(**json.loads(text))
+    def from_json(cls, text: str | bytes) -> "ModelConfig":
+        """Back from `to_json()` (a .nanoqwen's stored config), refusing anything else with a
+        ConfigError: each field must have the JSON type its annotation names, since a float
+        `num_layers` would compare equal to the header's (2.0 == 2) and fail far later, in range()."""
+        try:
+            d = json.loads(text)
+        except ValueError as e:                      # bad UTF-8 or bad JSON
+            raise ConfigError(f"not JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"a JSON {type(d).__name__}, not an object")
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+                 "int | None": (int, type(None))}
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if k not in fields:
+                raise ConfigError(f"unknown field {k!r}")
+            if not isinstance(v, kinds[fields[k]]) or (isinstance(v, bool) and fields[k] != "bool"):
+                raise ConfigError(f"{k} is {v!r}, not {fields[k]}")
+        try:
+            return cls(**d)
+        except (TypeError, OverflowError) as e:     # a missing field; an int too large for C
+            raise ConfigError(str(e)) from None
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -24,7 +24,7 @@ class GenerationStats:
     ttft_s: float = 0.0          # prompt submitted → first generated token known on the host
     decode_s: float = 0.0        # first token → last token
     stop_reason: str = "length"  # "length" (-n), "eos", "stop" (a stop string), "context",
-    #                              "interrupted" (Ctrl-C in nq chat)
+    #                              "interrupted" (Ctrl-C: see Interrupted)
     itl_ms: list = dataclasses.field(default_factory=list, repr=False)  # gaps between tokens
 
     @property
@@ -48,6 +48,16 @@ class GenerationStats:
         d["itl_ms"] = 1e3 / self.decode_tok_s if self.decode_tok_s else None
         d["itl_p50_ms"], d["itl_p90_ms"] = self.itl_percentile(50), self.itl_percentile(90)
         return d
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM, see nq.cli) during `generate`: a KeyboardInterrupt that carries the
+    ids generated so far and their statistics (stop_reason "interrupted"), so the caller can
+    still show them."""
+
+    def __init__(self, ids: list[int], stats: GenerationStats):
+        super().__init__()
+        self.ids, self.stats = ids, stats
 
 
 class StopStrings:
@@ -131,22 +141,31 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
     out: list[int] = []
     t0 = time.perf_counter()
     t_first = t_prev = None
-    for tok in source:
-        now = time.perf_counter()
-        if t_first is None:
-            t_first = now
-            stats.ttft_s = t_first - t0
-        else:
-            stats.itl_ms.append(1e3 * (now - t_prev))
-        t_prev = now
-        out.append(tok)
-        if on_token is not None and on_token(tok):
-            stats.stop_reason = "stop"
-            break
-        if tok in stop:
-            stats.stop_reason = "eos"
-            break
-    t_end = time.perf_counter()
+    try:
+        for tok in source:
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+                stats.ttft_s = t_first - t0
+            else:
+                stats.itl_ms.append(1e3 * (now - t_prev))
+            t_prev = now
+            out.append(tok)
+            if on_token is not None and on_token(tok):
+                stats.stop_reason = "stop"
+                break
+            if tok in stop:
+                stats.stop_reason = "eos"
+                break
+    except KeyboardInterrupt:
+        stats.stop_reason = "interrupted"
+        if hasattr(source, "close"):
+            source.close()       # a device generator books what its cache holds
+        raise Interrupted(out, _finish(stats, out, t_first)) from None
+    return out, _finish(stats, out, t_first)
+
+
+def _finish(stats: GenerationStats, out: list[int], t_first: float | None) -> GenerationStats:
     stats.generated_tokens = len(out)
-    stats.decode_s = t_end - t_first if t_first is not None else 0.0
-    return out, stats
+    stats.decode_s = time.perf_counter() - t_first if t_first is not None else 0.0
+    return stats

@@ -319,6 +319,7 @@ class NumpyBackend:
         ids = np.asarray(ids).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill: no tokens")
+        self.model.cache.reserve(ids.size)  # all or nothing: no chunks cached before a refusal
         for s in range(0, ids.size, self.chunk):
             logits = self.model.forward(ids[s:s + self.chunk], last_only=True)
         return logits[0]

@@ -39,7 +39,8 @@ def main() -> int:
     ap.add_argument("--preset", default="7b", choices=sorted(PRESETS))
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-tokenizer", action="store_true")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="write no tokenizer files (`nq pack` refuses such a snapshot)")
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
     shapes = synth.hf_shapes(cfg)

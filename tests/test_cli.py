@@ -205,7 +205,7 @@ def test_a_repo_id_packed_before_needs_no_hub(tmp_path, monkeypatch, tiny_nanoqw
 def test_a_prompt_that_fills_the_context_is_refused(tiny_nanoqwen, capsys):
     assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p",
                  "Hello, world! " * 10, "-n", "-1", "-c", "8"]) == 2
-    assert "exceeds the context -c 8" in capsys.readouterr().err
+    assert "tokens, the context -c is 8: no room to generate" in capsys.readouterr().err
 
 
 def test_generate_verbose_reports_the_start_and_the_run(tiny_nanoqwen, capsys):

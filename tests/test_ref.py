@@ -197,7 +197,7 @@ def test_numpy_backend_from_a_packed_file_runs_the_packed_weights(tmp_path):
     from nq.ref import NumpyBackend
 
     cfg = tiny_config(num_layers=1, tie=True)
-    snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=3, dtype="float32", tokenizer=False)
+    snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=3, dtype="float32")
     ids = np.array([5, 9, 2, 7])
     with NanoqwenFile(pack(str(snap), tmp_path / "m.nanoqwen", progress=False)) as nf:
         backend = NumpyBackend.from_file(nf, max_len=16)

@@ -295,12 +295,16 @@ def cache_entries() -> list[tuple[Path, int, dict | None]]:
 
 
 def clear_cache() -> tuple[int, int]:
-    """Delete every entry and stale temporary file; (files, bytes) removed."""
+    """Delete every entry, and the temporary files of writers that are gone (a live process's
+    is left to its rename); (files, bytes) removed."""
+    from nq.loader.outfile import remove_stale
     root = cache_root()
     n = size = 0
     if root.is_dir():
-        for p in [*root.glob("*.cubin"), *root.glob(".tmp-*")]:
+        for p in root.glob("*.cubin"):
             size += p.stat().st_size
             p.unlink(missing_ok=True)
             n += 1
+        stale = remove_stale(root, ".tmp-*")
+        n, size = n + len(stale), size + sum(b for _, b in stale)
     return n, size

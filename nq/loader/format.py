@@ -13,8 +13,11 @@ by `verify()`, because reading 4.5 GB on every start would cost seconds.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import mmap
 import os
+import stat
 import struct
 import zlib
 from pathlib import Path
@@ -23,6 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from nq.config import GROUP_SIZE, ConfigError, ModelConfig
+from nq.loader.outfile import check_output, remove_stale
 
 MAGIC = b"NANOQWEN"
 VERSION = 1
@@ -30,6 +34,7 @@ LAYOUT_VALUE_SHUFFLE = 1
 HEADER_SIZE = 256
 ALIGN = 128                      # payload alignment: TMA and 128-bit loads want 16 B, 128 B is a line
 CONFIG_TENSOR = "meta/nq_config.json"
+MAX_TABLE = 16 << 20             # a 7B's table is ~40 KB; a larger one is damage, not a model
 VERIFY_CHUNK = 64 << 20          # verify() checksums and unmaps 64 MiB at a time: RSS stays flat
 FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no lm_head tensor)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -38,6 +43,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # tensor count, table offset, table bytes, file size, source revision, header crc32
 _HEADER = struct.Struct("<8s12IQQQ40sI")
 _HEADER_CRC_AT = _HEADER.size - 4
+_MIN_ENTRY = 2 + 2 + 20          # a table entry with an empty name and no dimensions
 assert _HEADER.size <= HEADER_SIZE
 
 DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype("<u2"), 4: np.dtype("<i2"),
@@ -83,42 +89,72 @@ class Entry:
     crc32: int
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape."""
+def _layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     f16, u32 = np.dtype("<f2"), np.dtype("<u4")
-    h = cfg.hidden_size
-    out = {"embed_tokens": (f16, (cfg.vocab_size, h))}
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out[p + "input_layernorm"] = (f16, (h,))
-        out[p + "post_attention_layernorm"] = (f16, (h,))
-        for proj, (n, k) in cfg.projection_shapes().items():
-            out[p + proj + ".qweight"] = (u32, (n, k // 8))
-            out[p + proj + ".scales"] = (f16, (n, k // GROUP_SIZE))
-            if proj in ("q_proj", "k_proj", "v_proj"):
-                out[p + proj + ".bias"] = (f16, (n,))
-    out["norm"] = (f16, (h,))
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = (f16, (cfg.vocab_size, h))
+    p = f"layers.{i}."
+    out = {p + "input_layernorm": (f16, (cfg.hidden_size,)),
+           p + "post_attention_layernorm": (f16, (cfg.hidden_size,))}
+    for proj, (n, k) in cfg.projection_shapes().items():
+        out[p + proj + ".qweight"] = (u32, (n, k // 8))
+        out[p + proj + ".scales"] = (f16, (n, k // GROUP_SIZE))
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            out[p + proj + ".bias"] = (f16, (n,))
     return out
 
 
-def _check_tensor(where: str, name: str, dtype: np.dtype, shape: tuple, expect: dict) -> None:
+def _global_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    f16 = np.dtype("<f2")
+    out = {"embed_tokens": (f16, (cfg.vocab_size, cfg.hidden_size)), "norm": (f16, (cfg.hidden_size,))}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (f16, (cfg.vocab_size, cfg.hidden_size))
+    return out
+
+
+def _iter_expected(cfg: ModelConfig):
+    glob = _global_tensors(cfg)
+    yield "embed_tokens", glob.pop("embed_tokens")
+    for i in range(cfg.num_layers):
+        yield from _layer_tensors(cfg, i).items()
+    yield from glob.items()
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape, in file order."""
+    return dict(_iter_expected(cfg))
+
+
+def expected_count(cfg: ModelConfig) -> int:  # len(expected_tensors(cfg)), without building it
+    return len(_global_tensors(cfg)) + cfg.num_layers * len(_layer_tensors(cfg, 0))
+
+
+def _expected_lookup(cfg: ModelConfig):
+    """name -> (dtype, shape) or None, without listing every layer: a damaged config claiming
+    10^9 layers is answered by reading the table, not by building 2 * 10^10 names."""
+    glob = _global_tensors(cfg)
+    layer = {n.split(".", 2)[2]: v for n, v in _layer_tensors(cfg, 0).items()}
+
+    def lookup(name: str):
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() \
+                and parts[1] == str(int(parts[1])) and int(parts[1]) < cfg.num_layers:
+            return layer.get(parts[2])
+        return glob.get(name)
+    return lookup
+
+
+def _check_tensor(where: str, name: str, dtype: np.dtype, shape: tuple, want) -> None:
+    """`want`: the (dtype, shape) the config requires for `name`, None if it requires none."""
     if name.startswith("meta/"):
         if dtype != np.uint8 or len(shape) != 1:
             raise FormatError(f"{where}: {name} is {dtype} {shape}, meta tensors are 1-D uint8; "
                               "re-pack with `nq pack`")
         return
-    if name not in expect:
+    if want is None:
         raise FormatError(f"{where}: unexpected tensor {name!r} for this config; re-pack with `nq pack`")
-    edt, eshape = expect[name]
+    edt, eshape = want
     if dtype != edt or tuple(shape) != eshape:
         raise FormatError(f"{where}: tensor {name} is {dtype} {tuple(shape)}, the config needs "
                           f"{edt} {eshape}; re-pack with `nq pack`")
-
-
-def _pad(n: int) -> int:
-    return -n % ALIGN
 
 
 def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]],
@@ -128,14 +164,16 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
 
     Each array is written as it arrives and may be dropped by the caller right after, so peak
     memory is one tensor.  With `check` (always, outside tests of the reader's refusals) every
-    tensor's dtype/shape is checked against `config` and the set must be complete; any error
-    removes the temp file and leaves no `path`.
+    tensor's dtype/shape is checked against `config` and the set must be complete.  Bytes go
+    to `<path>.tmp-<pid>`, renamed over `path` once complete; any error (a full disk too),
+    Ctrl-C or SIGTERM removes it, leaving `path` as it was (see nq.loader.outfile).
     """
-    path = Path(path)
+    path = check_output(path)
     rev = source_revision.encode("ascii")
     if len(rev) > 40:
         raise FormatError(f"{path}: source revision {source_revision!r} is longer than 40 bytes")
     expect = expected_tensors(config)
+    remove_stale(path.parent, path.name + ".tmp-*")
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     entries: list[Entry] = []
 
@@ -160,14 +198,14 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
                     raise FormatError(f"{path}: tensor {name} written twice")
                 seen.add(name)
                 if check:
-                    _check_tensor(str(path), name, dt, arr.shape, expect)
+                    _check_tensor(str(path), name, dt, arr.shape, expect.get(name))
                 buf = np.ascontiguousarray(arr, dtype=dt).reshape(-1).view(np.uint8)
                 f.write(buf.data)
                 entries.append(Entry(name, dt, tuple(int(s) for s in arr.shape), pos,
                                      buf.nbytes, zlib.crc32(buf)))
                 pos += buf.nbytes
-                f.write(b"\0" * _pad(pos))
-                pos += _pad(pos)
+                f.write(b"\0" * (-pos % ALIGN))
+                pos += -pos % ALIGN
             if check:
                 missing = [n for n in expect if n not in seen]
                 if missing:
@@ -186,6 +224,12 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
             f.seek(0)
             f.write(_HEADER.pack(*fields, crc).ljust(HEADER_SIZE, b"\0"))
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno is None:
+            raise
+        # a full disk says ENOSPC with no file name (or the temporary name): name the output
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -203,12 +247,21 @@ def _encode_table(entries: list[Entry]) -> bytes:
     return bytes(out)
 
 
+def _corrupt(where: str, what: str) -> FormatError:
+    return FormatError(f"{where}: {what}; the file is corrupt, re-pack with `nq pack`")
+
+
 def _decode_table(where: str, table: bytes, count: int) -> dict[str, Entry]:
+    if count * _MIN_ENTRY > len(table):
+        raise _corrupt(where, f"the header claims {count} tensors, more than a {len(table)}-byte "
+                              "table can hold")
     out: dict[str, Entry] = {}
     pos = 0
     try:
         for _ in range(count):
             (n,) = struct.unpack_from("<H", table, pos)
+            if pos + 2 + n > len(table):
+                raise struct.error(f"a name of {n} bytes runs past the table's end")
             name = table[pos + 2:pos + 2 + n].decode()
             pos += 2 + n
             code, ndim = struct.unpack_from("<BB", table, pos)
@@ -219,13 +272,34 @@ def _decode_table(where: str, table: bytes, count: int) -> dict[str, Entry]:
             if code not in DTYPES:
                 raise FormatError(f"{where}: tensor {name} has unknown dtype code {code}; "
                                   "re-pack with `nq pack`")
+            if name in out:
+                raise _corrupt(where, f"tensor {name} appears twice in the table")
             out[name] = Entry(name, DTYPES[code], tuple(shape), offset, nbytes, crc)
     except (struct.error, UnicodeDecodeError) as e:
-        raise FormatError(f"{where}: the tensor table is malformed ({e}); re-pack with `nq pack`") from None
+        raise _corrupt(where, f"the tensor table is malformed ({e})") from None
     if pos != len(table):
-        raise FormatError(f"{where}: the tensor table has {len(table) - pos} trailing bytes; "
-                          "re-pack with `nq pack`")
+        raise _corrupt(where, f"the tensor table has {len(table) - pos} trailing bytes")
     return out
+
+
+def _check_entries(where: str, entries: dict[str, Entry], table_offset: int) -> None:
+    """Every payload inside [HEADER_SIZE, table_offset), aligned, sized by its shape, and no two
+    overlapping: after this, np.frombuffer of any entry is a view inside the mapping."""
+    spans = []
+    for e in entries.values():
+        if e.offset < HEADER_SIZE or e.offset + e.nbytes > table_offset:
+            raise _corrupt(where, f"tensor {e.name} spans bytes [{e.offset}, {e.offset + e.nbytes}), "
+                                  f"outside the payload area [{HEADER_SIZE}, {table_offset})")
+        if e.offset % ALIGN:
+            raise _corrupt(where, f"tensor {e.name} starts at byte {e.offset}, not a multiple of {ALIGN}")
+        # math.prod: exact on Python ints (np.prod wraps in int64, or overflows on u64 dims)
+        if e.nbytes != math.prod(e.shape) * e.dtype.itemsize:
+            raise _corrupt(where, f"tensor {e.name} has {e.nbytes} bytes for shape {e.shape} {e.dtype}")
+        spans.append((e.offset, e.offset + e.nbytes, e.name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise _corrupt(where, f"tensors {a} and {b} overlap")
 
 
 def release_pages(mm: mmap.mmap, offset: int, nbytes: int) -> None:
@@ -256,14 +330,28 @@ class NanoqwenFile:
         self.path = Path(path)
         where = str(self.path)
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
         except FileNotFoundError:
             raise FormatError(f"{where}: no such file; create it with `nq pack`") from None
-        if size < HEADER_SIZE:
-            raise FormatError(f"{where}: truncated file ({size} bytes, shorter than the "
+        if stat.S_ISDIR(st.st_mode):
+            raise FormatError(f"{where}: is a directory, not a .nanoqwen file; give the file's "
+                              "path (or pass the folder to `nq pack` if it is a Hugging Face snapshot)")
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{where}: not a regular file; give a .nanoqwen file made by `nq pack`")
+        if st.st_size < HEADER_SIZE:
+            raise FormatError(f"{where}: truncated file ({st.st_size} bytes, shorter than the "
                               f"{HEADER_SIZE}-byte header); re-pack with `nq pack`")
         with open(self.path, "rb") as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._open(where, len(self._mm))
+            if verify:
+                self.verify()
+        except BaseException:
+            self._mm.close()     # a refused file leaves no mapping behind
+            raise
+
+    def _open(self, where: str, size: int) -> None:
         raw = bytes(self._mm[:HEADER_SIZE])
         fields = _HEADER.unpack_from(raw)
         if fields[0] != MAGIC:
@@ -281,51 +369,50 @@ class NanoqwenFile:
         if h.group_size != GROUP_SIZE:
             raise FormatError(f"{where}: INT4 group size {h.group_size}, the kernels are built "
                               f"for {GROUP_SIZE}; re-pack with `nq pack`")
-        if h.file_size != size or h.table_offset + h.table_size > size:
+        if h.file_size != size or h.table_offset + h.table_size != size:
             raise FormatError(f"{where}: truncated or extended file ({size} bytes, the header "
-                              f"says {h.file_size}); re-download or re-pack with `nq pack`")
+                              f"says {h.file_size}, its table ends at {h.table_offset + h.table_size}); "
+                              "re-download or re-pack with `nq pack`")
+        if h.table_offset < HEADER_SIZE or h.table_size > MAX_TABLE:
+            raise _corrupt(where, f"a {h.table_size}-byte tensor table at byte {h.table_offset} is "
+                                  f"impossible (header {HEADER_SIZE} bytes, tables under {MAX_TABLE})")
         table = bytes(self._mm[h.table_offset:h.table_offset + h.table_size])
         zeroed = raw[:_HEADER_CRC_AT] + b"\0\0\0\0" + raw[_HEADER_CRC_AT + 4:]
         crc = zlib.crc32(table, zlib.crc32(zeroed))
         if crc != h.checksum:
-            raise FormatError(f"{where}: header/table checksum mismatch (stored {h.checksum:08x}, "
-                              f"computed {crc:08x}); the file is corrupt, re-pack with `nq pack`")
+            raise _corrupt(where, f"header/table checksum mismatch (stored {h.checksum:08x}, "
+                                  f"computed {crc:08x})")
+        if h.flags & ~FLAG_TIED:
+            raise FormatError(f"{where}: unknown header flags {h.flags:#x} (this nq knows "
+                              f"{FLAG_TIED:#x}); re-pack with this version's `nq pack`")
         self._entries = _decode_table(where, table, h.tensor_count)
-        for e in self._entries.values():
-            if e.offset < HEADER_SIZE or e.offset + e.nbytes > h.table_offset:
-                raise FormatError(f"{where}: tensor {e.name} spans bytes [{e.offset}, "
-                                  f"{e.offset + e.nbytes}), outside the payload area [{HEADER_SIZE}, "
-                                  f"{h.table_offset}); the file is corrupt, re-pack with `nq pack`")
-            if e.nbytes != int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize:
-                raise FormatError(f"{where}: tensor {e.name} has {e.nbytes} bytes for shape "
-                                  f"{e.shape} {e.dtype}; re-pack with `nq pack`")
+        _check_entries(where, self._entries, h.table_offset)
         self.config = self._read_config(where)
-        if verify:
-            self.verify()
 
     def _read_config(self, where: str) -> ModelConfig:
         if CONFIG_TENSOR not in self._entries:
             raise FormatError(f"{where}: no {CONFIG_TENSOR} tensor; re-pack with `nq pack`")
         try:
-            cfg = ModelConfig.from_json(self.meta(CONFIG_TENSOR).decode())
-        except (ConfigError, ValueError, TypeError) as e:
+            cfg = ModelConfig.from_json(self.meta(CONFIG_TENSOR))
+        except ConfigError as e:
             raise FormatError(f"{where}: the stored config is unusable ({e}); re-pack with `nq pack`") from None
         h = self.header
         for dim in Header.DIMS:
             if getattr(h, dim) != getattr(cfg, dim):
-                raise FormatError(f"{where}: header {dim}={getattr(h, dim)} contradicts the stored "
-                                  f"config ({getattr(cfg, dim)}); the file is corrupt, re-pack with `nq pack`")
+                raise _corrupt(where, f"header {dim}={getattr(h, dim)} contradicts the stored "
+                                      f"config ({getattr(cfg, dim)})")
         if bool(h.flags & FLAG_TIED) != cfg.tie_word_embeddings:
             raise FormatError(f"{where}: header tied-embedding flag contradicts the stored config; "
                               "re-pack with `nq pack`")
-        expect = expected_tensors(cfg)
-        missing = [n for n in expect if n not in self._entries]
-        if missing:
-            raise FormatError(f"{where}: missing {len(missing)} required tensors (first: "
-                              f"{', '.join(missing[:3])}); re-pack with `nq pack`")
+        lookup = _expected_lookup(cfg)
         for e in self._entries.values():
-            if e.name in expect or e.name.startswith("meta/"):
-                _check_tensor(where, e.name, e.dtype, e.shape, expect)
+            _check_tensor(where, e.name, e.dtype, e.shape, lookup(e.name))
+        # every weight entry is now a distinct expected name, so a short count means missing ones
+        n_weights = sum(not n.startswith("meta/") for n in self._entries)
+        if n_weights != expected_count(cfg):
+            first = itertools.islice((n for n, _ in _iter_expected(cfg) if n not in self._entries), 3)
+            raise FormatError(f"{where}: missing {expected_count(cfg) - n_weights} required tensors "
+                              f"(first: {', '.join(first)}); re-pack with `nq pack`")
         return cfg
 
     # ---- access ------------------------------------------------------------------------------

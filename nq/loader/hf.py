@@ -11,7 +11,9 @@ packing needs neither torch nor the safetensors package; bf16 is widened by `u16
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import shutil
 import os
 import re
 import struct
@@ -20,11 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from nq.config import ModelConfig
-from nq.loader.format import PROJECTIONS, expected_tensors, release_pages, write_nanoqwen
+from nq.config import ConfigError, ModelConfig
+from nq.loader.format import (HEADER_SIZE, PROJECTIONS, expected_tensors, release_pages,
+                              write_nanoqwen)
+from nq.loader.outfile import check_output
 from nq.loader.quant import quantize_pack
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "merges.txt", "vocab.json", "*.jinja"]
+# Data only: nothing a download brings can run (no *.py of trust_remote_code models, no pickled
+# *.bin/*.pt/*.pth weights).  tests/loader/test_no_code.py holds each pattern to that.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "merges.txt"]
 # Embedded in the .nanoqwen so it is self-contained; recent snapshots keep the chat template in
 # chat_template.jinja rather than in tokenizer_config.json (nq.text reads either).
 META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -88,14 +94,18 @@ class SafetensorsFile:
                             f"the file ({size} bytes); re-download it")
         try:
             header = json.loads(bytes(self._mm[8:8 + n]))
-        except ValueError as e:
+            header.pop("__metadata__", None)
+            for name, t in header.items():
+                b, e = t["data_offsets"]
+                if not (isinstance(t["dtype"], str) and all(type(d) is int and d >= 0 for d in t["shape"])
+                        and type(b) is int and type(e) is int and 0 <= b <= e):
+                    raise ValueError(f"tensor {name}: {t}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise LoadError(f"{self.path}: unreadable safetensors header ({e}); re-download it") from None
-        header.pop("__metadata__", None)
         self._base = 8 + n
         self.tensors: dict[str, dict] = header
         for name, t in header.items():
-            b, e = t["data_offsets"]
-            if self._base + e > size:
+            if self._base + t["data_offsets"][1] > size:
                 raise LoadError(f"{self.path}: tensor {name} runs past the end of the file; "
                                 "the download is truncated, re-download it")
 
@@ -107,7 +117,7 @@ class SafetensorsFile:
         dt = _ST_DTYPES[t["dtype"]]
         b, e = t["data_offsets"]
         shape = tuple(t["shape"])
-        if e - b != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+        if e - b != math.prod(shape) * dt.itemsize:
             raise LoadError(f"{self.path}: tensor {name} has {e - b} bytes for shape {shape} "
                             f"{t['dtype']}; the file is corrupt, re-download it")
         return np.frombuffer(self._mm, dt, (e - b) // dt.itemsize, self._base + b).reshape(shape)
@@ -139,10 +149,13 @@ class Checkpoint:
         self._where: dict[str, str] = {}
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                bad = [fn for fn in files if not isinstance(fn, str) or Path(fn).name != fn]
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise LoadError(f"{index}: unreadable shard index ({e}); re-download the snapshot") from None
-            files = sorted(set(weight_map.values()))
+            if bad:  # a shard must sit in the snapshot: no "../" out of it
+                raise LoadError(f"{index}: shard names {bad[:3]} are not file names in the snapshot; "
+                                "re-download the snapshot")
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
         if not files:
@@ -296,17 +309,59 @@ def _check_sources(ckpt: Checkpoint, plan) -> None:
             sf.raw(hf)                                         # raises the dtype error
 
 
+def read_config(snap: Path) -> ModelConfig:
+    """The snapshot's config.json as a ModelConfig; every refusal names the file."""
+    path = snap / "config.json"
+    if not path.is_file():
+        raise LoadError(f"{snap}: no config.json; is this a Hugging Face snapshot folder?")
+    try:
+        return ModelConfig.from_hf(path, name=snapshot_name(snap))
+    except ConfigError as e:
+        raise LoadError(f"{path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: not valid JSON ({e}); re-download the snapshot") from None
+    except (ValueError, TypeError) as e:
+        raise LoadError(f"{path}: a value nq cannot use ({e}); is this a Qwen2 config.json?") from None
+
+
+def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes]) -> None:
+    """Refuse before quantising when the output's file system lacks the room (a pack that
+    runs out of disk half-way would cost minutes and leave nothing)."""
+    # payloads, up to 128 bytes of alignment padding and ~100 bytes of table entry each
+    blobs = [math.prod(shape) * dt.itemsize for dt, shape in expected_tensors(cfg).values()]
+    blobs += [len(b) for b in meta.values()]
+    need = HEADER_SIZE + sum(blobs) + 228 * len(blobs)
+    folder = out.parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        def size(n):
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        raise LoadError(f"{out}: the packed model needs {size(need)}, the file system holding "
+                        f"{folder} has {size(free)} free; free some space or write elsewhere")
+
+
 def pack(src: str, out, revision: str | None = None, progress: bool = True) -> Path:
-    """Quantise the snapshot `src` (directory or repo id) into the .nanoqwen file `out`."""
+    """Quantise the snapshot `src` (directory or repo id) into the .nanoqwen file `out`.
+
+    Everything that can be refused is refused before the first tensor is read: the output
+    path, config.json (architecture, rope scaling, dimensions), the tokenizer, every tensor's
+    presence, shape and dtype, and the free space."""
     from tqdm import tqdm
 
+    out = check_output(out)
     snap = resolve_snapshot(str(src), revision, progress)
-    cfg = ModelConfig.from_hf(snap / "config.json", name=snapshot_name(snap))
+    cfg = read_config(snap)
+    if not (snap / "tokenizer.json").is_file():
+        raise LoadError(f"{snap}: no tokenizer.json; a .nanoqwen carries its tokenizer, so nq "
+                        "packs snapshots that have one (re-download the snapshot with its "
+                        "tokenizer files)")
     ckpt = Checkpoint(snap)
     plan = _source_plan(cfg)
     _check_sources(ckpt, plan)
     meta = {fn: (snap / fn).read_bytes() for fn in META_FILES if (snap / fn).exists()}
-    out = Path(out)
+    _check_space(out, cfg, meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     n_out = len(expected_tensors(cfg))
 

@@ -308,8 +308,10 @@ class Engine:
             from nq.sample import Sampler
             yield from _sampled_ids(self, list(prompt_ids), n, Sampler(params), stop_ids)
             return
+        # the whole request is reserved before the prompt is uploaded: a refused one (KVCacheFull)
+        # must leave no prompt behind for `feed` to put over a later decode(token)
+        self._reserve(self._pos + np.asarray(prompt_ids).size + n)
         p, done = self._start_prompt(prompt_ids)
-        self._reserve(self._pos + p + n)
         for _ in range(p - 1 - done):
             self.step()
         # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is

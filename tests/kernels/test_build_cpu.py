@@ -4,6 +4,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import subprocess
 
 import pytest
 
@@ -74,9 +75,13 @@ def test_entries_are_checked_before_use(env):
     path.write_bytes(b"garbage")
     assert build.read_entry(path) is None
     # `nq cache info` lists it as invalid; `nq cache clear` removes it and stale temporaries
-    (path.parent / ".tmp-x-123").write_bytes(b"left by a killed process")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (path.parent / f".tmp-x-{gone.pid}").write_bytes(b"left by a killed process")
+    live = path.parent / f".tmp-y-{os.getpid()}"    # a writer still running keeps its file
+    live.write_bytes(b"being written")
     assert [h for _, _, h in build.cache_entries()] == [None]
-    assert build.clear_cache()[0] == 2 and not list(path.parent.iterdir())
+    assert build.clear_cache()[0] == 2 and list(path.parent.iterdir()) == [live]
 
 
 def _writer(args):

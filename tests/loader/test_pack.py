@@ -11,8 +11,8 @@ from nq.loader import hf
 from nq.loader.format import NanoqwenFile
 from nq.loader.hf import LoadError, SafetensorsFile, pack
 from nq.loader.quant import quantize_pack
-from nq.loader.synth import (CHAT_TEMPLATE, make_hf_snapshot, random_hf_weights, round_bf16,
-                             write_safetensors)
+from nq.loader.synth import (CHAT_TEMPLATE, build_tokenizer_json, make_hf_snapshot,
+                             random_hf_weights, round_bf16, write_safetensors)
 from nq.loader.weights import fake_quantize, hf_to_host, load_host_weights
 
 STORED = {"bfloat16": round_bf16, "float16": lambda x: x.astype(np.float16).astype(np.float32),
@@ -54,14 +54,14 @@ def test_pack_equals_quantised_source(tmp_path, dtype, shards, tie):
 def test_host_weights_equal_fake_quantised_source(tmp_path):
     cfg = tiny_config(num_layers=1)
     w = random_hf_weights(cfg, 7)
-    snap = make_hf_snapshot(tmp_path / "s", cfg, dtype="float32", weights=w, tokenizer=False)
+    snap = make_hf_snapshot(tmp_path / "s", cfg, dtype="float32", weights=w)
     nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False))
     host = load_host_weights(nf)
     want = hf_to_host(cfg, fake_quantize(w))
     assert sorted(host) == sorted(want)
     for k in want:
         assert host[k].dtype == np.float32 and np.array_equal(host[k], want[k]), k
-    assert "meta/tokenizer.json" not in nf.names()
+    assert nf.meta("tokenizer.json") == (snap / "tokenizer.json").read_bytes()
 
 
 def test_safetensors_reader_matches_the_reference_library(tmp_path):
@@ -100,6 +100,7 @@ def test_missing_tensor_fails_before_writing(tmp_path):
     snap.mkdir()
     hf_names = list(w)
     (snap / "config.json").write_text(json.dumps(cfg.to_hf()))
+    (snap / "tokenizer.json").write_text(build_tokenizer_json(cfg.vocab_size))
     write_safetensors(snap / "model.safetensors", [(k, w[k].shape) for k in hf_names], "float32", w.get)
     out_dir = tmp_path / "out"
     with pytest.raises(LoadError, match="lacks 1 tensors.*model.layers.0.mlp.up_proj.weight"):
@@ -108,7 +109,7 @@ def test_missing_tensor_fails_before_writing(tmp_path):
 
 
 def test_failure_mid_stream_leaves_nothing(tmp_path, monkeypatch):
-    snap = make_hf_snapshot(tmp_path / "s", tiny_config(num_layers=2), tokenizer=False)
+    snap = make_hf_snapshot(tmp_path / "s", tiny_config(num_layers=2))
     calls = []
 
     def flaky(w):
@@ -124,7 +125,7 @@ def test_failure_mid_stream_leaves_nothing(tmp_path, monkeypatch):
 
 def test_shape_and_dtype_errors_name_the_file(tmp_path):
     cfg = tiny_config(num_layers=1)
-    snap = make_hf_snapshot(tmp_path / "s", cfg, shards=2, tokenizer=False)
+    snap = make_hf_snapshot(tmp_path / "s", cfg, shards=2)
     conf = json.loads((snap / "config.json").read_text())
     conf["intermediate_size"] = 512
     (snap / "config.json").write_text(json.dumps(conf))
@@ -134,7 +135,7 @@ def test_shape_and_dtype_errors_name_the_file(tmp_path):
     # an int8 (pre-quantised) tensor is refused by dtype
     w = random_hf_weights(cfg, 0)
     snap2 = tmp_path / "s2"
-    make_hf_snapshot(snap2, cfg, weights=w, dtype="float32", tokenizer=False)
+    make_hf_snapshot(snap2, cfg, weights=w, dtype="float32")
     raw = bytearray((snap2 / "model.safetensors").read_bytes())
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
