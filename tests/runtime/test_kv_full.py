@@ -11,7 +11,10 @@ import pytest
 from nq.generate import generate
 from nq.paged import PAGE
 from nq.runtime.kv_cache import KVCacheFull, PageAllocator, Sequence, release, reserve
-from test_engine_host import GREEDY, engine, reference  # noqa: F401 (the fake-device fixture)
+import test_engine_host
+from test_engine_host import GREEDY, reference
+
+engine = test_engine_host.engine     # the fake-device fixture, both prompt paths
 
 
 def test_allocator_refuses_whole_and_recovers():
