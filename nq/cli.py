@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from nq.errors import interrupted, os_error_words, signals_as_interrupts
-from nq.loader.resolve import DEFAULT_REPO, resolve_model
+from nq.cli_args import Formatter, model_args, sampling_args
+from nq.loader.resolve import resolve_model
 
 
 def _err(msg: str) -> int:
@@ -319,48 +320,6 @@ def cmd_bench(args) -> int:
 
 
 # ---- argument parsing -----------------------------------------------------------------------
-def _model_args(s) -> None:
-    s.add_argument("-m", "--model", help=f".nanoqwen file, HF folder or repo id (default {DEFAULT_REPO})")
-    s.add_argument("--revision", help="revision of a repo id given to -m")
-    s.add_argument("-c", "--ctx-size", dest="ctx", type=int, default=0,
-                   help="context length in tokens (default: min(model max, 4096))")
-    s.add_argument("--backend", choices=["gpu", "numpy"], default="gpu",
-                   help="gpu: the CUDA engine (H100/H200); numpy: the reference engine on the CPU "
-                        "(slow; small models)")
-
-
-def _ranged(kind, lo, hi, lo_open=False, what=""):
-    """An argparse type: kind(text) within [lo, hi] ((lo, hi] with lo_open); None: no bound."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}")
-        if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi) \
-                or v != v:
-            span = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"{text} is outside {span}{what}")
-        return v
-    return parse
-
-
-def _sampling_args(s) -> None:
-    g = s.add_argument_group("sampling (defaults: the model's generation_config.json)")
-    g.add_argument("--temp", type=_ranged(float, 0, None), help="temperature; 0 = greedy")
-    g.add_argument("--top-k", type=_ranged(int, 0, None, what="; 0 disables it"),
-                   help="keep the k most likely tokens")
-    g.add_argument("--top-p", type=_ranged(float, 0, 1, lo_open=True, what="; 1 disables it"),
-                   help="keep the smallest set whose probability reaches p")
-    g.add_argument("--min-p", type=_ranged(float, 0, 1, what="; 0 disables it"),
-                   help="keep tokens at least min-p times as likely as the best")
-    g.add_argument("--repeat-penalty", type=_ranged(float, 0, None, lo_open=True,
-                                                    what="; 1 disables it"),
-                   help="penalise the last 64 tokens (llama.cpp's semantics)")
-    g.add_argument("--seed", type=int, default=-1,
-                   help="sampling seed; -1: a random one, printed so the run can be repeated")
-    s.add_argument("--system", help="system message (implies --chat for generate)")
-
-
 def cmd_chat(args) -> int:
     from nq.chat import ChatSession, repl
     from nq.loader.format import NanoqwenFile
@@ -382,15 +341,6 @@ def cmd_chat(args) -> int:
     return repl(session, args.n)
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Help that shows each flag's default (when it has one worth showing)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     import nq
     p = argparse.ArgumentParser(prog="nq", description=__doc__.split("\n")[0])
@@ -399,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub_add = sub.add_parser
 
     def add_parser(name, **kw):  # every subcommand: defaults in its help, its own usage on error
-        s = sub_add(name, formatter_class=_Formatter, **kw)
+        s = sub_add(name, formatter_class=Formatter, **kw)
         s.set_defaults(_parser=s)
         return s
     sub.add_parser = add_parser
@@ -417,12 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("generate", help="generate text")
-    _model_args(s)
+    model_args(s)
     s.add_argument("-p", "--prompt")
     s.add_argument("-f", "--file", help="read the prompt from a file (- for stdin)")
     s.add_argument("-n", "--n-predict", dest="n", type=int, default=128,
                    help="tokens to generate; -1: until end of sequence or the context is full")
-    _sampling_args(s)
+    sampling_args(s)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     s.add_argument("--fim-prefix", help="fill-in-the-middle: code before the cursor")
     s.add_argument("--fim-suffix", help="fill-in-the-middle: code after the cursor")
@@ -438,13 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("chat", help="multi-turn chat on stdin/stdout; the KV cache is kept "
                                     "between turns (/reset, /exit)")
-    _model_args(s)
+    model_args(s)
     s.add_argument("-n", "--n-predict", dest="n", type=int, default=1024,
                    help="most tokens per reply; -1: until an end token or a full context")
     s.add_argument("--context-shift", action="store_true",
                    help="when the conversation outgrows -c, drop the oldest turns instead of "
                         "refusing the message")
-    _sampling_args(s)
+    sampling_args(s)
     s.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("cache", help="list (info) or empty (clear) the compiled-kernel cache "
@@ -455,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI- and llama.cpp-compatible HTTP server "
                                      "(/v1/chat/completions, /v1/completions, /infill); "
                                      "docs/SERVE.md")
-    _model_args(s)
+    model_args(s)
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface; set --api-key then)")
     s.add_argument("--port", type=int, default=8080, help="port (0: any free one, printed)")

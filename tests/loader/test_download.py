@@ -73,12 +73,13 @@ def test_uncached_repo_offline_is_a_clear_error(offline_hub):
 def test_generate_with_no_model_packs_the_default_repo_once(tmp_path, monkeypatch, capsys):
     """`nq generate` with no -m: the default repo id, resolved offline, packed once into $NQ_CACHE."""
     from nq import cli
+    from nq.loader import resolve
     hf_home = tmp_path / "hf_home"
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("NQ_CACHE", str(tmp_path / "nqcache"))
-    fake_hub_cache(hf_home, cli.DEFAULT_REPO, make_hf_snapshot(tmp_path / "b", tiny_config(num_layers=1)))
+    fake_hub_cache(hf_home, resolve.DEFAULT_REPO, make_hf_snapshot(tmp_path / "b", tiny_config(num_layers=1)))
     argv = ["generate", "--backend", "numpy", "-p", "hi", "-n", "2", "--temp", "0", "--json"]
     assert cli.main(argv) == 0
     packed = list((tmp_path / "nqcache").glob("*.nanoqwen"))
