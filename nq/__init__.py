@@ -6,8 +6,11 @@ Where things live (the folders follow the data):
   nq/ref      the NumPy reference engine (oracle for every kernel, and a CPU backend)
   nq/text     tokenizer, chat template, FIM prompts, streaming detokenisation
   nq/ptx      one wrapper per PTX instruction, each with a Python twin
-  nq/kernels  every piece of device code
-  nq/runtime/engine   the GPU orchestrator: weights, KV pages, decode graphs
-  nq/cli      the `nq` command
+  nq/paged    the page pool and decode-state layout that kernels and runtime share
+  nq/kernels  every piece of device code, compiled through kernels/build.py
+  nq/runtime  the GPU engine: weights, KV pages, batched prefill, the decode graph
+  nq/tools    nq bench and nq verify
+  nq/serve    nq serve: the OpenAI- and llama.cpp-compatible HTTP server
+  nq/cli      the `nq` command (generate, chat, pack, info, cache, ...)
 """
 __version__ = "0.1.0"
