@@ -239,7 +239,7 @@ def model_names(model: str | None, path) -> tuple[str, frozenset]:
 def serve(args) -> int:
     import uvicorn
 
-    from nq.cli import context_size, make_backend
+    from nq.backend import context_size, make_backend
     from nq.loader.format import NanoqwenFile
     from nq.loader.resolve import resolve_model
     from nq.text import Tokenizer

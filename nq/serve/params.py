@@ -17,7 +17,7 @@ Sampling fields map onto nq's sampler (nq/sample.py, llama.cpp's chain) like thi
   seed                    fixes the draw; absent or negative: fresh entropy
 
 A field the request leaves out takes the model's generation_config.json default exactly as
-`nq generate` does without the flag (nq.cli.sampling_params), so `temperature: 0` through the
+`nq generate` does without the flag (nq.backend.sampling_params), so `temperature: 0` through the
 server gives `nq generate --temp 0`'s tokens.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def one_choice(body: dict) -> None:
 
 def sampling(body: dict, defaults: dict):
     """(SamplingParams, presence_penalty, frequency_penalty) from a request body."""
-    from nq.cli import sampling_params
+    from nq.backend import sampling_params
 
     temp = number(body, "temperature", lo=0, hi=2)
     penalty = number(body, "repetition_penalty", lo=0, lo_open=True, names=("repeat_penalty",))
