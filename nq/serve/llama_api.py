@@ -21,7 +21,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from nq.serve import params as P
-from nq.serve.app import read_json, result, stream, submit
+from nq.serve.http import read_json, result, stream, submit
 from nq.serve.engine import Request
 from nq.text import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 

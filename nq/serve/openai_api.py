@@ -24,7 +24,7 @@ import uuid
 from starlette.responses import JSONResponse
 
 from nq.serve import params as P
-from nq.serve.app import read_json, result, stream, submit
+from nq.serve.http import read_json, result, stream, submit
 from nq.serve.engine import Request
 
 FINGERPRINT = "nq"
