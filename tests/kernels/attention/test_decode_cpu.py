@@ -98,29 +98,14 @@ def test_argument_check_refuses_with_what_it_wants():
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
 
 SIM_SCRIPT = textwrap.dedent('''
-    import time
+    import sys
 
     import numpy as np
     from numba import cuda
-    from numba.cuda.simulator import kernel as simk, kernelapi
-    from nq.ptx import _sim
 
-    # The simulator has no shuffles or __syncwarp: rendezvous of the caller's warp.
-    kernelapi.FakeCUDAModule.shfl_xor_sync = \\
-        lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
-    kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
-
-    # The block manager polls its threads' is_alive() in a busy loop that holds the GIL against
-    # every 32-thread rendezvous (each mma and ldmatrix): a short sleep every 64 polls makes the
-    # run ~2.5x faster and changes nothing else.
-    _polls = [0]
-    _is_alive = simk.BlockThread.is_alive
-    def _throttled_is_alive(self):
-        _polls[0] += 1
-        if _polls[0] % 64 == 0:
-            time.sleep(2e-4)
-        return _is_alive(self)
-    simk.BlockThread.is_alive = _throttled_is_alive
+    sys.path.insert(0, "tests")
+    import sim_warp
+    sim_warp.patch_simulator(syncwarp=True)   # shuffles, __syncwarp, the polling throttle
 
     from nq.config import tiny_config
     from nq.kernels import attention

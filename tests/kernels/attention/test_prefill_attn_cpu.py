@@ -142,29 +142,15 @@ def test_fast_mma_model_is_the_mma_model_bit_for_bit():
 
 SIM_SCRIPT = textwrap.dedent('''
     import sys
-    import time
 
     import numpy as np
     from numba import cuda
-    from numba.cuda.simulator import kernel as simk, kernelapi
-    from nq.ptx import _sim
 
     sys.path.insert(0, "tests")
     import sim_warp
     sim_warp.install()   # the mma model vectorised, bit for bit (test_fast_mma_model_...)
 
-    # The simulator has no shuffles: a rendezvous of the caller's warp.
-    kernelapi.FakeCUDAModule.shfl_xor_sync = \\
-        lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
-    # The block manager's busy polling holds the GIL against every 32-thread rendezvous.
-    _polls = [0]
-    _is_alive = simk.BlockThread.is_alive
-    def _throttled_is_alive(self):
-        _polls[0] += 1
-        if _polls[0] % 64 == 0:
-            time.sleep(2e-4)
-        return _is_alive(self)
-    simk.BlockThread.is_alive = _throttled_is_alive
+    sim_warp.patch_simulator()   # shuffles and the polling throttle
 
     from nq.config import tiny_config
     from nq.kernels.attention import prefill
