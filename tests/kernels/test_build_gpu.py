@@ -76,7 +76,8 @@ print(build.STATS.compiled, build.STATS.loaded, hashlib.sha256(logits.tobytes())
 
 
 def test_an_engine_from_a_warm_cache_decodes_as_a_cold_one(tmp_path):
-    env = dict(os.environ, NQ_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, NQ_CACHE=str(tmp_path), PYTHONPATH=path)
     env.pop("NQ_NO_KERNEL_CACHE", None)
 
     def start():

@@ -34,7 +34,7 @@ class Server:
 
 
 def start_server(model, log: Path, *flags) -> Server:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("NQ_API_KEY", None)
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "nq", "serve", "-m", str(model),
