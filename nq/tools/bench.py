@@ -88,12 +88,16 @@ def prefill_flops(cfg, p: int, start: int = 0) -> float:
 
 def make_row(test: str, ctx: float, weights_bytes: int, cfg, ceiling_gbs: float,
              tok_s: list, itl_ms: list | None = None, ttft_ms: list | None = None) -> dict:
-    """One table row from raw per-run tok/s (and pooled per-step ITLs / per-run TTFTs)."""
+    """One table row from raw per-run tok/s (and pooled per-step ITLs / per-run TTFTs).
+
+    A prompt (ttft_ms given) is compute-bound and reads the weights once a chunk, not once a
+    token, so bytes/token, GB/s and % of the copy ceiling are left empty for it."""
     m, sd = mean_sd(tok_s)
     b = weights_bytes + kv_bytes(cfg, ctx)
-    gbs = b * m / 1e9
+    gbs = None if ttft_ms else b * m / 1e9
     row = {"test": test, "ctx": ctx, "tok_s_mean": m, "tok_s_sd": sd, "tok_s_runs": list(tok_s),
-           "bytes_per_token": b, "GBs": gbs, "pct_ceiling": 100 * gbs / ceiling_gbs,
+           "bytes_per_token": None if ttft_ms else b, "GBs": gbs,
+           "pct_ceiling": None if gbs is None else 100 * gbs / ceiling_gbs,
            "ttft_ms": None, "itl_p50_ms": None, "itl_p90_ms": None}
     if ttft_ms:
         row["ttft_ms"], row["ttft_ms_sd"] = mean_sd(ttft_ms)
@@ -129,7 +133,8 @@ def format_table(model: str, rows: list[dict]) -> str:
               "GB/s", "% of ceiling"]
     body = [[model, r["test"], f"{r['tok_s_mean']:.2f} ± {r['tok_s_sd']:.2f}",
              _f(r["ttft_ms"], ".1f"), _f(r["itl_p50_ms"], ".3f"), _f(r["itl_p90_ms"], ".3f"),
-             f"{r['bytes_per_token'] / 1e9:.3f} GB", f"{r['GBs']:.0f}", f"{r['pct_ceiling']:.1f} %"]
+             "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e9:.3f} GB",
+             _f(r["GBs"], ".0f"), "-" if r["pct_ceiling"] is None else f"{r['pct_ceiling']:.1f} %"]
             for r in rows]
     return _md(header, body, right=set(range(2, len(header))))
 

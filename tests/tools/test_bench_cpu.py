@@ -56,6 +56,15 @@ def test_row_bytes_and_ceiling_fraction():
     assert row["ttft_ms"] is None
 
 
+def test_a_prompt_row_has_no_bandwidth_figures():
+    # a prompt reads the weights once a chunk, not once a token: GB/s would read 15x the ceiling
+    row = bench.make_row("pp512", 256, 4_000_000_000, PRESETS["7b"], 4000.0, [14000.0],
+                         ttft_ms=[36.5])
+    assert row["bytes_per_token"] is None and row["GBs"] is None and row["pct_ceiling"] is None
+    cells = [c.strip() for c in bench.format_table("m", [row]).splitlines()[2].strip("|").split("|")]
+    assert cells[-3:] == ["-", "-", "-"] and cells[3] == "36.5"
+
+
 # ---- formatting -----------------------------------------------------------------------------
 def _rows():
     cfg = PRESETS["0.5b"]
