@@ -1,8 +1,11 @@
-"""`nq verify -m MODEL`: check this GPU's results against the references, in three tiers.
+"""`nq verify -m MODEL`: check this GPU's results against the references, in four tiers.
 
-    unit   each kernel on the model's real shapes (layer 0's weights) against its NumPy
-           reference: the four INT4 GEMVs, lm_head, rope_kv, paged attention, embed, argmax
-    layer  decoder layer 0 through the engine's own launches against nq.ref's layer
+    unit     each kernel on the model's real shapes (layer 0's weights) against its NumPy
+             reference: the four INT4 GEMVs, lm_head, rope_kv, paged attention, embed, argmax
+    layer    decoder layer 0 through the engine's own launches against nq.ref's layer
+    prefill  the batched tensor-core prefill: the last position's logits of prompts of
+             several lengths (one token, odd lengths, more than one 2,048-token chunk) and of
+             a prompt that continues a cached context, against the reference engine's
     graph  N prompts x T greedy tokens from the captured decode graph against a reference
            engine: transformers' Qwen2ForCausalLM in fp32 (batched on the GPU when torch is
            importable; the fast path for a 7B), else the NumPy engine.  For every prompt that
@@ -25,6 +28,14 @@ import numpy as np
 
 TOL_INT4, TOL_HEAD, TOL_LAYER = 5e-3, 1e-5, 5e-3
 TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that rounding can flip
+# prefill tier: max |logit - reference| over the reference's spread (max - min).  The decode
+# graph measures 2.5e-3 (median; max 3.5e-3) of the spread on a 2-layer 7B-width model: fp16
+# activations and INT4 GEMVs that accumulate 32-128 weights in fp16.  The prefill GEMM folds
+# the group scale into fp16 (+~2e-4 relative a weight) and accumulates in fp32, so it should
+# sit no higher; 1e-2 leaves room for long prompts without hiding a wrong row or position
+# (those move logits by a large fraction of the spread).
+TOL_PREFILL = 1e-2
+DEFAULT_PREFILL_LENGTHS = (1, 17, 300, 2100)  # 2100: past one 2,048-token chunk
 
 
 @dataclasses.dataclass
@@ -196,6 +207,10 @@ class NumpyReference:
         from nq.ref import RefModel
         self.model = RefModel(nf.config, load_host_weights(nf))
 
+    def last_logits(self, prompt) -> np.ndarray:
+        self.model.reset()
+        return np.asarray(self.model.forward(np.asarray(prompt))[-1], np.float64)
+
     def greedy(self, prompts, n) -> list[Greedy]:
         out = []
         for prompt in prompts:
@@ -240,6 +255,12 @@ class TorchReference:
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    def last_logits(self, prompt) -> np.ndarray:
+        torch = self.torch
+        with torch.no_grad():
+            ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device=self.device)
+            return self.model(ids).logits[0, -1].double().cpu().numpy()
 
     def greedy(self, prompts, n) -> list[Greedy]:
         torch = self.torch
@@ -315,6 +336,45 @@ def graph_tier(backend, reference, prompts, n) -> tuple[Row, dict]:
     return Row("graph", name, float(res["unexplained"]), 0.0, detail), res
 
 
+# ---- prefill tier ---------------------------------------------------------------------------
+def logit_error(got, ref) -> float:
+    """max |got - ref| / (max(ref) - min(ref)); inf for any non-finite logit."""
+    got = np.asarray(got, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - ref).max() / max(float(ref.max() - ref.min()), 1e-30))
+
+
+def prefill_tier(backend, reference, lengths, seed: int = 0, vocab: int = 32000) -> list[Row]:
+    """Last-position logits after a prompt of each length (and after a prompt that continues a
+    cached one: the second half of the longest, on top of its first half), engine against the
+    reference.  The engine runs its own prefill: batched on the GPU engine."""
+    rng = np.random.default_rng(seed)
+    hi = min(vocab, 32000)
+    rows = []
+
+    def check(name, parts):
+        backend.reset()
+        for part in parts:
+            got = backend.prefill(part)
+        ref = reference.last_logits([t for part in parts for t in part])
+        err = logit_error(got, ref)
+        top = int(np.argmax(got)) == int(np.argmax(ref))
+        _, gap, spread = _top2(ref)
+        detail = ("top-1 agrees" if top else
+                  f"top-1 differs (reference top-2 gap {gap / max(spread, 1e-30):.1e} of the spread)")
+        rows.append(Row("prefill", name, err, TOL_PREFILL, detail))
+
+    for n in lengths:
+        check(f"{n}-token prompt, last logits", [rng.integers(0, hi, n).tolist()])
+    n = max(lengths)
+    if n >= 2:
+        ids = rng.integers(0, hi, n).tolist()
+        check(f"{n - n // 2} tokens after {n // 2} cached", [ids[: n // 2], ids[n // 2:]])
+    backend.reset()
+    return rows
+
+
 # ---- the command ------------------------------------------------------------------------------
 def make_reference(nf, kind: str = "auto"):
     """transformers on the GPU when torch is importable (kind auto/torch), else NumPy."""
@@ -347,9 +407,17 @@ def run(args) -> int:
     from nq.loader.format import NanoqwenFile
 
     tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
-    if not tiers or tiers - {"unit", "layer", "graph"}:
-        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, graph "
+    if not tiers or tiers - {"unit", "layer", "prefill", "graph"}:
+        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, prefill, graph "
               "(comma-separated)", file=sys.stderr)
+        return 2
+    try:
+        lengths = sorted({int(x) for x in args.prefill_lengths.split(",") if x.strip()})
+    except ValueError:
+        lengths = []
+    if not lengths or lengths[0] < 1:
+        print(f"nq verify: --prefill-lengths {args.prefill_lengths!r}: give positive token "
+              "counts, comma-separated (e.g. 1,17,300,2100)", file=sys.stderr)
         return 2
     if not cuda.is_available():
         print("nq verify needs an NVIDIA GPU (numba.cuda.is_available() is False); it checks "
@@ -360,7 +428,9 @@ def run(args) -> int:
     t0 = time.perf_counter()
     nf = NanoqwenFile(resolve_model(args.model))
     cfg = nf.config
-    eng = Engine.from_file(nf, max_len=max(4096, args.prompt_len + args.tokens + 8))
+    lengths = [n for n in lengths if n < cfg.max_position_embeddings]
+    eng = Engine.from_file(nf, max_len=max(4096, args.prompt_len + args.tokens + 8,
+                                           max(lengths, default=0) + 8))
     rows, report = [], {"model": str(nf.path), "config": cfg.to_json()}
     secs = {"load": time.perf_counter() - t0}  # upload + kernel compilation
 
@@ -374,11 +444,15 @@ def run(args) -> int:
         rows += timed("unit", lambda: unit_tier(eng, nf))
     if "layer" in tiers:
         rows.append(timed("layer", lambda: layer_tier(eng, nf)))
+    ref = None
+    if tiers & {"prefill", "graph"}:
+        ref = timed("reference load", lambda: make_reference(nf, args.reference))
+    if "prefill" in tiers and lengths:
+        rows += timed("prefill", lambda: prefill_tier(eng, ref, lengths, args.seed, cfg.vocab_size))
     if "graph" in tiers:
         rng = np.random.default_rng(args.seed)
         hi = min(cfg.vocab_size, 32000)
         prompts = rng.integers(0, hi, (args.prompts, args.prompt_len)).tolist()
-        ref = timed("reference load", lambda: make_reference(nf, args.reference))
         row, report["graph"] = timed("graph", lambda: graph_tier(eng, ref, prompts, args.tokens))
         rows.append(row)
     seconds = time.perf_counter() - t0
@@ -399,13 +473,17 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("verify", help="check this GPU's kernels and decode graph against the "
-                                      "references (unit, layer, graph tiers)")
+    s = sub.add_parser("verify", help="check this GPU's kernels, prefill and decode graph "
+                                      "against the references (unit, layer, prefill, graph tiers)")
     s.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
-    s.add_argument("--tiers", default="unit,layer,graph",
+    s.add_argument("--tiers", default="unit,layer,prefill,graph",
                    help="comma-separated: unit (every kernel against its NumPy reference), layer "
-                        "(decoder layer 0 against nq.ref), graph (greedy tokens of the decode "
-                        "graph against transformers or nq.ref)")
+                        "(decoder layer 0 against nq.ref), prefill (last-position logits of the "
+                        "batched prefill against the reference engine), graph (greedy tokens of "
+                        "the decode graph against transformers or nq.ref)")
+    s.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL_LENGTHS)),
+                   help="prefill tier: prompt lengths in tokens, comma-separated; the longest "
+                        "is also run as two halves, the second continuing the first")
     s.add_argument("--prompts", type=int, default=100, help="graph tier: random prompts to run")
     s.add_argument("--tokens", type=int, default=32, help="graph tier: greedy tokens a prompt")
     s.add_argument("--prompt-len", type=int, default=16, help="graph tier: tokens a prompt")

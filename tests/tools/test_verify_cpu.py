@@ -32,6 +32,38 @@ def test_graph_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
     assert row.passed and row.tier == "graph" and "4/4 identical" in row.detail
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_prefill_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
+    nf = NanoqwenFile(tiny_nanoqwen)
+    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    rows = verify.prefill_tier(NumpyBackend.from_file(nf, max_len=64), ref, [1, 5, 13],
+                              vocab=nf.config.vocab_size)
+    assert [r.name for r in rows] == ["1-token prompt, last logits", "5-token prompt, last logits",
+                                      "13-token prompt, last logits", "7 tokens after 6 cached"]
+    assert all(r.passed and r.error < 1e-4 and r.detail == "top-1 agrees" for r in rows), rows
+
+
+def test_prefill_tier_fails_a_wrong_position(tiny_nanoqwen):
+    # an engine that answers with the logits of the second-to-last position must fail
+    nf = NanoqwenFile(tiny_nanoqwen)
+
+    class OneBehind:
+        def __init__(self):
+            self.inner, self.ids = NumpyBackend.from_file(nf, max_len=64), []
+
+        def reset(self):
+            self.inner.reset(), self.ids.clear()
+
+        def prefill(self, ids):
+            self.ids += list(ids)
+            self.inner.reset()
+            return self.inner.prefill(self.ids[:-1])
+
+    rows = verify.prefill_tier(OneBehind(), verify.NumpyReference(nf), [9],
+                              vocab=nf.config.vocab_size)
+    assert not any(r.passed for r in rows) and all(r.error > verify.TOL_PREFILL for r in rows)
+
+
 def test_table_marks_failures():
     rows = [verify.Row("unit", "a", 1e-3, 5e-3), verify.Row("unit", "b", float("nan"), 1.0),
             verify.Row("graph", "c", 2.0, 0.0, "2 unexplained")]
@@ -50,7 +82,7 @@ def test_verify_without_a_gpu_says_so(tiny_nanoqwen, capsys):
 @pytest.mark.parametrize("tiers", ["unit,grpah", " ", "foo"])
 def test_verify_refuses_unknown_tiers(tiny_nanoqwen, capsys, tiers):
     assert main(["verify", "-m", str(tiny_nanoqwen), "--tiers", tiers]) == 2
-    assert "choose from unit, layer, graph" in capsys.readouterr().err
+    assert "choose from unit, layer, prefill, graph" in capsys.readouterr().err
 
 
 def test_torch_dequantize_matches_numpy():
