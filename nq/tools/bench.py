@@ -382,6 +382,10 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="graph replays per region in the ITL breakdown (default 100)")
     s.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
     s.add_argument("--no-peers", action="store_true", help="skip the torch peer chains")
+    s.add_argument("--gemm", type=_ctx_list, default=[512, 8192], metavar="M,M",
+                   help="token counts of the prefill GEMM table (each projection, nq against "
+                        "cuBLAS fp16)")
+    s.add_argument("--no-gemm", action="store_true", help="skip the prefill GEMM table")
     s.add_argument("--json", metavar="FILE", help="write every figure and the environment here "
                                                   "(plots go next to it)")
 
@@ -437,6 +441,10 @@ def run(args) -> int:
     if not args.no_peers:
         from nq.tools.peers import run_peers
         peers = run_peers(cfg, p0, log)
+    gemms = []
+    if not args.no_gemm and getattr(eng, "prefiller", None) is not None:
+        from nq.tools.gemm_table import measure
+        gemms = measure(eng, args.gemm, log)
     env["end"] = gpu_clocks()
 
     print(format_table(model, rows))
@@ -454,6 +462,11 @@ def run(args) -> int:
         from nq.tools.peers import format_peers
         print()
         print(format_peers(peers, rows, bds[0]))
+    if gemms:
+        from nq.tools.gemm_table import format_gemms
+        print("\nPrefill GEMM per projection (INT4 weights x fp16 activations, each layer's "
+              "weights in turn; cuBLAS: fp16 weights, same shapes, same run):")
+        print(format_gemms(gemms))
     v = env["versions"]
     print(f"\n{env['gpu']}, driver {env['start'].get('driver_version', '?')} (CUDA "
           f"{v['cuda_driver'] or '?'}); nq {v['nq']}, numba {v['numba']}, numba-cuda {v['numba-cuda']}, "
@@ -467,7 +480,8 @@ def run(args) -> int:
                "args": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "func"},
                "env": env, "build_s": build_s, "load_s": eng.w.load_s,
                "weights_bytes_per_token": eng.w.nbytes_per_token, "copy_ceiling_GBs": ceiling,
-               "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl}
+               "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl,
+               "gemm": gemms}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         out["plots"] = write_plots(path.with_suffix(""), rows, bds)

@@ -307,3 +307,25 @@ def test_step_timeline_critical_increments():
     assert s["regions"]["rope_kv_append"]["critical_us"] == 0
     assert s["regions"]["paged_attention"]["critical_us"] == 4
     assert "| qkv_gemv | 1 |" in tl.format_summary(s)
+
+
+def test_gemm_table_sums_the_layers_and_compares_with_cublas(monkeypatch):
+    from nq.tools import gemm_table
+    cfg = PRESETS["7b"]
+    eng = types.SimpleNamespace(cfg=cfg, max_len=4096)
+    ms_of = {"qkv": 0.1, "o_proj": 0.08, "gate_up": 0.4, "down": 0.2}
+    monkeypatch.setattr(gemm_table, "time_nq", lambda eng, kind, m, reps: ms_of[kind] * m / 512)
+    monkeypatch.setattr(gemm_table, "time_cublas", lambda torch, n, k, m: 0.5 * n * k * m / 1e10)
+    rows = gemm_table.measure(eng, (512, 8192), log=lambda *a: None)
+    assert [(r["m"], r["kind"]) for r in rows[:5]] == [
+        (512, "qkv"), (512, "o_proj"), (512, "gate_up"), (512, "down"), (512, "28 layers")]
+    gu = rows[2]
+    assert (gu["n"], gu["k"]) == (2 * cfg.intermediate_size, cfg.hidden_size)
+    assert gu["nq_tflops"] == pytest.approx(2 * 512 * gu["n"] * gu["k"] / 0.4e-3 / 1e12)
+    layers = rows[4]
+    assert layers["nq_ms"] == pytest.approx(28 * sum(ms_of.values()))
+    if layers["cublas_ms"] is not None:  # torch with CUDA present
+        assert layers["cublas_ms"] == pytest.approx(28 * sum(r["cublas_ms"] for r in rows[:4]))
+    text = gemm_table.format_gemms(rows)
+    assert "| 8192 | 28 layers" in text.replace("  ", " ").replace("  ", " ")
+    assert len(text.splitlines()) == 2 + 10
