@@ -60,7 +60,6 @@ def time_nq(eng, kind: str, m: int, reps: int = 5) -> float:
         e1.record(stream)
         e1.synchronize()
         times.append(cuda.event_elapsed_time(e0, e1) / len(layers))
-    del x, out
     return statistics.median(times)
 
 
@@ -68,10 +67,7 @@ def time_cublas(torch, n: int, k: int, m: int, reps: int = 20) -> float:
     from nq.tools.peers import graph_ms
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-    try:
-        return graph_ms(torch, lambda: torch.matmul(x, w.t()), reps)
-    finally:
-        del x, w
+    return graph_ms(torch, lambda: torch.matmul(x, w.t()), reps)
 
 
 def measure(eng, ms=(512, 8192), log=print, reps: int = 5) -> list[dict]:
