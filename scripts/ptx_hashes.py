@@ -1,6 +1,7 @@
 """Hash the PTX of every kernel a model's decode step and weight upload compile, offline.
 
     python3 scripts/ptx_hashes.py --json out.json            # presets 0.5b, 7b, 14b
+    python3 scripts/ptx_hashes.py --presets 32b --json out.json
     python3 scripts/ptx_hashes.py --compare before.json out.json
 
 Refactors of the kernel tree promise "the default PTX does not change"; this is the proof.
@@ -49,6 +50,8 @@ def record_compiles():
     seen: dict[str, str] = {}
 
     class Fake:
+        overloads: dict = {}  # allow_smem (dynamic shared memory) finds nothing to opt in
+
         def __init__(self, name):
             self.name = name
 

@@ -47,7 +47,7 @@ from numba import cuda, float32, uint32, uint64
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import STATIC_SMEM_LIMIT, dev
+from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, dev
 from nq.kernels.int4.dequant import dequant_word
 from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.tiling import MMA_KINDS, TILE, MmaTiling
@@ -69,9 +69,17 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.warps < 1 or t.threads % (32 * t.warps) or t.threads > 1024:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*warps "
                          f"(warps = those a tile's groups are split over) and at most 1024")
-    if k * 2 > STATIC_SMEM_LIMIT:
+    partials = (t.threads // 32) * TILE * 4
+    if k * 2 + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
-                         f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
+                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
+
+
+def dynamic_smem(k: int) -> int:
+    """Bytes of dynamic shared memory a launch needs: 0 while the staged activations (2K
+    bytes) fit the 48 KB of static shared memory (every shape up to the 14B), else all of
+    them (the 32B's down, K = 27,648: 55 KB), with the kernel opted in (`allow_smem`)."""
+    return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
 
 
 def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling) -> str:
@@ -273,11 +281,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
                              stage, add_group, mainloop, first_loads, roles, tile_bases, out_row,
                              put_partials, row_sum, block_sums))
 
-    def kernel(a, qw, sc, x):
-        act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-        red = cuda.shared.array(PARTIALS, float32)
-        row, tl2, r = block_sums(a, qw, sc, act, red)
-        if row >= 0:
-            x[row] += row_sum(red, tl2, r)
+    if not dynamic_smem(k):
+        def kernel(a, qw, sc, x):
+            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(PARTIALS, float32)
+            row, tl2, r = block_sums(a, qw, sc, act, red)
+            if row >= 0:
+                x[row] += row_sum(red, tl2, r)
+    else:
+        def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
+            act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
+            red = cuda.shared.array(PARTIALS, float32)
+            row, tl2, r = block_sums(a, qw, sc, act, red)
+            if row >= 0:
+                x[row] += row_sum(red, tl2, r)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels.common import need
+from nq.kernels.common import allow_smem, need
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
-from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name
+from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, dynamic_smem, gemv_mma_name
 from nq.kernels.int4.layout import mma_layout, prepare_weights
 from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling
 from nq.paged import STATE_LEN, check_paged_args
@@ -150,6 +150,9 @@ class ResidualMmaGemv:
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
         self.name = gemv_mma_name(kind, n_out, k, tiling)
+        self.smem = dynamic_smem(k)  # 0 up to the 14B; the 32B's down stages 55 KB
+        if self.smem:
+            allow_smem(self.kernel, self.smem)
 
     def prepare(self, parts):
         """[(qweight (Ni, K/8) uint32, scales (Ni, K/128) fp16), ...] in file layout, stacked
@@ -172,8 +175,8 @@ class ResidualMmaGemv:
         need(sc, f"{self.name} scales", np.float16, (self.n_rows, self.k // GROUP_SIZE), 2)
         need(a, f"{self.name} a", np.float16, (self.k,), 16)
         need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, 0](a, qw.reshape(qw.size), sc.reshape(sc.size),
-                                                      x)
+        self.kernel[self.grid, self.block, stream, self.smem](a, qw.reshape(qw.size),
+                                                              sc.reshape(sc.size), x)
 
 
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:

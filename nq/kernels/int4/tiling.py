@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from nq.config import GROUP_SIZE
-from nq.kernels.common import STATIC_SMEM_LIMIT
+from nq.kernels.common import SMEM_OPTIN_LIMIT
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down")   # kinds the tensor-core kernel takes (x += W . a)
@@ -76,7 +76,8 @@ class MmaTiling:
 
 def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
     """The tensor-core tiling for o_proj or down, or None where gemv_mma cannot take the shape
-    (N not a multiple of 16, or K's staged activations over 48 KB: the 32B's down).  One 16-row
+    (N not a multiple of 16, or K's staged activations over half a block's 227 KB; the 32B's
+    down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).  One 16-row
     tile a block, its groups split over `warps` warps: half the groups under 32 of them, else
     the largest divisor of the group count in 8..16, else 16; none under 16 groups (a small
     o_proj), where the CUDA-core kernel tied or won.
@@ -88,7 +89,7 @@ def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
     t384 -0.244 (16 t512 -0.104); 3B o_proj 8 -0.004, down 16 -0.171; 0.5B down 16 -0.097, but
     o_proj (7 groups) 3 warps +0.012.  gate_up on the tensor cores lost at the 7B (gemv_mma.py's
     epitaph), so the kernel takes o_proj and down only."""
-    if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > STATIC_SMEM_LIMIT:
+    if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
     groups = k // GROUP_SIZE
     if groups < 16:

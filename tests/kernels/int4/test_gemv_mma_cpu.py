@@ -52,18 +52,21 @@ def test_layout_round_trip_and_refusals():
         gemv_mma.build_kernel("gate_up", 64, 256, t)
     with pytest.raises(ValueError, match="not an MmaTiling"):
         gemv_mma.check_tiling("down", 64, 256, Tiling(ks=2, threads=128))
-    with pytest.raises(ValueError, match="static shared memory"):   # the 32B's down
-        gemv_mma.build_kernel("down", 5120, 27648, MmaTiling(warps=16, threads=512))
+    with pytest.raises(ValueError, match="shared memory of a block"):   # 227 KB: K = 116K
+        gemv_mma.build_kernel("down", 64, 128 * 1000, MmaTiling(warps=16, threads=512))
+    assert gemv_mma.dynamic_smem(18944) == 0                # up to the 14B: static, as measured
+    assert gemv_mma.dynamic_smem(27648) == 2 * 27648        # the 32B's down: 55 KB, dynamic
 
 
 def test_mma_tiling_rule():
-    """o_proj and down from 16 groups up, where their activations fit 48 KB; the 7B's measured
+    """o_proj and down from 16 groups up (the 32B's down with its activations in dynamic shared
+    memory); the 7B's measured
     entries; nothing for gate_up or qkv."""
     assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024)
     assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448)
     assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=12, threads=384)    # 14B: 108 groups
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
-    assert mma_tiling("down", 5120, 27648) is None         # 32B: 54 KB of activations
+    assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=12, threads=384)  # 32B: 216 groups
     assert mma_tiling("gate_up", 18944, 3584) is None
     assert isinstance(default_tiling("down", 3584, 18944, mma=False), Tiling)
 
@@ -73,6 +76,7 @@ def test_mma_tiling_rule():
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448)),
     ("down", 3584, 18944, MmaTiling(warps=8, threads=512)),
     ("o_proj", 3584, 3584, MmaTiling(warps=4, threads=256, min_blocks=2)),
+    ("down", 5120, 27648, MmaTiling(warps=12, threads=384)),       # the 32B's, dynamic shared
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
