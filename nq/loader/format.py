@@ -223,7 +223,12 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
             crc = zlib.crc32(table, zlib.crc32(header))
             f.seek(0)
             f.write(_HEADER.pack(*fields, crc).ljust(HEADER_SIZE, b"\0"))
+            # On the disk before the rename: a power cut after it must not leave a complete-
+            # looking name over unwritten blocks (ext4/xfs may order the rename first).
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.errno is None:
@@ -234,6 +239,20 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _fsync_dir(folder) -> None:
+    """Make a rename in `folder` durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _encode_table(entries: list[Entry]) -> bytes:

@@ -182,3 +182,28 @@ def test_writer_refusals_leave_no_file(tmp_path):
     with pytest.raises(FormatError, match="tensor norm is float32"):
         write_nanoqwen(out, cfg, bad)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_file_reaches_the_disk_before_its_name(tmp_path, monkeypatch):
+    # fsync of the finished temporary file, then the rename, then the folder (durable rename)
+    import os
+
+    from nq.loader import format as fmt
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("rename", os.path.basename(b)))
+        real_replace(a, b)
+    monkeypatch.setattr(fmt.os, "fsync", fsync)
+    monkeypatch.setattr(fmt.os, "replace", replace)
+    cfg = tiny_config(num_layers=1, tie=True)
+    write_nanoqwen(tmp_path / "d.nanoqwen", cfg, random_tensors(cfg))
+    names = events
+    assert names[0][0] == "fsync" and names[0][1].startswith("d.nanoqwen.tmp-")
+    assert names[1] == ("rename", "d.nanoqwen")
+    assert names[2] == ("fsync", tmp_path.name)
