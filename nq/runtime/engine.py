@@ -247,6 +247,33 @@ class Engine:
         # no prompt: `feed` must not put an old prompt's token over a decode(token)
         self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
 
+    # ---- saved sequences (nq serve --cache-slots; nq/runtime/kv_snapshot.py) -------------------
+    def keep_snapshots(self, n: int) -> int:
+        """Allow n host copies of the sequence at once; returns the bytes they may pin."""
+        from nq.runtime.kv_snapshot import HostBuffers
+        self._snapshots = HostBuffers(pool_shape(self.cfg, self.seq.max_pages), limit=n)
+        return n * self._snapshots.buffer_bytes
+
+    def snapshot(self):
+        """Enqueue a host copy of the sequence (its pages and length), for `restore`."""
+        from nq.runtime.kv_snapshot import HostBuffers, save
+        if getattr(self, "_snapshots", None) is None:
+            self._snapshots = HostBuffers(pool_shape(self.cfg, self.seq.max_pages))
+        return save(self.kv, self.seq.pages, self._pos, self._snapshots, self.stream)
+
+    def restore(self, snap) -> None:
+        """Make the cache hold a snapshot's sequence again (any page ids: the copy follows the
+        block table); the snapshot stays valid."""
+        from nq.runtime.kv_snapshot import load
+        self.reset()
+        self._reserve(max(snap.length, 1))
+        load(snap, self.kv, self.seq.pages, self.stream)
+        self._pos = snap.length
+
+    def discard(self, snap) -> None:
+        """The snapshot will not be restored again: its host buffer is reused."""
+        self._snapshots.give(snap.host)
+
     def _write_state(self, token: int, pos: int, step: int) -> None:
         h = self._h_state
         h[:] = 0
