@@ -66,7 +66,12 @@ class Engine:
         from numba import cuda
 
         from nq.kernels import attention, rope_kv
+        from nq.runtime.memory import check_device_memory
+        from nq.runtime.prefill import DEFAULT_CHUNK
 
+        # refuse a context that cannot fit before allocating any of it (bytes needed and free)
+        check_device_memory(cfg, int(max_len), (prefill_chunk or DEFAULT_CHUNK)
+                            if prefill == "batched" else 0, weights=False)
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
         self.stream = cuda.stream()
         s = self.stream
@@ -185,7 +190,11 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
+        from nq.runtime.memory import check_device_memory
+        from nq.runtime.prefill import DEFAULT_CHUNK
         from nq.runtime.weights import upload
+        check_device_memory(nf.config, int(max_len), kw.get("prefill_chunk") or DEFAULT_CHUNK,
+                            weights=True)
         t = time.perf_counter()
         w = upload(nf)
         upload_s = time.perf_counter() - t
