@@ -188,3 +188,15 @@ def test_prompt_cache_on_the_engine_keeps_k_minus_one_conversations(no_events):
             talks[c] = ids + out + [int(rng.integers(0, VOCAB))]
             assert len(cache.saved) <= 2 and eng._snapshots.count <= 3
     assert eng.length == len(cache.ids)
+
+
+def test_no_free_host_buffer_skips_the_copy_not_the_request(no_events, capsys):
+    eng = fake_engine()
+    cache = PromptCache(eng, slots=2)
+    eng._snapshots.limit = 0  # as if every buffer were held
+    for ids in ([1, 2, 3, 4], [9, 8, 7, 6]):
+        kept = cache.prepare(ids)
+        out, _ = generate(eng, ids[kept:], 3, GREEDY, keep_context=True)
+        cache.hold(ids + out[:-1])
+        assert out == generate(fake_engine(), ids, 3, GREEDY)[0]
+    assert cache.saved == [] and "prompt cache copy not kept" in capsys.readouterr().err
