@@ -16,6 +16,7 @@ from nq.runtime import kv_snapshot as K
 from nq.runtime.kv_cache import PageAllocator, Sequence
 from nq.sample import SamplingParams
 from nq.serve.prompt_cache import PromptCache
+from test_engine_host import Arr  # the fake device array
 
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 VOCAB = 97
@@ -25,24 +26,6 @@ def test_page_runs():
     assert K.page_runs([]) == []
     assert K.page_runs([4, 5, 6, 0, 1, 9]) == [(0, 4, 3), (3, 0, 2), (5, 9, 1)]
     assert K.page_runs([3, 2]) == [(0, 3, 1), (1, 2, 1)]
-
-
-class Arr:
-    """A device array's copy methods over a numpy array (the engine's calls, no GPU)."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __getitem__(self, k):
-        return Arr(self.a[k])
-
-    def copy_to_device(self, h, stream=None):
-        self.a[...] = np.asarray(h).reshape(self.a.shape)
-
-    def copy_to_host(self, out=None, stream=None):
-        if out is None:
-            return self.a.copy()
-        out[...] = self.a
 
 
 def test_save_then_load_into_other_pages_keeps_every_token():

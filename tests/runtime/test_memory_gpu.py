@@ -12,8 +12,16 @@ CFG = tiny_config(head_dim=128, num_heads=7, num_kv_heads=1, num_layers=2, inter
 
 
 def free_total():
+    """(free, total) bytes, after what earlier tests left to the garbage collector and to
+    numba's deferred frees is really freed (else it could be freed inside a measurement)."""
+    import gc
+
     from numba import cuda
-    free, total = cuda.current_context().get_memory_info()
+    gc.collect()
+    ctx = cuda.current_context()
+    ctx.synchronize()
+    ctx.deallocations.clear()
+    free, total = ctx.get_memory_info()
     return int(free), int(total)
 
 
