@@ -59,8 +59,12 @@ def host_rss() -> int:
 
 
 def gpu_used() -> int:
+    """Device bytes in use, after numba's deferred frees ran (else garbage counts as growth)."""
     from numba import cuda
-    free, total = cuda.current_context().get_memory_info()
+    ctx = cuda.current_context()
+    ctx.synchronize()
+    ctx.deallocations.clear()
+    free, total = ctx.get_memory_info()
     return int(total - free)
 
 
