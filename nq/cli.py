@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue", type=int, default=16,
                    help="requests that may wait for the engine; more get 503 + Retry-After")
     s.add_argument("--cache-slots", type=int, default=1,
-                   help="conversations whose KV cache is kept (LRU); > 1 needs the numpy "
-                        "backend for now")
+                   help="conversations whose KV cache is kept (LRU); the GPU keeps one, the "
+                        "others are copies in pinned host memory (K x the context's KV bytes)")
     s.set_defaults(func=cmd_serve)
 
     from nq.tools.verify import add_parser as add_verify

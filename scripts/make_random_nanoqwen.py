@@ -30,7 +30,11 @@ from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E
 PRIME = 4_194_301  # the largest prime below 2**22
 
 
-def random_tensors(cfg, seed: int = 0):
+def random_tensors(cfg, seed: int = 0, text_ids: int = 0):
+    """text_ids > 0: lm_head rows outside [256, text_ids) are zero, so the model's greedy
+    choice is one of the tokenizer's merged tokens (random logits around 0, the rest exactly 0):
+    each decodes to text on its own, where a byte token >= 0x80 alone is half a UTF-8 character
+    and a stream shows nothing for it.  lm_head's shape, and so its cost, is unchanged."""
     rng = np.random.default_rng(seed)
     # Blocks of a prime length P > every row length: row r of a tensor starts at r*K mod P,
     # so no two rows of any matrix are equal (a power-of-two block repeats rows, and an
@@ -51,7 +55,11 @@ def random_tensors(cfg, seed: int = 0):
             yield name, (0.1 * np.resize(block_f, shape)).astype(np.float16)
         else:  # embed_tokens, lm_head
             scale = 0.1 if name == "embed_tokens" else 1.0 / np.sqrt(shape[1])
-            yield name, (scale * np.resize(block_f, shape)).astype(np.float16)
+            t = (scale * np.resize(block_f, shape)).astype(np.float16)
+            if text_ids and name == "lm_head":
+                t[:256] = 0
+                t[text_ids:] = 0
+            yield name, t
 
 
 def main(argv=None) -> int:
@@ -60,8 +68,14 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, help="keep the preset's width, use this many layers")
+    ap.add_argument("--text-ids", action="store_true",
+                    help="greedy picks only tokens that decode to text on their own (lm_head "
+                         "rows of the others are zero): for timing a text stream "
+                         "(scripts/serve_probe.py)")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]
+    if args.text_ids and cfg.tie_word_embeddings:
+        ap.error(f"--text-ids: {args.size} ties lm_head to the embedding; pick an untied size (7b)")
     if args.layers:
         cfg = cfg.replace(num_layers=args.layers, name=f"{cfg.name}-{args.layers}layers")
     tj = build_tokenizer_json(min(cfg.vocab_size, 4096))
@@ -72,7 +86,8 @@ def main(argv=None) -> int:
                 generation_config(ids["<|im_end|>"], ids["<|endoftext|>"])).encode(),
             "config.json": json.dumps(cfg.to_hf()).encode()}
     t0 = time.perf_counter()
-    out = write_nanoqwen(args.out, cfg, random_tensors(cfg, args.seed), meta, "random")
+    n_text = min(ids.values()) if args.text_ids else 0  # the regular ids; specials follow them
+    out = write_nanoqwen(args.out, cfg, random_tensors(cfg, args.seed, n_text), meta, "random")
     print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return 0

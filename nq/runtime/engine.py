@@ -66,7 +66,12 @@ class Engine:
         from numba import cuda
 
         from nq.kernels import attention, rope_kv
+        from nq.runtime.memory import check_device_memory
+        from nq.runtime.prefill import DEFAULT_CHUNK
 
+        # refuse a context that cannot fit before allocating any of it (bytes needed and free)
+        check_device_memory(cfg, int(max_len), (prefill_chunk or DEFAULT_CHUNK)
+                            if prefill == "batched" else 0, weights=False)
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
         self.stream = cuda.stream()
         s = self.stream
@@ -185,7 +190,11 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
+        from nq.runtime.memory import check_device_memory
+        from nq.runtime.prefill import DEFAULT_CHUNK
         from nq.runtime.weights import upload
+        check_device_memory(nf.config, int(max_len), kw.get("prefill_chunk") or DEFAULT_CHUNK,
+                            weights=True)
         t = time.perf_counter()
         w = upload(nf)
         upload_s = time.perf_counter() - t
@@ -246,6 +255,33 @@ class Engine:
         self._write_state(token=0, pos=0, step=0)
         # no prompt: `feed` must not put an old prompt's token over a decode(token)
         self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
+
+    # ---- saved sequences (nq serve --cache-slots; nq/runtime/kv_snapshot.py) -------------------
+    def keep_snapshots(self, n: int) -> int:
+        """Allow n host copies of the sequence at once; returns the bytes they may pin."""
+        from nq.runtime.kv_snapshot import HostBuffers
+        self._snapshots = HostBuffers(pool_shape(self.cfg, self.seq.max_pages), limit=n)
+        return n * self._snapshots.buffer_bytes
+
+    def snapshot(self):
+        """Enqueue a host copy of the sequence (its pages and length), for `restore`."""
+        from nq.runtime.kv_snapshot import HostBuffers, save
+        if getattr(self, "_snapshots", None) is None:
+            self._snapshots = HostBuffers(pool_shape(self.cfg, self.seq.max_pages))
+        return save(self.kv, self.seq.pages, self._pos, self._snapshots, self.stream)
+
+    def restore(self, snap) -> None:
+        """Make the cache hold a snapshot's sequence again (any page ids: the copy follows the
+        block table); the snapshot stays valid."""
+        from nq.runtime.kv_snapshot import load
+        self.reset()
+        self._reserve(max(snap.length, 1))
+        load(snap, self.kv, self.seq.pages, self.stream)
+        self._pos = snap.length
+
+    def discard(self, snap) -> None:
+        """The snapshot will not be restored again: its host buffer is reused."""
+        self._snapshots.give(snap.host)
 
     def _write_state(self, token: int, pos: int, step: int) -> None:
         h = self._h_state

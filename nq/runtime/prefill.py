@@ -40,6 +40,13 @@ def layout_of(gemv) -> object:
     return "mma" if kind == "mma" else ("rows", int(arg))
 
 
+def workspace_bytes(cfg, chunk: int) -> int:
+    """Device bytes of Prefill's chunk buffers for `chunk` rows (ids, x, h, qkv, q, o, a)."""
+    row = (4 + 4 * cfg.hidden_size + 2 * cfg.hidden_size + 4 * cfg.qkv_size
+           + 4 * cfg.num_heads * cfg.head_dim + 2 * cfg.q_size + 2 * cfg.intermediate_size)
+    return int(chunk) * row
+
+
 class Prefill:
     """The prefill of one engine: its chunk workspaces and launchers, built once."""
 

@@ -160,7 +160,9 @@ def serve(args) -> int:
                                    lifespan="off", timeout_graceful_shutdown=5))
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     print(f"nq: serving {model_id} at {url} (context {ctx}, {args.backend} backend, queue "
-          f"{args.queue}, cache slots {engine.cache.slots}, "
+          f"{args.queue}, cache slots {engine.cache.slots}"
+          + (f" pinning up to {engine.cache.pinned_bytes / 2**20:.0f} MiB of host memory"
+             if engine.cache.pinned_bytes else "") + ", "
           f"{'API key required' if state.api_key else 'no API key'}); Ctrl-C stops",
           file=sys.stderr, flush=True)
     if not state.api_key and host not in ("127.0.0.1", "::1", "localhost"):

@@ -10,12 +10,16 @@ With `--cache-slots K > 1` and a backend that offers `snapshot()` / `restore(sta
 NumPy reference), up to K-1 other sequences are kept as saved copies, least recently used
 evicted first: before the live sequence is cut or replaced, a copy of it is saved, and a
 request that matches a saved sequence better than the live one restores it.  Two editors or
-two conversations taking turns then both keep their prefixes.  The GPU engine has no
-snapshot yet, so it keeps K = 1 (the server says so at start).
+two conversations taking turns then both keep their prefixes.  The GPU engine's copies are
+pinned host buffers (nq/runtime/kv_snapshot.py), recycled through `discard(state)` and bounded
+by `keep_snapshots(n)`: K of them at most (K-1 saved, one more while the live sequence and a
+saved one change places), `pinned_bytes` in all.
 
 At least one prompt token is always prefilled, because the loop needs its logits.
 """
 from __future__ import annotations
+
+import sys
 
 from nq.chat import common_prefix
 
@@ -27,6 +31,9 @@ class PromptCache:
         self.slots = max(1, slots) if self.can_save else 1
         self.ids: list[int] = []               # the ids in the backend's cache, in order
         self.saved: list[tuple[list[int], object]] = []  # (ids, state), most recent last
+        self.pinned_bytes = 0                  # host memory the saved copies may take at most
+        if self.slots > 1 and hasattr(backend, "keep_snapshots"):
+            self.pinned_bytes = backend.keep_snapshots(self.slots)
 
     def prepare(self, prompt: list[int]) -> int:
         """Make the backend hold the longest cached prefix of `prompt` (all but its last token
@@ -42,6 +49,7 @@ class PromptCache:
             ids, state = self.saved.pop(best)
             self._save_live()
             self.backend.restore(state)
+            self._discard(state)
             self.ids = ids
         elif live < len(self.ids):  # the live sequence is about to be cut: keep a copy
             self._save_live()
@@ -56,10 +64,27 @@ class PromptCache:
         ids = self.ids
         if any(common_prefix(s, ids) == len(ids) for s, _ in self.saved):
             return  # a saved sequence already holds all of it
-        # a saved prefix of the live sequence serves no prompt the live one would not
-        self.saved = [(s, st) for s, st in self.saved if common_prefix(s, ids) < len(s)]
-        self.saved.append((list(ids), self.backend.snapshot()))
-        del self.saved[:-(self.slots - 1)]
+        # a saved prefix of the live sequence serves no prompt the live one would not; the
+        # least recently used go before the copy is taken, so no more than K-1 are kept
+        keep = []
+        for s, st in self.saved:
+            if common_prefix(s, ids) < len(s):
+                keep.append((s, st))
+            else:
+                self._discard(st)
+        while len(keep) >= self.slots - 1:
+            self._discard(keep.pop(0)[1])
+        self.saved = keep
+        try:
+            state = self.backend.snapshot()
+        except RuntimeError as e:  # the cache is an optimisation: the request goes on without it
+            print(f"nq: warning: prompt cache copy not kept: {e}", file=sys.stderr)
+            return
+        self.saved.append((list(ids), state))
+
+    def _discard(self, state) -> None:
+        if hasattr(self.backend, "discard"):
+            self.backend.discard(state)
 
     def hold(self, ids: list[int]) -> None:
         """After a request: the backend's cache now holds `ids`."""
