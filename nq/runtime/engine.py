@@ -325,14 +325,19 @@ class Engine:
         return self.logits.copy_to_host(stream=self.stream)
 
     # ---- generation on the device --------------------------------------------------------------
-    def prepare_sampler(self) -> "DeviceSampling":
-        """Build the device sampler and its kernels now (otherwise the first sampled request
-        does); the sampled graph is captured at its first step."""
+    def prepare_sampler(self):
+        """Build the device sampler, its kernels and its graph now (otherwise the first
+        sampled request does, inside its TTFT).  Capturing executes nothing, so this is safe
+        at any point between steps."""
         if self.sampling is None:
             from nq.runtime.sampling import DeviceSampling
             t = time.perf_counter()
             self.sampling = DeviceSampling(self)
             self.startup["sampler kernels_s"] = time.perf_counter() - t
+            if self.graph is not None:
+                t = time.perf_counter()
+                self.sampling.capture()
+                self.startup["sampled graph capture_s"] = time.perf_counter() - t
         return self.sampling
 
     def set_sampling(self, params) -> None:

@@ -3,11 +3,13 @@
 sampler's penalty history equal to the KV cache's tokens.
 
 Why a second graph and not one graph with the sampler in it: greedy keeps its argmax graph
-bit for bit (argmax 4.8 us a token against 25.7 us for greedy through the sampler, and the
-default decode PTX unchanged); both graphs are captured from the same step list and read the
-same buffers (state, out_ids, the KV pages), so switching between them per request is a choice
-of which one to launch, never a recapture.  The sampled graph is captured on first use (or by
-`Engine.prepare_sampler()` at start), so a greedy-only run pays nothing for it.
+bit for bit (argmax 4.8 us a token against 25.7 us for greedy through the sampler, measured
+by scripts/bench_sampler.py on 2026-12-01, and the default decode PTX unchanged); both graphs
+are captured from the same step list and read the same buffers (state, out_ids, the KV
+pages), so switching between them per request is a choice of which one to launch, never a
+recapture.  The sampler and its graph are built by `Engine.prepare_sampler()` (at start for
+`nq generate` with sampled settings, `nq chat` and `nq serve`) or at the first sampled
+request, so a greedy-only run pays nothing for them.
 
 Parameters live in the sampler's device block (64 bytes, uploaded when they change), so
 `/set temp` in chat or a new request in `nq serve` needs no recapture.
@@ -53,7 +55,7 @@ def pack_sampling(params, pack, max_len: int) -> np.ndarray:
                                             or getattr(params, "frequency_penalty", 0.0)):
         window = 0  # no penalty: the count table is never read, so keep no history
     return pack(temperature=float(params.temperature), top_k=max(int(params.top_k), 0),
-                top_p=float(params.top_p), min_p=float(params.min_p),
+                top_p=min(float(params.top_p), 1.0), min_p=float(params.min_p),
                 repeat_penalty=float(params.repeat_penalty), repeat_last_n=window,
                 presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
                 frequency_penalty=float(getattr(params, "frequency_penalty", 0.0)), seed=seed)
