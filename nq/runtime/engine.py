@@ -386,8 +386,10 @@ class Engine:
         finally:
             # the prompt and every generated token but the last were fed to the cache
             self._finish(p + max(produced - 1, 0))
-            if sampled:  # each sampled step entered its input token; keep what the cache keeps
-                self.sampling.entered(start + p + max(steps - 1, 0))
+            if sampled:  # each sampled step entered its input token; keep what the cache
+                # keeps.  start + p + steps bounds what was entered even if a Ctrl-C landed
+                # between a step and its count, and the truncate sets the length outright
+                self.sampling.entered(start + p + steps)
                 self.sampling.truncate(self._pos)
 
     def _enqueue_read(self, index: int, slot: int):
