@@ -183,3 +183,21 @@ def test_a_new_window_changes_nothing_but_the_counts(eng):
     ids = list(eng._ids[: eng.length])
     list(eng.generate_ids([7], 1, WINDOWED))  # set_params with another window, one token
     assert_history_is(eng, ids + [7])
+
+
+def test_chat_and_serve_controls_reach_the_device_params():
+    """`/set presence-penalty` in chat and a request's presence/frequency penalties in serve land
+    in SamplingParams, hence in the device block (no host wrapper samples them any more)."""
+    from nq.chat import parse_set
+    from nq.serve.params import sampling
+    p = parse_set(SamplingParams(temperature=0.0, repeat_penalty=1.0), "presence-penalty 0.5")
+    assert p.presence_penalty == 0.5 and needs_device_sampler(p)
+    p = parse_set(p, "frequency-penalty -0.25")
+    block = unpack_params(pack_sampling(p, FakeSampler(64).pack, 64))
+    assert np.isclose(block["presence"], 0.5) and np.isclose(block["frequency"], -0.25)
+    assert block["top_k"] == 1 and block["window"] == 64  # greedy over the penalised logits
+    params, presence, frequency = sampling({"temperature": 0, "presence_penalty": 1.5,
+                                            "frequency_penalty": 0.5}, {})
+    assert (params.presence_penalty, params.frequency_penalty) == (1.5, 0.5) == (presence,
+                                                                                frequency)
+    assert needs_device_sampler(params)
