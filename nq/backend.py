@@ -20,7 +20,11 @@ def context_size(args, cfg) -> int:
     return ctx
 
 
-def make_backend(name: str, nf, ctx: int):
+def make_backend(name: str, nf, ctx: int, valid_vocab: int | None = None,
+                 sampler: bool = False):
+    """The backend of a run.  valid_vocab: the tokenizer's size (the GPU sampler never draws
+    the padded lm_head rows above it); sampler: build the GPU's device sampler now, as part of
+    the start, rather than at the first sampled request."""
     if name == "numpy":
         from nq.ref import NumpyBackend
         return NumpyBackend.from_file(nf, max_len=ctx)
@@ -35,8 +39,11 @@ def make_backend(name: str, nf, ctx: int):
                                "instructions (cp.async.bulk, mbarrier): use an H100/H200, or "
                                "--backend numpy")
         from nq.runtime.engine import Engine
-        eng = Engine.from_file(nf, max_len=ctx)
+        valid = min(valid_vocab, nf.config.vocab_size) if valid_vocab else None
+        eng = Engine.from_file(nf, max_len=ctx, valid_vocab=valid)
         print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
+        if sampler:
+            eng.prepare_sampler()
         return eng
     raise ValueError(f"unknown backend {name!r}; choose gpu or numpy")
 

@@ -19,7 +19,8 @@ import sys
 from nq.generate import GenerationStats, generate
 
 COMMANDS = """commands:
-  /set temp|top-k|top-p|min-p|repeat-penalty|seed VALUE   change a sampling control
+  /set temp|top-k|top-p|min-p|repeat-penalty|presence-penalty|frequency-penalty|seed VALUE
+            change a sampling control (on the GPU: 64 bytes to the device, no recapture)
   /stats    the last reply's statistics and the current sampling controls
   /reset    forget the conversation (the system message stays)
   /help     this text
@@ -28,7 +29,9 @@ COMMANDS = """commands:
 # /set NAME -> (SamplingParams field, parser)
 SETTABLE = {"temp": ("temperature", float), "temperature": ("temperature", float),
             "top-k": ("top_k", int), "top-p": ("top_p", float), "min-p": ("min_p", float),
-            "repeat-penalty": ("repeat_penalty", float), "seed": ("seed", int)}
+            "repeat-penalty": ("repeat_penalty", float), "seed": ("seed", int),
+            "presence-penalty": ("presence_penalty", float),
+            "frequency-penalty": ("frequency_penalty", float)}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -159,7 +159,9 @@ def cmd_generate(args) -> int:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
     t = time.perf_counter()
-    backend = make_backend(args.backend, nf, ctx)
+    from nq.runtime.sampling import needs_device_sampler
+    backend = make_backend(args.backend, nf, ctx, valid_vocab=tok.vocab_size,
+                           sampler=needs_device_sampler(params))
     if getattr(args, "verbose", False):
         startup = dict(getattr(backend, "startup", {}))
         t_backend = time.perf_counter() - t
@@ -270,7 +272,8 @@ def cmd_chat(args) -> int:
     resolve_seed(args)
     params = sampling_params(args, tok.generation_defaults)
     ctx = context_size(args, nf.config)
-    session = ChatSession(make_backend(args.backend, nf, ctx), tok, params, ctx, system=args.system,
+    backend = make_backend(args.backend, nf, ctx, valid_vocab=tok.vocab_size, sampler=True)
+    session = ChatSession(backend, tok, params, ctx, system=args.system,
                           context_shift=args.context_shift)
     if sys.stdin.isatty():
         print(f"nq chat: {Path(nf.path).name}, context {ctx} tokens, seed {args.seed}. "

@@ -3,8 +3,9 @@
 A backend is anything with `prefill(ids) -> logits of the last position` and
 `decode(token) -> logits`, plus `reset()`; the loop owns sampling, stop ids, streaming
 detokenisation and timing, so the NumPy reference and the GPU engine are driven identically.
-A backend that samples on the device may instead offer `generate_ids(prompt_ids, n, params,
-stop_ids)` yielding ids; the loop then only streams and times.
+A backend that samples on the device (the GPU engine, every sampling setting) offers
+`generate_ids(prompt_ids, n, params, stop_ids)` yielding ids; the loop then only streams and
+times, and the penalty history is the backend's own (its cache's ids, kept on the device).
 """
 from __future__ import annotations
 
@@ -134,9 +135,9 @@ def generate(backend, prompt_ids: list[int], n: int, params: SamplingParams,
         backend.reset()
     if n <= 0:
         return [], stats
-    if hasattr(backend, "generate_ids") and not (history and params.repeat_penalty != 1.0):
+    if hasattr(backend, "generate_ids"):  # its cache, hence `history`, is on the device
         source = backend.generate_ids(prompt_ids, n, params, stop)
-    else:  # (a penalised backend samples on the host anyway)
+    else:
         source = _sampled_ids(backend, prompt_ids, n, Sampler(params), stop, history)
     out: list[int] = []
     t0 = time.perf_counter()

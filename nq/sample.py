@@ -1,11 +1,13 @@
 """Host sampler: llama.cpp's default sampling chain over one row of logits.
 
-The GPU engine hands the host fp32 logits (vocab,) each step; this turns them into a token.
+This is the sampler of the NumPy backend and the semantic oracle of the device sampler
+(nq/kernels/sampler, which the GPU engine runs inside its decode graph).
 Semantics and order follow llama.cpp's default chain (common/sampling), so that `--temp`,
 `--top-k`, `--top-p`, `--min-p`, `--repeat-penalty` mean what llama.cpp users expect:
 
-  1. repeat penalty  every distinct token among the last `repeat_last_n` ids has its logit
-                     divided by the penalty when positive, multiplied when <= 0
+  1. penalties      every distinct token among the last `repeat_last_n` ids has its logit
+                     divided by the repeat penalty when positive, multiplied when <= 0, then
+                     lowered by presence + frequency * (its count in that window)
   2. top-k           keep the k largest logits (k <= 0: off)
   3. top-p           keep the smallest prefix, by descending probability, whose mass
                      reaches p (p >= 1: off); probabilities are softmax at temperature 1
@@ -34,6 +36,8 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1: off
     repeat_last_n: int = 64    # 0: off, -1: the whole history given to `sample`
     seed: int | None = None    # None: fresh OS entropy (not reproducible)
+    presence_penalty: float = 0.0   # llama.cpp's (and the device sampler's): over the same
+    frequency_penalty: float = 0.0  # window as the repeat penalty; 0: off
 
     def __post_init__(self):
         def need(cond, what):
@@ -47,6 +51,8 @@ class SamplingParams:
              f"repeat_penalty={self.repeat_penalty}; give a positive value (1 disables it)")
         need(self.repeat_last_n >= -1,
              f"repeat_last_n={self.repeat_last_n}; give >= 0, or -1 for the whole history")
+        need(np.isfinite(self.presence_penalty) and np.isfinite(self.frequency_penalty),
+             "presence_penalty and frequency_penalty must be finite numbers")
 
     @property
     def greedy(self) -> bool:
@@ -61,18 +67,23 @@ class Sampler:
         self.rng = np.random.default_rng(self.params.seed)
 
     def penalized(self, logits, recent_ids: Sequence[int] = ()) -> np.ndarray:
-        """Step 1: a float64 copy of logits (vocab,) with the repeat penalty applied."""
+        """Step 1: a float64 copy of logits (vocab,) with the penalties applied."""
         p = self.params
         out = np.array(logits, dtype=np.float64).reshape(-1)
         if np.isnan(out).any():
             raise ValueError(f"logits contain NaN at ids {np.flatnonzero(np.isnan(out))[:5].tolist()}; "
                              "the forward pass is broken (compare it with --backend numpy)")
         n = len(recent_ids) if p.repeat_last_n == -1 else p.repeat_last_n
-        if p.repeat_penalty != 1.0 and n > 0 and len(recent_ids):
-            ids = np.unique(np.asarray(recent_ids[-n:], dtype=np.int64))
-            ids = ids[(ids >= 0) & (ids < out.size)]
+        additive = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if (p.repeat_penalty != 1.0 or additive) and n > 0 and len(recent_ids):
+            ids, counts = np.unique(np.asarray(recent_ids[-n:], dtype=np.int64),
+                                    return_counts=True)
+            keep = (ids >= 0) & (ids < out.size)
+            ids, counts = ids[keep], counts[keep]
             v = out[ids]
-            out[ids] = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+            if p.repeat_penalty != 1.0:
+                v = np.where(v <= 0, v * p.repeat_penalty, v / p.repeat_penalty)
+            out[ids] = v - (p.frequency_penalty * counts + p.presence_penalty)
         return out
 
     def distribution(self, logits, recent_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:

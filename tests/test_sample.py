@@ -86,6 +86,28 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
     assert whole.sample(lg, [0] + [3] * 100) == 2
 
 
+def test_presence_and_frequency_penalties_by_hand_and_as_the_device_reference():
+    """llama.cpp's order: the repeat penalty, then - presence - frequency * count, over the
+    same window; the device sampler's NumPy reference penalises the same way."""
+    from nq.kernels.sampler import pack_params
+    from nq.kernels.sampler.params import unpack_params
+    from nq.kernels.sampler.reference import history_counts, penalize
+    lg = np.array([2.0, -1.0, 1.5, 0.5], np.float32)
+    kw = dict(temperature=0.0, repeat_penalty=2.0, repeat_last_n=4, presence_penalty=0.5,
+              frequency_penalty=0.25)
+    s = Sampler(SamplingParams(**kw))
+    recent = [2, 0, 1, 1, 3, 3, 3]  # window: 1, 3, 3, 3 (ids 0 and 2 fell out)
+    want = [2.0, -2.0 - 0.5 - 0.25, 1.5, 0.5 / 2.0 - 0.5 - 0.75]
+    np.testing.assert_allclose(s.penalized(lg, recent), want)
+    prm = unpack_params(pack_params(valid_vocab=4, max_top_k=4, **kw))
+    np.testing.assert_allclose(penalize(lg, history_counts(recent, 4, 4), prm, 4), want,
+                               rtol=1e-6)
+    # without a repeat penalty the additive ones still apply
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.0, repeat_last_n=-1,
+                               frequency_penalty=1.0))
+    np.testing.assert_allclose(s.penalized(lg, [0, 0, 0]), [-1.0, -1.0, 1.5, 0.5])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_sampled_frequencies_follow_the_tempered_softmax(temperature):
     p = np.array([0.6, 0.3, 0.1])

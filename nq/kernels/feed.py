@@ -3,7 +3,7 @@
 Why it exists: with it, one captured decode graph also runs prefill.  The engine uploads the
 prompt once, then replays the graph once per prompt token; this kernel (the first node of the
 graph) puts the right prompt token into the state before `embed` reads it, and past the
-prompt it does nothing, so argmax's (or the host sampler's) token flows on.  Prefill as a loop
+prompt it does nothing, so argmax's (or the device sampler's) token flows on.  Prefill as a loop
 of decode steps is the simple correct path; tensor-core prefill replaces it later.
 
 feed_meta int32 (2,): [start position of the prompt, prompt length].

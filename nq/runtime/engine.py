@@ -13,6 +13,8 @@ One decode step (this file never holds a kernel body; nq/kernels does):
                x   += a @ Wd                                          GEMV, residual epilogue
     lm_head    logits = rmsnorm(x) @ Wlm                              fp16 GEMV
     argmax     state.token = argmax(logits); out_ids[step] = token; pos += 1; step += 1
+               (any other sampling: the device sampler in its place, in a second graph
+               captured from the same steps: nq/runtime/sampling.py)
 
 Everything that changes per step lives in device memory (`state`, the block table), so the
 step is captured once and replayed.  One graph serves every position: the kernels read `pos`
@@ -57,12 +59,14 @@ class Engine:
     """Batch-1 decode of one sequence on the GPU (the `--backend gpu` of `nq generate`).
 
     Backend interface of nq/generate.py: `reset()`, `prefill(ids) -> logits`,
-    `decode(token) -> logits` (host sampling), and `generate_ids(...)` (greedy on the device,
-    the host reading each token one step late).
+    `decode(token) -> logits` (host sampling), and `generate_ids(...)` (every sampling
+    setting on the device, the host reading each token one step late).  valid_vocab: the
+    tokenizer's size; the sampler never draws the padded lm_head rows at or above it.
     """
 
     def __init__(self, cfg: ModelConfig, weights, max_len: int = 4096, use_graph: bool = True,
-                 pdl: bool = True, prefill: str = "batched", prefill_chunk: int | None = None):
+                 pdl: bool = True, prefill: str = "batched", prefill_chunk: int | None = None,
+                 valid_vocab: int | None = None):
         from numba import cuda
 
         from nq.kernels import attention, rope_kv
@@ -73,6 +77,14 @@ class Engine:
         check_device_memory(cfg, int(max_len), (prefill_chunk or DEFAULT_CHUNK)
                             if prefill == "batched" else 0, weights=False)
         self.cfg, self.w, self.max_len = cfg, weights, int(max_len)
+        self.valid_vocab = int(valid_vocab or cfg.vocab_size)
+        if not 0 < self.valid_vocab <= cfg.vocab_size:
+            raise ValueError(f"valid_vocab {valid_vocab} must be in (0, {cfg.vocab_size}]: the "
+                             "tokenizer's size, at most the model's lm_head rows")
+        # the ids of the cache by position, as the host knows them (-1: not known, e.g. a
+        # benchmark's steps); the sampler's penalty history is rebuilt from it when it lags
+        self._ids = np.full(self.max_len, -1, np.int32)
+        self.sampling = None  # nq/runtime/sampling.DeviceSampling, made on first use
         self.stream = cuda.stream()
         s = self.stream
         c = cfg
@@ -229,9 +241,12 @@ class Engine:
         GEMVs, so it has no region of its own)."""
         return list(dict.fromkeys(r for r, _ in self.steps))
 
-    def step(self) -> None:
-        """Enqueue one decode step (graph replay, or eager launches without a graph)."""
-        if self.graph is not None:
+    def step(self, sampled: bool = False) -> None:
+        """Enqueue one decode step (graph replay, or eager launches without a graph);
+        sampled: the device sampler's step (prepare_sampler and set_sampling first)."""
+        if sampled:
+            self.sampling.step()
+        elif self.graph is not None:
             self.graph.replay()
         else:
             self.run_eager()
@@ -247,11 +262,15 @@ class Engine:
         positions stay reserved and are overwritten by the next prefill."""
         self.stream.synchronize()
         self._pos = min(int(n), self._pos)
+        if self.sampling is not None:
+            self.sampling.truncate(self._pos)
 
     def reset(self) -> None:
         self.stream.synchronize()
         release(self.alloc, self.seq)
         self._pos = 0
+        if self.sampling is not None:
+            self.sampling.reset()
         self._write_state(token=0, pos=0, step=0)
         # no prompt: `feed` must not put an old prompt's token over a decode(token)
         self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
@@ -298,10 +317,11 @@ class Engine:
             self.d_table.copy_to_device(self.seq.table, stream=self.stream)
             self.seq.dirty = False
 
-    def _start_prompt(self, ids, batched: bool = True) -> tuple[int, int]:
+    def _start_prompt(self, ids, batched: bool = True, sampled: bool = False) -> tuple[int, int]:
         """Upload ids as the tokens following the cache and enqueue the batched prefill of all
         but the last (when this engine has one and `batched`); the decode steps that follow
-        take the rest, from the state written here.  Returns (tokens, tokens prefilled)."""
+        take the rest, from the state written here.  sampled: the sampler's penalty history
+        takes the prompt too.  Returns (tokens, tokens prefilled)."""
         ids = np.asarray(ids, np.int32).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill: no tokens")
@@ -309,6 +329,9 @@ class Engine:
         self._reserve(start + ids.size)
         self.stream.synchronize()  # the pinned/host buffers below are reused
         self.prompt[: ids.size].copy_to_device(ids, stream=self.stream)
+        self._ids[start: start + ids.size] = ids
+        if sampled:
+            self.sampling.append_prompt(start, int(ids.size))
         self.feed_meta.copy_to_device(np.array([start, ids.size], np.int32), stream=self.stream)
         done = 0
         if batched and self.prefiller is not None and ids.size > 1:
@@ -331,47 +354,79 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """Append one token -> logits (vocab,) fp32."""
         self._reserve(self._pos + 1)
+        self._ids[self._pos] = int(token)
         self._write_state(token=int(token), pos=self._pos, step=0)
         self.step()
         self._pos += 1
         return self.logits.copy_to_host(stream=self.stream)
 
-    # ---- greedy on the device -----------------------------------------------------------------
+    # ---- generation on the device --------------------------------------------------------------
+    def prepare_sampler(self):
+        """Build the device sampler, its kernels and its graph now (otherwise the first
+        sampled request does, inside its TTFT).  Capturing executes nothing, so this is safe
+        at any point between steps."""
+        if self.sampling is None:
+            from nq.runtime.sampling import DeviceSampling
+            t = time.perf_counter()
+            self.sampling = DeviceSampling(self)
+            self.startup["sampler kernels_s"] = time.perf_counter() - t
+            if self.graph is not None:
+                t = time.perf_counter()
+                self.sampling.capture()
+                self.startup["sampled graph capture_s"] = time.perf_counter() - t
+        return self.sampling
+
+    def set_sampling(self, params) -> None:
+        """Sampled steps from here use `params` (nq.sample.SamplingParams; 64 bytes uploaded,
+        no recapture), with the penalty history brought up to the cache."""
+        self.prepare_sampler().set_params(params)
+        self.sampling.catch_up(self._pos)
+
     def generate_ids(self, prompt_ids, n: int, params, stop_ids=frozenset()):
-        """Yield up to n greedy ids; the host reads token k while step k+1 already runs."""
-        if params.temperature > 0 or params.repeat_penalty != 1.0:
-            from nq.generate import _sampled_ids
-            from nq.sample import Sampler
-            yield from _sampled_ids(self, list(prompt_ids), n, Sampler(params), stop_ids)
-            return
+        """Yield up to n ids; the host reads token k while step k+1 already runs.  Plain
+        greedy (temperature 0, no penalty) replays the argmax graph; any other setting the
+        sampled graph (nq/runtime/sampling.py), whose penalty history is this cache."""
+        from nq.runtime.sampling import needs_device_sampler
+        sampled = needs_device_sampler(params)
         # the whole request is reserved before the prompt is uploaded: a refused one (KVCacheFull)
         # must leave no prompt behind for `feed` to put over a later decode(token)
         self._reserve(self._pos + np.asarray(prompt_ids).size + n)
-        p, done = self._start_prompt(prompt_ids)
+        if sampled:
+            self.prepare_sampler().set_params(params)
+        start = self._pos
+        p, done = self._start_prompt(prompt_ids, sampled=sampled)
         for _ in range(p - 1 - done):
-            self.step()
+            self.step()  # prompt tokens: whatever a replay picks, feed overwrites it
         # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
         # read after step k is queued, so the GPU never waits for the host.  The consumer may
         # stop at any yield (a stop id): `finally` then books what the cache holds.
-        produced = 0
+        produced = steps = 0
         try:
             prev = None
             for k in range(n):
-                self.step()
+                self.step(sampled)
+                steps += 1
                 reader = self._enqueue_read(p - 1 + k, k % 2)
                 if prev is not None:
                     tok = prev()
+                    self._ids[start + p + produced] = tok
                     produced += 1
                     yield tok
                     if tok in stop_ids:
                         return
                 prev = reader
             tok = prev()
+            self._ids[start + p + produced] = tok
             produced += 1
             yield tok
         finally:
             # the prompt and every generated token but the last were fed to the cache
             self._finish(p + max(produced - 1, 0))
+            if sampled:  # each sampled step entered its input token; keep what the cache
+                # keeps.  start + p + steps bounds what was entered even if a Ctrl-C landed
+                # between a step and its count, and the truncate sets the length outright
+                self.sampling.entered(start + p + steps)
+                self.sampling.truncate(self._pos)
 
     def _enqueue_read(self, index: int, slot: int):
         """Copy out_ids[index] into pinned slot after the work queued so far; return a reader."""
@@ -400,23 +455,35 @@ class Engine:
         """Benchmarks only: make the cache `length` tokens long without computing them (the
         pages hold zeros), so a decode step at 8K or 32K context can be timed in seconds."""
         self._reserve(length + 1)
+        if self.sampling is not None:
+            self.sampling.truncate(min(self._pos, int(length)))
+        self._ids[min(self._pos, int(length)): int(length)] = -1
         self._pos = int(length)
         self._write_state(token=0, pos=self._pos, step=0)
         self.feed_meta.copy_to_device(np.zeros(2, np.int32), stream=self.stream)
 
     # ---- timing -------------------------------------------------------------------------------
-    def time_steps(self, n: int, warmup: int = 3) -> list[float]:
+    def time_steps(self, n: int, warmup: int = 3, sampled: bool = False) -> list[float]:
         """Per-step GPU times (ms) of n replays from the current state, measured with events.
-        The steps are real: the cache grows by warmup + n tokens (pages reserved here)."""
+        The steps are real: the cache grows by warmup + n tokens (pages reserved here), whose
+        ids the host never reads (they count as unknown, -1, in the penalty history).
+        sampled: the sampled step, with the parameters of the last set_sampling."""
         from numba import cuda
         self.reserve_ahead(warmup + n + 1)
+        start = self._pos
+        if sampled:
+            self.sampling.catch_up(start)
         for _ in range(warmup):
-            self.step()
+            self.step(sampled)
         evs = [cuda.event() for _ in range(n + 1)]
         evs[0].record(self.stream)
         for i in range(n):
-            self.step()
+            self.step(sampled)
             evs[i + 1].record(self.stream)
         evs[-1].synchronize()
         self._pos += warmup + n
+        self._ids[start: self._pos] = -1
+        if sampled:
+            self.sampling.entered(self._pos)
+            self.sampling.truncate(start)
         return [cuda.event_elapsed_time(evs[i], evs[i + 1]) for i in range(n)]

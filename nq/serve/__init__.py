@@ -8,7 +8,6 @@ wait in a bounded FIFO queue, and a prompt cache keeps the KV state of recent co
     params.py       request fields -> checked values; the error shape
     engine.py       the engine thread, its queue and jobs
     prompt_cache.py which prefix the KV cache holds; saved slots (--cache-slots)
-    penalties.py    OpenAI's presence/frequency penalties
     metrics.py      /metrics in the Prometheus text format
     app.py          the Starlette app, SSE, auth, `serve(args)` (uvicorn)
     openai_api.py   /v1/models, /v1/chat/completions, /v1/completions

@@ -133,7 +133,8 @@ def serve(args) -> int:
     tok = Tokenizer.from_nanoqwen(nf)
     ctx = context_size(args, nf.config)
     metrics = Metrics()
-    engine = Engine(lambda: make_backend(args.backend, nf, ctx), tok, args.queue,
+    engine = Engine(lambda: make_backend(args.backend, nf, ctx, valid_vocab=tok.vocab_size,
+                                         sampler=True), tok, args.queue,
                     args.cache_slots, metrics)
     engine.start()
     if args.cache_slots > engine.cache.slots:

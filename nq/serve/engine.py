@@ -19,7 +19,6 @@ import threading
 import time
 
 from nq.generate import StopStrings, generate
-from nq.serve.penalties import PenalizedBackend
 from nq.serve.prompt_cache import PromptCache
 
 
@@ -35,7 +34,7 @@ class Request:
     params: object              # nq.sample.SamplingParams
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_ids: tuple[int, ...] = ()
-    presence: float = 0.0
+    presence: float = 0.0       # as in params (which applies them): for the response's echo
     frequency: float = 0.0
     t_max_predict_ms: float = 0.0  # llama.cpp: stop after this long, once a newline was written
     text_filter: object = None     # a stage after the stop strings (infill's IndentStop):
@@ -200,9 +199,6 @@ class Engine:
             self.cache.hold(ids)
             return self._result(job, ids, [], "", "length", "limit", "", cached, t_start, None,
                                 None)
-        if req.presence or req.frequency:
-            backend = PenalizedBackend(backend, req.presence, req.frequency)
-
         stream, stopper = tok.stream(), StopStrings(req.stop)
         shown: list[str] = []
         why = {"type": None, "t_first": None, "newline": False}

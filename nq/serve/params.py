@@ -11,9 +11,10 @@ Sampling fields map onto nq's sampler (nq/sample.py, llama.cpp's chain) like thi
   top_p (0, 1], top_k >= -1 (<= 0: off), min_p [0, 1]      as is
   repetition_penalty / repeat_penalty (> 0)   llama.cpp's multiplicative penalty over the
                           last `repeat_last_n` (default 64; -1: the whole context) tokens
-  presence_penalty, frequency_penalty [-2, 2]   OpenAI's additive penalties over the tokens
-                          generated so far, applied to the logits before nq's chain
-                          (nq/serve/penalties.py); non-zero values sample on the host
+  presence_penalty, frequency_penalty [-2, 2]   additive penalties, llama.cpp's server's
+                          meaning: over the same `repeat_last_n` window (prompt included) as
+                          the repetition penalty, applied after it (OpenAI counts generated
+                          tokens only; one window keeps them on the device sampler)
   seed                    fixes the draw; absent or negative: fresh entropy
 
 A field the request leaves out takes the model's generation_config.json default exactly as
@@ -136,9 +137,10 @@ def sampling(body: dict, defaults: dict):
     last_n = number(body, "repeat_last_n", lo=-1, integer=True)
     if last_n is not None:
         params = dataclasses.replace(params, repeat_last_n=last_n)
-    presence = number(body, "presence_penalty", 0.0, lo=-2, hi=2)
-    frequency = number(body, "frequency_penalty", 0.0, lo=-2, hi=2)
-    return params, float(presence), float(frequency)
+    presence = float(number(body, "presence_penalty", 0.0, lo=-2, hi=2))
+    frequency = float(number(body, "frequency_penalty", 0.0, lo=-2, hi=2))
+    params = dataclasses.replace(params, presence_penalty=presence, frequency_penalty=frequency)
+    return params, presence, frequency
 
 
 def prompt_fits(n_prompt: int, ctx: int, param: str) -> None:

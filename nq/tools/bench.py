@@ -11,6 +11,9 @@ What is timed (all on eng.stream, CUDA events, clocks never locked):
                (batched prefill on the tensor cores, then the decode step for the last token);
                TTFT wall clock, prompt tok/s and the prefill's TFLOP/s, for each p of -p
   tg<n>        n decode steps after the prompt, one event per step
+  tg<n> sampled  the same with --sampling's settings: the device sampler's graph in place of
+               argmax (`default`: Qwen2.5-Instruct's generation_config, T 0.7, top-k 20,
+               top-p 0.8, repetition penalty 1.05 over the whole context)
   tg<n> @ d<c> n decode steps with the cache made c tokens long by eng.fake_context
                (attention cost depends on the length, not the values)
   breakdown    per region of eng.regions: a graph of only that region's launches, replayed
@@ -32,6 +35,10 @@ import numpy as np
 
 from nq.config import PRESETS
 from nq.tools.environment import gpu_clocks, versions
+
+# --sampling NAME -> nq.sample.SamplingParams keywords (seed fixed: the same draws every run)
+SAMPLING = {"default": dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0,
+                            repeat_penalty=1.05, repeat_last_n=-1, seed=0)}
 
 NO_GPU = ("nq bench needs an NVIDIA GPU with a working CUDA driver (numba.cuda.is_available() "
           "is False{why}); run it on the H100/H200, or use `nq generate --backend numpy` here")
@@ -174,7 +181,10 @@ def footnotes(args, ceiling_gbs: float) -> str:
          "(batched prefill, chunks of up to 2048 tokens, then the decode step for the last "
          "token); t/s = P / TTFT; TFLOP/s = prefill FLOPs / TTFT; bytes/token at context P/2."),
         (f"- tg{n}: {n} decode steps after the {p}-token prompt (CUDA graph, one event per "
-         f"step); t/s mean ± sd over {args.r} runs, ITL percentiles over all steps."),
+         f"step); t/s mean ± sd over {args.r} runs, ITL percentiles over all steps."
+         + (f" tg{n} sampled: the same steps with the device sampler in place of argmax "
+            f"({args.sampling}: {SAMPLING[args.sampling]})." if getattr(args, "sampling", None)
+            else "")),
         ("- tgN @ dC: decode steps with the cache made C tokens long by eng.fake_context; the "
          "pages hold zeros (attention cost depends on the length, not the values)."),
         (f"- bytes/token: weights read once per token + KV read at the step's context; ceiling: "
@@ -266,6 +276,22 @@ def measure_prompt(eng, p: int, runs: int, seed: int, n_after: int = 0):
     return ttft, steps
 
 
+def measure_sampled(eng, p: int, n: int, runs: int, seed: int, params) -> list[list[float]]:
+    """Per-step ms of n sampled decode steps after a p-token prompt, each run (run 0, which
+    also captures the sampled graph, is dropped)."""
+    prompt = np.random.default_rng(seed).integers(0, eng.cfg.vocab_size, p)
+    steps = []
+    for r in range(runs + 1):
+        eng.reset()
+        eng.reserve_ahead(p + n + 8)
+        eng.prefill(prompt)
+        eng.set_sampling(params)
+        s = eng.time_steps(n, warmup=0, sampled=True)
+        if r:
+            steps.append(s)
+    return steps
+
+
 def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
     """The pp (one per -p), tg and tg @ depth rows (raw figures kept in each row)."""
     cfg, wbytes = eng.cfg, eng.w.nbytes_per_token
@@ -284,6 +310,17 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
             tg_row = make_row(f"tg{args.n}", p + args.n / 2, wbytes, cfg, ceiling, tg_tok_s,
                               tg_itl)
     rows.insert(1, tg_row)
+    if getattr(args, "sampling", None):
+        from nq.sample import SamplingParams
+        steps = measure_sampled(eng, args.p[0], args.n, args.r, args.seed,
+                                SamplingParams(**SAMPLING[args.sampling]))
+        row = make_row(f"tg{args.n} sampled", args.p[0] + args.n / 2, wbytes, cfg, ceiling,
+                       [1e3 * len(s) / sum(s) for s in steps], [x for s in steps for x in s])
+        row["sampling"] = SAMPLING[args.sampling]
+        rows.insert(2, row)
+        log(f"nq bench: tg{args.n} sampled ({args.sampling}): ITL p50 {row['itl_p50_ms']:.3f} ms "
+            f"vs greedy {tg_row['itl_p50_ms']:.3f} ms "
+            f"(+{row['itl_p50_ms'] - tg_row['itl_p50_ms']:.3f} ms; target <= +0.050)")
     for c in ctxs:
         tok_s, itl = [], []
         for _ in range(args.r):
@@ -376,6 +413,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="decode steps per test (tg test; default 128)")
     s.add_argument("-r", "--repetitions", dest="r", type=_positive, default=5,
                    help="runs per test (default 5)")
+    s.add_argument("--sampling", choices=list(SAMPLING),
+                   help="add a tg row sampled on the device with these settings (default: "
+                        "Qwen2.5-Instruct's T 0.7, top-k 20, top-p 0.8, repetition penalty 1.05)")
     s.add_argument("--ctx", type=_ctx_list, default=[],
                    help="decode at these context lengths too, e.g. 512,2048,8192,32768")
     s.add_argument("--replays", type=_positive, default=100,
