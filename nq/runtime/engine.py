@@ -287,7 +287,9 @@ class Engine:
         from nq.runtime.kv_snapshot import HostBuffers, save
         if getattr(self, "_snapshots", None) is None:
             self._snapshots = HostBuffers(pool_shape(self.cfg, self.seq.max_pages))
-        return save(self.kv, self.seq.pages, self._pos, self._snapshots, self.stream)
+        snap = save(self.kv, self.seq.pages, self._pos, self._snapshots, self.stream)
+        snap.ids = self._ids[: self._pos].copy()  # the sampler's penalty history is rebuilt from it
+        return snap
 
     def restore(self, snap) -> None:
         """Make the cache hold a snapshot's sequence again (any page ids: the copy follows the
@@ -297,6 +299,10 @@ class Engine:
         self._reserve(max(snap.length, 1))
         load(snap, self.kv, self.seq.pages, self.stream)
         self._pos = snap.length
+        # reset() emptied the sampler's device history; the next sampled step catches it up
+        # from the host mirror, which must hold this sequence's ids again
+        self._ids[: snap.length] = -1 if snap.ids is None else snap.ids
+        self._ids[snap.length:] = -1
 
     def discard(self, snap) -> None:
         """The snapshot will not be restored again: its host buffer is reused."""

@@ -38,6 +38,7 @@ class KVSnapshot:
     length: int               # tokens held
     host: np.ndarray          # (L, capacity, Hkv, 2, PAGE, D) fp16; pages [0, pages_for(length))
     ms: float = 0.0           # host time to enqueue the copy (the copy itself is asynchronous)
+    ids: np.ndarray | None = None  # the cached token ids, as the engine's host mirror knew them
 
     @property
     def nbytes(self) -> int:

@@ -104,6 +104,7 @@ def fake_engine(max_len=96):
     e.feed_meta, e.logits = Arr(np.zeros(2, np.int32)), Arr(np.zeros(VOCAB, np.float32))
     e._h_state, e._h_tok = np.zeros(STATE_LEN, np.int32), np.zeros(2, np.int32)
     e.graph, e.prefiller = None, None
+    e._ids, e.sampling, e.valid_vocab = np.full(max_len, -1, np.int32), None, VOCAB
 
     def run_eager(regions=None):  # feed, "rope_kv" (token and position into the page), model
         s, pool, table = e.state.a, e.kv.a, e.d_table.a
@@ -140,6 +141,9 @@ def test_engine_restore_continues_exactly(no_events):
     eng.alloc.alloc(2)  # the restored sequence gets other page ids than it was saved from
     eng.restore(snap)
     assert eng.length == 20 + 7 - 1 and eng.seq.pages[0] != 0
+    # the host mirror of the cache ids (the sampler's penalty history is rebuilt from it)
+    assert list(eng._ids[:eng.length]) == [5, 6, 7, 8, 9] * 4 + a[:6]
+    assert (eng._ids[eng.length:] == -1).all()
     got = list(eng.generate_ids([4, 4], 12, GREEDY))
     list(fresh.generate_ids([5, 6, 7, 8, 9] * 4, 7, GREEDY))
     assert got == list(fresh.generate_ids([4, 4], 12, GREEDY))
