@@ -35,6 +35,8 @@ def make_backend(name: str, nf, ctx: int):
                                "instructions (cp.async.bulk, mbarrier): use an H100/H200, or "
                                "--backend numpy")
         from nq.runtime.engine import Engine
+        from nq.timeline import TIMELINE
+        TIMELINE.lap("device check + engine imports")
         eng = Engine.from_file(nf, max_len=ctx)
         print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
         return eng
