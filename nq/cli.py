@@ -112,9 +112,12 @@ def print_startup() -> None:
     from nq.timeline import TIMELINE
     for line in TIMELINE.lines():
         print(line, file=sys.stderr)
+    first = TIMELINE.until("first token")
+    if first is not None:
+        print(f"{'process start to the first token:':44s}{first * 1e3:10.1f} ms", file=sys.stderr)
     if "nq.kernels.build" in sys.modules:
         from nq.kernels.build import STATS
-        print(f"{'kernels:':32s}{STATS.compiled} compiled ({STATS.compile_s:.2f} s here"
+        print(f"{'kernels:':44s}{STATS.compiled} compiled ({STATS.compile_s:.2f} s here"
               f"{f', {STATS.parallel_s:.2f} s in parallel processes' if STATS.parallel_s else ''}"
               f"), {STATS.loaded} loaded from the cache ({STATS.load_s:.2f} s)"
               + (f", {STATS.rebuilt} stale rebuilt" if STATS.rebuilt else ""), file=sys.stderr)
@@ -136,7 +139,7 @@ def print_run_stats(stats) -> None:
 
 def cmd_generate(args) -> int:
     from nq.timeline import TIMELINE
-    TIMELINE.start()      # its first part: the process's life so far (python, nq.cli's imports)
+    TIMELINE.lap("argument parsing")
     prelude = start_gpu_prelude() if args.backend == "gpu" else None
     from nq.generate import Interrupted, StopStrings, generate
     from nq.loader.format import NanoqwenFile
@@ -401,6 +404,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    from nq.timeline import TIMELINE
+    TIMELINE.start()      # its first part: the process's life so far (python, nq.cli's imports)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not the top level's

@@ -41,7 +41,7 @@ class Timeline:
 
     def start(self, before: float | None | str = "process") -> None:
         """Begin a new timeline now; its first part is the process's age (`before="process"`),
-        or the seconds given, named "python start + nq.cli import"."""
+        or the seconds given, named "process start (python, nq.cli import)"."""
         if before == "process":
             before = process_age()
         with self._lock:
@@ -49,7 +49,7 @@ class Timeline:
             self.side: list[tuple[str, float]] = []
             self.last = time.perf_counter()
             if before is not None:
-                self.parts.append(("python start + nq.cli import", float(before)))
+                self.parts.append(("process start (python, nq.cli import)", float(before)))
 
     def lap(self, name: str) -> float:
         """Book the time since the previous lap as `name` (a repeated name adds up); returns it."""
@@ -74,10 +74,19 @@ class Timeline:
         """The sum of the parts: the seconds from the process's start to the last lap."""
         return sum(s for _, s in self.parts)
 
+    def until(self, name: str) -> float | None:
+        """The seconds from the start to the end of part `name` (None if there is none)."""
+        t = 0.0
+        for n, s in self.parts:
+            t += s
+            if n == name:
+                return t
+        return None
+
     def lines(self) -> list[str]:
-        out = [f"{name + ':':32s}{sec * 1e3:10.1f} ms" for name, sec in self.parts]
-        out += [f"{'  (beside it) ' + name + ':':32s}{sec * 1e3:10.1f} ms" for name, sec in self.side]
-        out.append(f"{'sum of the parts:':32s}{self.total() * 1e3:10.1f} ms")
+        out = [f"{name + ':':44s}{sec * 1e3:10.1f} ms" for name, sec in self.parts]
+        out += [f"{'  beside it: ' + name + ':':44s}{sec * 1e3:10.1f} ms" for name, sec in self.side]
+        out.append(f"{'sum of the parts:':44s}{self.total() * 1e3:10.1f} ms")
         return out
 
 

@@ -47,11 +47,14 @@ def pieces(items, chunk: int):
             yield Copy(it.offset + at, n, it.dst + at)
 
 
-def run(path, items, device, chunk: int = CHUNK, buffers: int = BUFFERS,
-        readers: int = READERS) -> int:
+def run(path, items, device, chunk: int | None = None, buffers: int | None = None,
+        readers: int | None = None) -> int:
     """Copy every `Copy` of items from the file at path to the device, and enqueue every
     callable item after the copies listed before it; returns the bytes copied.  The copies
-    are complete only once the device's stream is (`device.finish()` is called here)."""
+    are complete only once the device's stream is (`device.finish()` is called here).
+    chunk, buffers, readers: the module's CHUNK, BUFFERS, READERS unless given."""
+    chunk, buffers = chunk or CHUNK, buffers or BUFFERS
+    readers = readers or READERS
     if buffers < 2:
         raise ValueError(f"staging.run: {buffers} buffers; the ring needs at least 2")
     seq = list(pieces(items, chunk))

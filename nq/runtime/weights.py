@@ -249,6 +249,38 @@ def _copy_plain(nf, items) -> None:
     cuda.synchronize()
 
 
+def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
+    """The tensors whose device copy in w differs from the host reference (the launchers'
+    `prepare` for the projections, the file's bytes for the rest): [] when the upload is exact.
+    For tests and `nq verify`: it reads every buffer back."""
+    g = gemvs(nf.config)
+    bad = []
+
+    def same(name, dev, want):
+        got = dev.copy_to_host()
+        if got.shape != want.shape or got.tobytes() != np.ascontiguousarray(want).tobytes():
+            bad.append(name)
+
+    groups = (("qkv", ("q_proj", "k_proj", "v_proj"), "qkv_w", "qkv_s"),
+              ("o_proj", ("o_proj",), "o_w", "o_s"),
+              ("gate_up", ("gate_proj", "up_proj"), "gu_w", "gu_s"),
+              ("down", ("down_proj",), "down_w", "down_s"))
+    for i, L in enumerate(w.layers):
+        for kind, names, fw, fs in groups:
+            qw, sc = g[kind].prepare([(nf.array(f"layers.{i}.{n}.qweight"),
+                                       nf.array(f"layers.{i}.{n}.scales")) for n in names])
+            same(f"layers.{i}.{kind} qweight", getattr(L, fw), qw)
+            same(f"layers.{i}.{kind} scales", getattr(L, fs), sc)
+        same(f"layers.{i}.qkv bias", L.qkv_b, np.concatenate(
+            [nf.array(f"layers.{i}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]))
+        same(f"layers.{i}.input_layernorm", L.input_norm, nf.array(f"layers.{i}.input_layernorm"))
+        same(f"layers.{i}.post_attention_layernorm", L.post_norm,
+             nf.array(f"layers.{i}.post_attention_layernorm"))
+    for name, dev in (("embed_tokens", w.embed), ("norm", w.norm), ("lm_head", w.lm_head)):
+        same(name, dev, nf.array(name))
+    return bad
+
+
 def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0) -> DeviceWeights:
     """Weights of cfg's shapes, made on the GPU: INT4 nibbles uniform in [-8, 7] with scales
     that give each projection output unit scale for unit inputs, norms near 1."""
