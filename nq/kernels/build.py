@@ -320,7 +320,7 @@ def _specialise(disp):
 # failed child costs time, never a kernel.  Only what the kernels' users do before their first
 # launch may happen inside the block: they get the dispatcher, and `common.allow_smem` is
 # remembered on it and applied when it is loaded.  `NQ_COMPILE_WORKERS=1` compiles in this
-# process instead (0 or unset: min(8, CPUs)).
+# process instead (0 or unset: min(16, CPUs)).
 
 @dataclasses.dataclass
 class _Job:
@@ -346,7 +346,7 @@ def compile_workers() -> int:
         except ValueError:
             raise ValueError(f"NQ_COMPILE_WORKERS={raw!r}: give a number of processes "
                              "(1: compile in this process)") from None
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 @contextlib.contextmanager
@@ -377,15 +377,23 @@ def finish_batch(jobs: list, workers: int) -> None:
                   "it here", file=sys.stderr)
         STATS.parallel_s += time.perf_counter() - t0
     for j in jobs:
-        if j.argtypes not in j.disp.overloads:   # not launched inside the block
+        entry = None
+        if j.argtypes not in j.disp.overloads:   # (a launch inside the block compiled it)
             entry = read_entry(j.path, j.key) if j.path.exists() else None
-            if entry is not None:
+        if entry is not None:
+            try:
                 _load(j.disp, j.argtypes, *entry, j.name, j.options)
-                STATS.compiled += 1          # compiled by this start, in a child
-                continue
-            _compile_here(j.disp, j.sig, j.name)
-        _store(j.disp.overloads[j.argtypes], j.key, j.inputs, j.path)
-        _apply_smem(j.disp)
+                STATS.compiled += 1              # compiled by this start, in a child
+            except Exception as e:  # noqa: BLE001 -- a child's cubin that does not load
+                print(f"nq: kernel cache: {j.path.name} from a compile process did not load "
+                      f"({e}); compiling it here", file=sys.stderr)
+                j.path.unlink(missing_ok=True)
+                entry = None
+        if entry is None:
+            if j.argtypes not in j.disp.overloads:
+                _compile_here(j.disp, j.sig, j.name)
+            _store(j.disp.overloads[j.argtypes], j.key, j.inputs, j.path)
+            _apply_smem(j.disp)
         _specialise(j.disp)
 
 
@@ -393,32 +401,45 @@ _CHILD_JOBS: list = []
 
 
 def _compile_in_children(jobs: list, workers: int) -> list[tuple[str, str]]:
-    """Fork `workers` processes that compile jobs into the cache; [(name, error)] of failures."""
+    """Fork `workers` processes that compile jobs into the cache; [(name, error)] of the jobs
+    they did not store (a crashed child included: the parent compiles those itself)."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
     global _CHILD_JOBS
     _CHILD_JOBS = jobs            # inherited by the fork: the bodies are never pickled
-    # numba's device lookups are answered from the parent's: the children stay off the driver
-    cc = tuple(_environment()["cc"])
+    cc = tuple(_environment()["cc"])   # the children answer numba's device lookups with it
+    errors = {}
     try:
-        ctx = multiprocessing.get_context("fork")
         with warnings.catch_warnings():
             # Python 3.12 warns on forking a threaded process (the weight upload's thread): the
             # children run only NVVM, nvJitLink and file writes, no lock another thread holds
             warnings.simplefilter("ignore", DeprecationWarning)
-            with ctx.Pool(workers, initializer=_child_init, initargs=(cc,)) as pool:
-                results = pool.map(_child_compile, range(len(jobs)), chunksize=1)
-    except OSError as e:       # no fork here: compile in this process
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_child_init, initargs=(cc,)) as pool:
+                futures = [pool.submit(_child_compile, i) for i in range(len(jobs))]
+                for i, f in enumerate(futures):
+                    try:
+                        errors[i] = f.result()
+                    except BrokenProcessPool as e:
+                        errors[i] = f"the compile process died ({e})"
+    except OSError as e:          # no fork here: the parent compiles them
         return [(j.name, f"{e}") for j in jobs]
     finally:
         _CHILD_JOBS = []
-    return [(jobs[i].name, err) for i, err in enumerate(results) if err]
+    return [(jobs[i].name, err) for i, err in errors.items() if err]
 
 
 def _child_init(cc) -> None:
+    import signal
     import types
 
     import numba.cuda.dispatcher as dispatcher
     from numba.cuda.codegen import CUDACodeLibrary
+    # Ctrl-C reaches the whole process group: the parent handles it (and stops the pool)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     dev = types.SimpleNamespace(compute_capability=cc, id=0, name=b"nq compile process")
     full = (cc[0], cc[1], "a" if tuple(cc) >= (9, 0) else "")   # numba's cubin key for cc
     dispatcher.get_current_device = lambda: dev

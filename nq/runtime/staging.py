@@ -77,7 +77,7 @@ def run(path, items, device, chunk: int | None = None, buffers: int | None = Non
         while got < p.nbytes:
             r = os.preadv(fd, [view[got:p.nbytes]], p.offset + got)
             if r <= 0:
-                raise EOFError(f"{path}: ended at byte {p.offset + got}, expected "
+                raise ValueError(f"{path}: ended at byte {p.offset + got}, expected "
                                f"{p.offset + p.nbytes}; the file changed while it was read")
             got += r
 
@@ -137,7 +137,7 @@ class CudaDevice:
 
     def record(self, b: int) -> None:
         if b not in self.events:
-            flags = self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            flags = int(self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
             self.events[b] = self.check(self.cu.cuEventCreate(flags))
         self.check(self.cu.cuEventRecord(self.events[b], self.h))
 

@@ -112,10 +112,9 @@ def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
     """
     from numba import cuda
 
+    from nq.kernels.build import parallel_compiles
     from nq.kernels.int4.retile import compile_retile_mma, compile_retile_rows
     from nq.timeline import TIMELINE
-
-    from nq.kernels.build import parallel_compiles
 
     cfg = nf.config
     with parallel_compiles():  # a first start compiles them in parallel processes
@@ -137,18 +136,18 @@ def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
         from nq.runtime import staging
         t = time.perf_counter()
         cuda.current_context()      # this thread's CUDA context (numba pushes the primary one)
-        entries = {}
+        plan = []
         for it in items:
-            if not callable(it):
-                name, dst = it
-                e = nf.entry(name)
-                if e.nbytes != dst.nbytes:
-                    raise ValueError(f"{nf.path}: {name} has {e.nbytes} bytes, its device "
-                                     f"buffer {dst.nbytes}; re-pack with `nq pack`")
-                entries[id(it)] = staging.Copy(e.offset, e.nbytes,
-                                               dst.__cuda_array_interface__["data"][0])
-        nbytes = staging.run(nf.path, [it if callable(it) else entries[id(it)] for it in items],
-                             staging.CudaDevice(stream))
+            if callable(it):
+                plan.append(it)
+                continue
+            name, dst = it
+            e = nf.entry(name)
+            if e.nbytes != dst.nbytes:
+                raise ValueError(f"{nf.path}: {name} has {e.nbytes} bytes, its device buffer "
+                                 f"{dst.nbytes}; re-pack with `nq pack`")
+            plan.append(staging.Copy(e.offset, e.nbytes, dst.__cuda_array_interface__["data"][0]))
+        nbytes = staging.run(nf.path, plan, staging.CudaDevice(stream))
         w.load_s = time.perf_counter() - t
         TIMELINE.aside(f"weights upload ({nbytes / 1e9:.2f} GB, "
                        f"{nbytes / 1e9 / max(w.load_s, 1e-9):.1f} GB/s)", w.load_s)
