@@ -170,7 +170,7 @@ def cmd_generate(args) -> int:
     TIMELINE.lap("prompt")
     if prelude is not None:
         prelude.join()
-        TIMELINE.lap("numba + CUDA context (waiting for it)")
+        TIMELINE.lap("numba, CUDA context, engine imports (waiting)")
     backend = make_backend(args.backend, nf, ctx)
     TIMELINE.lap("backend, other")   # what the engine's own laps leave: ~0
     stop = () if args.ignore_eos else tok.eos_ids
@@ -231,9 +231,10 @@ def cmd_generate(args) -> int:
 
 
 def start_gpu_prelude():
-    """A thread that imports numba and creates the CUDA context while this one opens the
-    file and tokenizes (both are ~0.2-0.5 s, the driver's part outside the GIL); join it before
-    the engine is built.  Its errors are left for the backend to meet and report."""
+    """A thread that imports numba, creates the CUDA context, and imports the engine's modules
+    and computes the kernel cache's key inputs while this one opens the file and tokenizes
+    (numba's import and the context are ~0.2-0.5 s each, the driver's part outside the GIL);
+    join it before the engine is built.  Its errors are left for the backend to report."""
     import threading
 
     def prelude() -> None:
@@ -241,6 +242,10 @@ def start_gpu_prelude():
             from numba import cuda
             if cuda.is_available():
                 cuda.current_context()
+                from nq.kernels import build
+                build.source_digest()
+                build._environment()
+                import nq.runtime.engine  # noqa: F401 -- the engine's modules, imported here
         except Exception:  # noqa: BLE001 -- make_backend says what is wrong
             pass
     t = threading.Thread(target=prelude, name="nq-cuda-init", daemon=True)

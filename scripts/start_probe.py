@@ -111,10 +111,11 @@ def main() -> int:
             pack(make_hf_snapshot(Path(d) / "hf", tiny_config(), seed=0), a.tiny, progress=False)
 
     cache = Path(tempfile.mkdtemp(prefix="nq-probe-cache-"))
-    env = dict(os.environ, NQ_CACHE=str(cache), PYTHONUNBUFFERED="0")
+    env = dict(os.environ, NQ_CACHE=str(cache))
     env.pop("NQ_NO_KERNEL_CACHE", None)
     long_prompt = cache / "long.txt"
-    long_prompt.write_text("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 53)   # ~2000 tokens
+    fib = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    long_prompt.write_text(fib * 53)   # ~2000 tokens of the test tokenizer
     gen = [sys.executable, "-m", "nq", "generate", "--temp", "0", "-n", "16", "--ignore-eos",
            "--verbose", "--backend", a.backend]
     short = ["-p", "def fib(n):"]
