@@ -6,6 +6,7 @@ Makes the random 7B file if it is missing (scripts/make_random_nanoqwen.py, ~16 
 once so it is in the page cache, packs the tiny test model, and runs with a kernel cache of its
 own (emptied first; $NQ_CACHE's is left alone):
 
+    upload alone          the pinned ring at a few shapes vs the pageable copies it replaced
     7B  first start       every kernel compiled (in processes: build.parallel_compiles)
     7B  long prompt       ~2000 tokens: the first prompt that needs the large GEMM tiles
     7B  warm x 2          short prompt, everything from the cache
@@ -79,6 +80,41 @@ def show(label: str, r: dict, detail: bool) -> None:
                 print("    " + line)
 
 
+def sweep(path: str) -> None:
+    """The weight upload alone (nq/runtime/staging.py) from the page cache into one device
+    buffer, at a few ring shapes, against the pageable copies it replaced; bytes checked once."""
+    import numpy as np
+    from numba import cuda
+
+    from nq.runtime import staging
+    size = Path(path).stat().st_size
+    dev = cuda.device_array(size, np.uint8)
+    ptr = dev.__cuda_array_interface__["data"][0]
+    stream = cuda.stream()
+    for i, (chunk_mb, buffers, readers) in enumerate([(16, 8, 4), (16, 8, 8), (16, 8, 2), (16, 8, 1),
+                                                      (64, 4, 4), (4, 16, 4)]):
+        t = time.perf_counter()
+        staging.run(path, [staging.Copy(0, size, ptr)], staging.CudaDevice(stream),
+                    chunk_mb << 20, buffers, readers)
+        dt = time.perf_counter() - t
+        print(f"  ring {chunk_mb:3d} MB x {buffers:2d}, {readers} readers: {dt:6.3f} s "
+              f"{size / 1e9 / dt:6.1f} GB/s", flush=True)
+        if i == 0:
+            host = np.memmap(path, np.uint8, "r")
+            same = all(np.array_equal(dev[a:a + (256 << 20)].copy_to_host(), host[a:a + (256 << 20)])
+                       for a in range(0, size, 256 << 20))
+            print(f"  bytes on the device equal the file: {same}", flush=True)
+            if not same:
+                sys.exit("start_probe: the ring's upload differs from the file")
+    host = np.memmap(path, np.uint8, "r")
+    t = time.perf_counter()
+    for a in range(0, size, 64 << 20):     # what upload did before: pageable copies of the map
+        dev[a:a + (64 << 20)].copy_to_device(host[a:a + (64 << 20)])
+    cuda.synchronize()
+    dt = time.perf_counter() - t
+    print(f"  pageable copies of the mapping: {dt:6.3f} s {size / 1e9 / dt:6.1f} GB/s", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="/tmp/r7b.nanoqwen", help="the random 7B file (made if missing)")
@@ -86,7 +122,12 @@ def main() -> int:
     ap.add_argument("--all-parts", action="store_true", help="print every run's parts")
     ap.add_argument("--backend", default="gpu", help="numpy: a smoke test of this script on a CPU")
     ap.add_argument("--tiny-only", action="store_true", help="skip the 7B runs")
+    ap.add_argument("--sweep", metavar="FILE", help=argparse.SUPPRESS)   # the child of the sweep
     a = ap.parse_args()
+    if a.sweep:
+        sys.path.insert(0, str(ROOT))
+        sweep(a.sweep)
+        return 0
 
     if a.tiny_only:
         pass
@@ -121,6 +162,20 @@ def main() -> int:
     short = ["-p", "def fib(n):"]
     long_ = ["-f", str(long_prompt), "-c", "4096"]
     try:
+        if not a.tiny_only and a.backend == "gpu":
+            print("weight upload alone (first run: its bytes checked against the file):")
+            subprocess.run([sys.executable, __file__, "--sweep", a.model], check=True, env=env,
+                           cwd=ROOT)
+        r = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                            "import nq.cli; from numba import cuda; import nq.runtime.engine"],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+        rows = [line.split("|") for line in r.stderr.splitlines() if line.startswith("import time:")]
+        top = sorted(((int(c), n.strip()) for _, c, n in rows[1:] if c.strip().isdigit()),
+                     reverse=True)
+        print("imports (cumulative, -X importtime): " + ", ".join(
+            f"{n} {c / 1e3:.0f} ms" for c, n in top if n in (
+                "nq.cli", "numpy", "numba", "numba.cuda", "nq.runtime.engine", "cuda.core",
+                "nq.loader.format", "nq.kernels")))
         print(f"kernel cache {cache} (empty); nq generate -n 16 --temp 0 --verbose:")
         if not a.tiny_only:
             show("7B first start", run(gen + ["-m", a.model] + short, env), True)
