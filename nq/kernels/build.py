@@ -410,6 +410,8 @@ def _compile_in_children(jobs: list, workers: int) -> list[tuple[str, str]]:
     _CHILD_JOBS = jobs            # inherited by the fork: the bodies are never pickled
     cc = tuple(_environment()["cc"])   # the children answer numba's device lookups with it
     errors = {}
+    for f in (sys.stdout, sys.stderr):  # a child flushes what it inherited when it exits
+        f.flush()
     try:
         with warnings.catch_warnings():
             # Python 3.12 warns on forking a threaded process (the weight upload's thread): the
