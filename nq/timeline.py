@@ -85,7 +85,8 @@ class Timeline:
 
     def lines(self) -> list[str]:
         out = [f"{name + ':':44s}{sec * 1e3:10.1f} ms" for name, sec in self.parts]
-        out += [f"{'  beside it: ' + name + ':':44s}{sec * 1e3:10.1f} ms" for name, sec in self.side]
+        out += [f"{'  beside it: ' + name + ':':44s}{sec * 1e3:10.1f} ms"
+                for name, sec in self.side]
         out.append(f"{'sum of the parts:':44s}{self.total() * 1e3:10.1f} ms")
         return out
 

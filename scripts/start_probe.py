@@ -91,8 +91,8 @@ def sweep(path: str) -> None:
     dev = cuda.device_array(size, np.uint8)
     ptr = dev.__cuda_array_interface__["data"][0]
     stream = cuda.stream()
-    for i, (chunk_mb, buffers, readers) in enumerate([(16, 8, 4), (16, 8, 8), (16, 8, 2), (16, 8, 1),
-                                                      (64, 4, 4), (4, 16, 4)]):
+    shapes = [(16, 8, 4), (16, 8, 8), (16, 8, 2), (16, 8, 1), (64, 4, 4), (4, 16, 4)]
+    for i, (chunk_mb, buffers, readers) in enumerate(shapes):
         t = time.perf_counter()
         staging.run(path, [staging.Copy(0, size, ptr)], staging.CudaDevice(stream),
                     chunk_mb << 20, buffers, readers)
@@ -101,8 +101,9 @@ def sweep(path: str) -> None:
               f"{size / 1e9 / dt:6.1f} GB/s", flush=True)
         if i == 0:
             host = np.memmap(path, np.uint8, "r")
-            same = all(np.array_equal(dev[a:a + (256 << 20)].copy_to_host(), host[a:a + (256 << 20)])
-                       for a in range(0, size, 256 << 20))
+            step = 256 << 20
+            same = all(np.array_equal(dev[a:a + step].copy_to_host(), host[a:a + step])
+                       for a in range(0, size, step))
             print(f"  bytes on the device equal the file: {same}", flush=True)
             if not same:
                 sys.exit("start_probe: the ring's upload differs from the file")
@@ -117,7 +118,8 @@ def sweep(path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="/tmp/r7b.nanoqwen", help="the random 7B file (made if missing)")
+    ap.add_argument("--model", default="/tmp/r7b.nanoqwen",
+                    help="the random 7B file (made if missing)")
     ap.add_argument("--tiny", default="/tmp/nq_probe_tiny.nanoqwen")
     ap.add_argument("--all-parts", action="store_true", help="print every run's parts")
     ap.add_argument("--backend", default="gpu", help="numpy: a smoke test of this script on a CPU")
@@ -137,7 +139,7 @@ def main() -> int:
                         a.model], check=True, cwd=ROOT)
         print(f"made {a.model} in {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    with open(a.model if not a.tiny_only else a.tiny, "rb") as f:   # into the page cache (the runs below are "file cached")
+    with open(a.model if not a.tiny_only else a.tiny, "rb") as f:   # into the page cache
         while f.read(64 << 20):
             pass
     size = Path(a.model if not a.tiny_only else a.tiny).stat().st_size
@@ -169,7 +171,8 @@ def main() -> int:
         r = subprocess.run([sys.executable, "-X", "importtime", "-c",
                             "import nq.cli; from numba import cuda; import nq.runtime.engine"],
                            capture_output=True, text=True, env=env, cwd=ROOT)
-        rows = [line.split("|") for line in r.stderr.splitlines() if line.startswith("import time:")]
+        rows = [line.split("|") for line in r.stderr.splitlines()
+                if line.startswith("import time:")]
         top = sorted(((int(c), n.strip()) for _, c, n in rows[1:] if c.strip().isdigit()),
                      reverse=True)
         print("imports (cumulative, -X importtime): " + ", ".join(

@@ -2,8 +2,8 @@
 
 Why.  `cuda.to_device` of a view of the mmapped .nanoqwen is a pageable copy: the driver copies
 through its own small pinned buffer, one thread, and every 4 KiB page of the mapping is faulted
-in on first touch.  Measured on the H200 (2026-12-01, 4.46 GB 7B file in the page cache): 0.95-1.4 s,
-3.2-4.7 GB/s, against PCIe Gen5's ~50 GB/s for pinned host memory.  Here `readers` threads
+in on first touch.  Measured on the H200 (2026-12-01, the 4.46 GB 7B file in the page cache):
+0.95-1.4 s, 3.2-4.7 GB/s, against PCIe Gen5's ~50 GB/s for pinned host memory.  Here `readers` threads
 `preadv` the file's byte ranges (page cache -> user memory, ~5-10 GB/s a thread, the GIL
 released) into `buffers` pinned buffers of `chunk` bytes, and the calling thread enqueues one
 `cuMemcpyHtoDAsync` a filled buffer on its stream, recording an event per buffer; a buffer is

@@ -156,7 +156,8 @@ def same_code(a, b):
     # the entry symbol carries numba's count of functions defined so far in the process
     # (...B2v1B... vs ...B2v3B...): the code is compared with the symbol masked
     ea, eb = a[0]["entry"].encode(), b[0]["entry"].encode()
-    return len(ea) == len(eb) and a[1].replace(ea, b"E" * len(ea)) == b[1].replace(eb, b"E" * len(eb))
+    masked = a[1].replace(ea, b"E" * len(ea)), b[1].replace(eb, b"E" * len(eb))
+    return len(ea) == len(eb) and masked[0] == masked[1]
 
 
 out = {}
