@@ -39,11 +39,14 @@ def make_backend(name: str, nf, ctx: int, valid_vocab: int | None = None,
                                "instructions (cp.async.bulk, mbarrier): use an H100/H200, or "
                                "--backend numpy")
         from nq.runtime.engine import Engine
+        from nq.timeline import TIMELINE
+        TIMELINE.lap("device check + engine imports")
         valid = min(valid_vocab, nf.config.vocab_size) if valid_vocab else None
         eng = Engine.from_file(nf, max_len=ctx, valid_vocab=valid)
         print(f"nq: weights on the GPU in {eng.w.load_s:.2f} s", file=sys.stderr)
         if sampler:
             eng.prepare_sampler()
+            TIMELINE.lap("sampler kernels + graph")
         return eng
     raise ValueError(f"unknown backend {name!r}; choose gpu or numpy")
 

@@ -106,12 +106,21 @@ def resolve_seed(args) -> None:
         print(f"nq: seed {args.seed}", file=sys.stderr)
 
 
-def print_startup(parts: list[tuple[str, float]], detail: dict) -> None:
-    """`--verbose`: what the start was made of, one line a part (ollama's --verbose style)."""
-    for name, sec in parts:
-        print(f"{name + ':':22s}{sec * 1e3:10.1f} ms", file=sys.stderr)
-    for name, text in detail.items():
-        print(f"{name + ':':22s}{text}", file=sys.stderr)
+def print_startup() -> None:
+    """`--verbose`: what the start was made of, one line a part (nq/timeline.py: the parts add
+    up to the wall time since the process started, to its first generated token)."""
+    from nq.timeline import TIMELINE
+    for line in TIMELINE.lines():
+        print(line, file=sys.stderr)
+    first = TIMELINE.until("first token")
+    if first is not None:
+        print(f"{'process start to the first token:':44s}{first * 1e3:10.1f} ms", file=sys.stderr)
+    if "nq.kernels.build" in sys.modules:
+        from nq.kernels.build import STATS
+        print(f"{'kernels:':44s}{STATS.compiled} compiled ({STATS.compile_s:.2f} s here"
+              f"{f', {STATS.parallel_s:.2f} s in parallel processes' if STATS.parallel_s else ''}"
+              f"), {STATS.loaded} loaded from the cache ({STATS.load_s:.2f} s)"
+              + (f", {STATS.rebuilt} stale rebuilt" if STATS.rebuilt else ""), file=sys.stderr)
 
 
 def print_run_stats(stats) -> None:
@@ -129,18 +138,18 @@ def print_run_stats(stats) -> None:
 
 
 def cmd_generate(args) -> int:
-    import time
-    t_start = time.perf_counter()
+    from nq.timeline import TIMELINE
+    TIMELINE.lap("argument parsing")
+    prelude = start_gpu_prelude() if args.backend == "gpu" else None
     from nq.generate import Interrupted, StopStrings, generate
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
-    parts = [("import", time.perf_counter() - t_start)]
-
-    t = time.perf_counter()
+    TIMELINE.lap("imports (generate, text)")
     path = resolve_model(args.model, args.revision)
     nf = NanoqwenFile(path)
+    TIMELINE.lap("file open")
     tok = Tokenizer.from_nanoqwen(nf)
-    parts.append(("file open + tokenizer", time.perf_counter() - t))
+    TIMELINE.lap("tokenizer")
     ids = build_prompt_ids(tok, args)
     resolve_seed(args)
     params = sampling_params(args, tok.generation_defaults)
@@ -158,23 +167,14 @@ def cmd_generate(args) -> int:
     if len(ids) + max(args.n, 1) > ctx:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
-    t = time.perf_counter()
+    TIMELINE.lap("prompt")
+    if prelude is not None:
+        prelude.join()
+        TIMELINE.lap("numba, CUDA context, engine imports (waiting)")
     from nq.runtime.sampling import needs_device_sampler
     backend = make_backend(args.backend, nf, ctx, valid_vocab=tok.vocab_size,
                            sampler=needs_device_sampler(params))
-    if getattr(args, "verbose", False):
-        startup = dict(getattr(backend, "startup", {}))
-        t_backend = time.perf_counter() - t
-        parts += [(name, sec) for name, sec in startup.items() if name.endswith("_s")
-                  and name != "backend_s"]
-        rest = t_backend - sum(sec for name, sec in startup.items() if name.endswith("_s"))
-        parts.append(("backend, other", max(rest, 0.0)))
-        from nq.kernels.build import STATS
-        print_startup([(n[:-2] if n.endswith("_s") else n, s_) for n, s_ in parts],
-                      {"kernels": f"{STATS.compiled} compiled ({STATS.compile_s:.2f} s), "
-                                  f"{STATS.loaded} loaded from the cache ({STATS.load_s:.2f} s)"
-                                  + (f", {STATS.rebuilt} stale rebuilt" if STATS.rebuilt else ""),
-                       "start to ready": f"{(time.perf_counter() - t_start) * 1e3:.1f} ms"})
+    TIMELINE.lap("backend, other")   # what the engine's own laps leave: ~0
     stop = () if args.ignore_eos else tok.eos_ids
 
     stream = tok.stream()
@@ -187,7 +187,12 @@ def cmd_generate(args) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
 
+    first = [True]
+
     def show(t: int) -> bool:
+        if first[0]:
+            first[0] = False
+            TIMELINE.lap("first token")
         piece = stream.step(t)
         if t in tok.eos_ids and not args.ignore_eos:
             return False
@@ -221,7 +226,38 @@ def cmd_generate(args) -> int:
               f"[{args.backend}]", file=sys.stderr)
         if args.verbose:
             print_run_stats(stats)
+    if args.verbose:
+        TIMELINE.lap(f"the other {max(stats.generated_tokens - 1, 0)} tokens + output")
+        print_startup()
     return 130 if stats.stop_reason == "interrupted" else 0
+
+
+def start_gpu_prelude():
+    """A thread that imports numba, creates the CUDA context, and imports the engine's modules
+    and computes the kernel cache's key inputs while this one opens the file and tokenizes
+    (numba's import and the context are ~0.2-0.5 s each, the driver's part outside the GIL);
+    join it before the engine is built.  Its errors are left for the backend to report."""
+    import threading
+
+    def prelude() -> None:
+        try:
+            from numba import cuda
+            if cuda.is_available():
+                cuda.current_context()
+                from nq.kernels import build
+                build.source_digest()
+                build._environment()
+                import importlib    # the modules the engine imports as it is built (~0.1 s)
+                for name in ("nq.runtime.engine", "nq.runtime.weights", "nq.runtime.prefill",
+                             "nq.runtime.staging", "nq.kernels.int4", "nq.kernels.attention",
+                             "nq.kernels.rows", "nq.kernels.embed", "nq.kernels.feed",
+                             "nq.kernels.lm_head", "nq.kernels.rope_kv", "nq.kernels.sampling"):
+                    importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- make_backend says what is wrong (a renamed module
+            pass           # here costs only its import time later)
+    t = threading.Thread(target=prelude, name="nq-cuda-init", daemon=True)
+    t.start()
+    return t
 
 
 def cmd_cache(args) -> int:
@@ -381,6 +417,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    from nq.timeline import TIMELINE
+    TIMELINE.start()      # its first part: the process's life so far (python, nq.cli's imports)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not the top level's

@@ -209,13 +209,22 @@ def test_a_prompt_that_fills_the_context_is_refused(tiny_nanoqwen, capsys):
 
 
 def test_generate_verbose_reports_the_start_and_the_run(tiny_nanoqwen, capsys):
+    import time
+    t = time.perf_counter()
     assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "def f(x):",
                  "-n", "5", "--temp", "0", "--ignore-eos", "--verbose"]) == 0
+    wall = time.perf_counter() - t
     err = capsys.readouterr().err
-    for part in ("import:", "file open + tokenizer:", "kernels:", "start to ready:",
+    for part in ("process start (python, nq.cli import):", "file open:", "tokenizer:",
+                 "first token:", "sum of the parts:", "process start to the first token:",
                  "prompt eval count:", "time to first token:", "eval count:", "eval rate:",
                  "ITL p50 / p90:"):
         assert part in err, f"--verbose lacks {part!r}:\n{err}"
+    # the parts after the process's age are laps of this call: they add up to its wall time
+    lines = err.split("process start (python, nq.cli import):")[1].split("sum of the parts:")[0]
+    laps = [float(line.rsplit(":", 1)[1].split()[0]) / 1e3
+            for line in lines.strip().splitlines()[1:]]
+    assert len(laps) >= 6 and 0.9 * wall - 0.02 <= sum(laps) <= wall, (laps, wall)
     assert "eval count:           5 token(s) (length)" in err
     p50, p90 = (float(v) for v in err.split("ITL p50 / p90:")[1].split("ms")[0].split("/"))
     assert 0 < p50 <= p90

@@ -29,6 +29,7 @@ entry.  No pickle: the cubin is rebuilt into numba's kernel object field by fiel
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -37,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
@@ -70,6 +72,7 @@ class BuildStats:
     compile_s: float = 0.0
     load_s: float = 0.0
     rebuilt: int = 0      # entries found stale or corrupt, deleted and compiled again
+    parallel_s: float = 0.0   # wall time of compile batches in child processes
 
 
 STATS = BuildStats()
@@ -179,8 +182,7 @@ def read_entry(path: Path, key: str | None = None) -> tuple[dict, bytes] | None:
         return None
 
 
-def _store(disp, argtypes, key: str, inputs: dict, path: Path) -> None:
-    kernel = disp.overloads[argtypes]
+def _store(kernel, key: str, inputs: dict, path: Path) -> None:
     lib = kernel._codelibrary
     if lib._linking_files or lib.needs_cudadevrt or kernel.cooperative:
         return  # links other files or libraries at load: not cacheable as one cubin
@@ -220,6 +222,25 @@ def _load(disp, argtypes, header: dict, cubin: bytes, name: str, options: dict) 
         launch_config_sensitive=False)
     kernel._codelibrary.get_cufunc()  # load the module now: a bad cubin fails here, not at launch
     disp.add_overload(kernel, argtypes)
+    _apply_smem(disp)
+
+
+def _apply_smem(disp) -> None:
+    """Opt-ins (common.allow_smem) asked for while the kernel was still being compiled."""
+    nbytes = getattr(disp, "nq_smem_bytes", 0)
+    if nbytes:
+        from nq.kernels.common import allow_smem
+        allow_smem(disp, nbytes)
+
+
+def is_cached(body, sig: str, name: str, **options) -> bool:
+    """Whether compile_kernel(body, sig, name, **options) would load a valid cache entry (its
+    key and checksum checked) instead of compiling; compiles nothing."""
+    if not cache_enabled():
+        return False
+    key, _ = cache_key(body, sig, name, options)
+    path = _entry_path(key, name)
+    return path.exists() and read_entry(path, key) is not None
 
 
 # ---- the compile path ----------------------------------------------------------------------
@@ -254,14 +275,21 @@ def compile_kernel(body, sig: str, name: str, **options):
         if path.exists():
             STATS.rebuilt += 1
             path.unlink(missing_ok=True)
+        if _BATCH is not None:      # compiled with the batch's other misses, at its end
+            _BATCH.append(_Job(disp, body, sig, name, options, argtypes, key, inputs, path))
+            return disp
+    _compile_here(disp, sig, name)
+    if cache_enabled():
+        _store(disp.overloads[argtypes], key, inputs, path)
+    return _specialise(disp)
+
+
+def _compile_here(disp, sig: str, name: str) -> None:
     t0 = time.perf_counter()
     _progress(f"compiling kernel {STATS.compiled + 1}: {name}")
     disp.compile(sig)
     STATS.compiled += 1
     STATS.compile_s += time.perf_counter() - t0
-    if cache_enabled():
-        _store(disp, argtypes, key, inputs, path)
-    return _specialise(disp)
 
 
 def _progress(text: str) -> None:
@@ -278,6 +306,159 @@ def _specialise(disp):
     disp._specialized = True
     disp.disable_compile()
     return disp
+
+
+# ---- compiling a batch of misses in parallel processes --------------------------------------
+#
+# NVVM runs under numba's compiler lock, so threads compile one kernel at a time.  Inside
+# `parallel_compiles()` a kernel that is not in the cache is not compiled at once: compile_kernel
+# hands back its dispatcher still empty, and at the block's end the misses are compiled by
+# forked processes (numba's objects and the kernel bodies are inherited; nothing is pickled),
+# each compiling the cubin for this device's cc offline (NVVM and nvJitLink run on the CPU; the
+# child never touches the CUDA driver) and storing it as a cache entry.  The parent then loads
+# every entry as on a warm start.  A miss a child could not compile is compiled here, so a
+# failed child costs time, never a kernel.  Only what the kernels' users do before their first
+# launch may happen inside the block: they get the dispatcher, and `common.allow_smem` is
+# remembered on it and applied when it is loaded.  `NQ_COMPILE_WORKERS=1` compiles in this
+# process instead (0 or unset: min(16, CPUs)).
+
+@dataclasses.dataclass
+class _Job:
+    disp: object
+    body: object
+    sig: str
+    name: str
+    options: dict
+    argtypes: tuple
+    key: str
+    inputs: dict
+    path: Path
+
+
+_BATCH: list | None = None      # the open batch's jobs
+
+
+def compile_workers() -> int:
+    raw = os.environ.get("NQ_COMPILE_WORKERS", "").strip()
+    if raw not in ("", "0"):
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            raise ValueError(f"NQ_COMPILE_WORKERS={raw!r}: give a number of processes "
+                             "(1: compile in this process)") from None
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def parallel_compiles(workers: int | None = None):
+    """Compile the kernels requested inside the block that miss the cache in up to `workers`
+    processes at its end (module comment above); nested blocks join the outer one."""
+    global _BATCH
+    if _BATCH is not None or SIMULATOR or not cache_enabled():
+        yield
+        return
+    _BATCH = jobs = []
+    try:
+        yield
+    finally:
+        _BATCH = None
+    finish_batch(jobs, compile_workers() if workers is None else workers)
+
+
+def finish_batch(jobs: list, workers: int) -> None:
+    """Compile jobs' kernels (in `workers` forked processes when more than one), load them."""
+    todo = [j for j in jobs if j.argtypes not in j.disp.overloads]
+    if workers > 1 and len(todo) > 1:
+        t0 = time.perf_counter()
+        _progress(f"compiling {len(todo)} kernels in {min(workers, len(todo))} processes")
+        failed = _compile_in_children(todo, min(workers, len(todo)))
+        for name, err in failed:
+            print(f"nq: kernel cache: a compile process failed on {name} ({err}); compiling "
+                  "it here", file=sys.stderr)
+        STATS.parallel_s += time.perf_counter() - t0
+    for j in jobs:
+        entry = None
+        if j.argtypes not in j.disp.overloads:   # (a launch inside the block compiled it)
+            entry = read_entry(j.path, j.key) if j.path.exists() else None
+        if entry is not None:
+            try:
+                _load(j.disp, j.argtypes, *entry, j.name, j.options)
+                STATS.compiled += 1              # compiled by this start, in a child
+            except Exception as e:  # noqa: BLE001 -- a child's cubin that does not load
+                print(f"nq: kernel cache: {j.path.name} from a compile process did not load "
+                      f"({e}); compiling it here", file=sys.stderr)
+                j.path.unlink(missing_ok=True)
+                entry = None
+        if entry is None:
+            if j.argtypes not in j.disp.overloads:
+                _compile_here(j.disp, j.sig, j.name)
+            _store(j.disp.overloads[j.argtypes], j.key, j.inputs, j.path)
+            _apply_smem(j.disp)
+        _specialise(j.disp)
+
+
+_CHILD_JOBS: list = []
+
+
+def _compile_in_children(jobs: list, workers: int) -> list[tuple[str, str]]:
+    """Fork `workers` processes that compile jobs into the cache; [(name, error)] of the jobs
+    they did not store (a crashed child included: the parent compiles those itself)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    global _CHILD_JOBS
+    _CHILD_JOBS = jobs            # inherited by the fork: the bodies are never pickled
+    cc = tuple(_environment()["cc"])   # the children answer numba's device lookups with it
+    errors = {}
+    for f in (sys.stdout, sys.stderr):  # a child flushes what it inherited when it exits
+        f.flush()
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12 warns on forking a threaded process (the weight upload's thread): the
+            # children run only NVVM, nvJitLink and file writes, no lock another thread holds
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_child_init, initargs=(cc,)) as pool:
+                futures = [pool.submit(_child_compile, i) for i in range(len(jobs))]
+                for i, f in enumerate(futures):
+                    try:
+                        errors[i] = f.result()
+                    except BrokenProcessPool as e:
+                        errors[i] = f"the compile process died ({e})"
+    except OSError as e:          # no fork here: the parent compiles them
+        return [(j.name, f"{e}") for j in jobs]
+    finally:
+        _CHILD_JOBS = []
+    return [(jobs[i].name, err) for i, err in errors.items() if err]
+
+
+def _child_init(cc) -> None:
+    import signal
+    import types
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba.cuda.codegen import CUDACodeLibrary
+    # Ctrl-C reaches the whole process group: the parent handles it (and stops the pool)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    dev = types.SimpleNamespace(compute_capability=cc, id=0, name=b"nq compile process")
+    full = (cc[0], cc[1], "a" if tuple(cc) >= (9, 0) else "")   # numba's cubin key for cc
+    dispatcher.get_current_device = lambda: dev
+    CUDACodeLibrary._ensure_cc = lambda self, c: full if c is None else c
+
+
+def _child_compile(i: int) -> str:
+    """Compile job i's cubin and store it; '' on success, else the error (the parent retries)."""
+    from numba.cuda.dispatcher import _Kernel
+    j = _CHILD_JOBS[i]
+    try:
+        kernel = _Kernel(j.body, j.argtypes, **j.disp.targetoptions)
+        kernel._codelibrary.get_cubin()
+        _store(kernel, j.key, j.inputs, j.path)
+        return "" if j.path.exists() else "not cacheable"
+    except Exception as e:  # noqa: BLE001 -- reported to the parent, which compiles it itself
+        return f"{type(e).__name__}: {e}"[:300]
 
 
 # ---- `nq cache` -----------------------------------------------------------------------------

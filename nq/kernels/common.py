@@ -64,7 +64,8 @@ def allow_smem(kernel, nbytes: int) -> None:
     from numba.cuda.cudadrv import driver as drv
     from numba.cuda.cudadrv.driver import binding
     attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    for k in kernel.overloads.values():
+    kernel.nq_smem_bytes = int(nbytes)   # a kernel still compiling (build.parallel_compiles)
+    for k in kernel.overloads.values():  # gets it when it is loaded
         fn = k._codelibrary.get_cufunc()
         drv.driver.cuKernelSetAttribute(attr, int(nbytes), fn.handle, fn.device.id)
 

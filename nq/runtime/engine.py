@@ -85,6 +85,7 @@ class Engine:
         # benchmark's steps); the sampler's penalty history is rebuilt from it when it lags
         self._ids = np.full(self.max_len, -1, np.int32)
         self.sampling = None  # nq/runtime/sampling.DeviceSampling, made on first use
+        self.startup: dict[str, float] = getattr(weights, "startup", {}).copy()
         self.stream = cuda.stream()
         s = self.stream
         c = cfg
@@ -107,34 +108,42 @@ class Engine:
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
         self.part_acc, self.part_ml = attention.decode_workspace(c)
-        # what the start is made of (`nq generate --verbose`), seconds by part
-        self.startup: dict[str, float] = {}
-        t = time.perf_counter()
-        self.steps = self._build_steps()  # compiles (or loads from the kernel cache) each kernel
-        self.startup["step kernels_s"] = time.perf_counter() - t
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
-        self.graph = None
-        self.pdl = pdl
-        if use_graph:
-            t = time.perf_counter()
-            self.run_eager()  # warm every kernel up before capture (DEVICE.md)
-            self.stream.synchronize()
-            self.startup["warm-up_s"] = time.perf_counter() - t
-            t = time.perf_counter()
-            self.capture(pdl)
-            self.startup["graph capture_s"] = time.perf_counter() - t
+        # what the start is made of (`nq generate --verbose`): seconds by part, each a lap of
+        # nq/timeline.py (the time since the previous lap, so the parts add up)
+        lap = self._lap
+        lap("KV cache + decode buffers")
         # prefill: "batched" (nq/runtime/prefill.py: the prompt as matrices on the tensor
-        # cores) or "replay" (one decode step a prompt token: the reference path for tests)
+        # cores) or "replay" (one decode step a prompt token: the reference path for tests).
+        # Built before the warm-up, so that its kernels load while the weights upload.
         if prefill not in ("batched", "replay"):
             raise ValueError(f"prefill={prefill!r}: choose 'batched' or 'replay'")
         self.prefiller = None
-        if prefill == "batched":
-            from nq.runtime.prefill import DEFAULT_CHUNK, Prefill
-            t = time.perf_counter()
-            self.prefiller = Prefill(self, prefill_chunk or DEFAULT_CHUNK)
-            self.startup["prefill kernels_s"] = time.perf_counter() - t
+        from nq.kernels.build import parallel_compiles
+        with parallel_compiles():  # kernels not in the cache: compiled at once, in processes
+            self.steps = self._build_steps()  # compiles (or loads from the cache) each kernel
+            lap("step kernels")
+            if prefill == "batched":
+                from nq.runtime.prefill import DEFAULT_CHUNK, Prefill
+                self.prefiller = Prefill(self, prefill_chunk or DEFAULT_CHUNK)
+                lap("prefill kernels + workspace")
+        lap("kernels compiled in parallel")
+        self.w.wait()  # Engine.from_file's upload thread: the warm-up reads the weights
+        lap("weights upload (waiting for it)")
+        self.graph = None
+        self.pdl = pdl
+        if use_graph:
+            self.run_eager()  # warm every kernel up before capture (DEVICE.md)
+            self.stream.synchronize()
+            lap("warm-up")
+            self.capture(pdl)
+            lap("graph capture")
         self.reset()
+
+    def _lap(self, name: str) -> None:
+        from nq.timeline import TIMELINE
+        self.startup[name] = TIMELINE.lap(name)
 
     def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
                      fuse_rope: bool | None = None) -> list:
@@ -207,13 +216,8 @@ class Engine:
         from nq.runtime.weights import upload
         check_device_memory(nf.config, int(max_len), kw.get("prefill_chunk") or DEFAULT_CHUNK,
                             weights=True)
-        t = time.perf_counter()
-        w = upload(nf)
-        upload_s = time.perf_counter() - t
-        eng = cls(nf.config, w, max_len=max_len, **kw)
-        eng.startup = {"upload kernels_s": upload_s - w.load_s, "weights upload_s": w.load_s,
-                       **eng.startup}
-        return eng
+        w = upload(nf, background=True)  # copies on a thread while the engine loads kernels
+        return cls(nf.config, w, max_len=max_len, **kw)
 
     @classmethod
     def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, **kw) -> "Engine":

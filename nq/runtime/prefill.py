@@ -76,6 +76,8 @@ class Prefill:
             "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"])),
             "down": make_gemm("down", H, I, layout_of(g["down"])),
         }
+        for gemm in self.gemm.values():   # the tiles a first start compiled: loaded now
+            gemm.load_cached()
         self.embed = rows.embed_rows_launcher(w.embed, self.ids, self.x)
         eps = float(c.rms_norm_eps)
         self.norm_in = [rows.rmsnorm_rows_launcher(self.x, L.input_norm, self.h, eps)
@@ -94,6 +96,11 @@ class Prefill:
     def run(self, first: int, start: int, n: int, stream) -> None:
         """Enqueue the prefill of the n prompt tokens eng.prompt[first : first+n] at positions
         start .. start+n-1 (their pages reserved, the block table on the device)."""
+        from nq.kernels.build import parallel_compiles
+        with parallel_compiles():  # tiles not cached yet: the four kinds compile side by side
+            for m in {min(self.chunk, n), n % self.chunk} - {0}:
+                for gemm in self.gemm.values():
+                    gemm.pick(m)
         for i0 in range(0, n, self.chunk):
             self._chunk(first + i0, start + i0, min(self.chunk, n - i0), stream)
 

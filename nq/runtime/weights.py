@@ -9,11 +9,13 @@ to at least 256 bytes, so every 16-byte load is aligned.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
 
 from nq.config import GROUP_SIZE, ModelConfig
+from nq.ptx import SIMULATOR
 
 
 @dataclasses.dataclass
@@ -39,6 +41,29 @@ class DeviceWeights:
     lm_head: object         # (vocab, H) fp16 (the embedding itself when tied)
     layers: list
     load_s: float = 0.0     # host->device copy and re-tiling, after the kernels are compiled
+    _thread: object = None  # the upload's thread while it runs (upload(background=True))
+    _error: BaseException | None = None
+    _keep: object = None
+    startup: dict = dataclasses.field(default_factory=dict)   # seconds by part (timeline laps)
+
+    def _start(self, fill) -> None:
+        def target():
+            try:
+                fill()
+            except BaseException as e:  # noqa: BLE001 -- handed to wait()
+                self._error = e
+        self._thread = threading.Thread(target=target, name="nq-upload", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the weights are on the device (at once unless uploading in the
+        background); an upload's error is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._keep = None
+        if self._error is not None:
+            raise self._error
 
     @property
     def nbytes_per_token(self) -> int:
@@ -71,35 +96,89 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     return out
 
 
-def upload(nf, stream=0) -> DeviceWeights:
+def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
     """Copy a NanoqwenFile's tensors to the device; the projections are re-tiled on the GPU.
 
-    Each projection group (q|k|v, o, gate|up, down) is copied from the mmapped file as it is
-    into one staging buffer, its parts stacked along the output rows, then permuted into the
-    GEMV's layout by nq/kernels/int4/retile.py (the host path, a launcher's `prepare`, is the
+    Every device buffer is allocated first (here, on the calling thread); then the file's
+    bytes go to them through nq/runtime/staging.py's pinned ring (the simulator: plain
+    copies).  Each projection group (q|k|v, o, gate|up, down) is copied as stored into one
+    staging buffer, its parts stacked along the output rows, then permuted into the GEMV's
+    layout by nq/kernels/int4/retile.py (the host path, a launcher's `prepare`, is the
     reference; it costs ~17 s of NumPy for the 7B on a small CPU, the GPU a few ms).
+
+    background=True returns at once with the copies running on a thread of their own, on a
+    stream of their own (the engine loads its kernels meanwhile); `DeviceWeights.wait()`
+    joins it and re-raises its error.  The bytes are the same either way.
     """
     from numba import cuda
 
+    from nq.kernels.build import parallel_compiles
+    from nq.kernels.int4.retile import compile_retile_mma, compile_retile_rows
+    from nq.timeline import TIMELINE
+
+    cfg = nf.config
+    with parallel_compiles():  # a first start compiles them in parallel processes
+        g = gemvs(cfg)   # their tilings fix the layouts; compiled or loaded here, not in the thread
+        compile_retile_rows()
+        compile_retile_mma()
+    laps = {"upload kernels": TIMELINE.lap("upload kernels")}
+    t0 = time.perf_counter()
+    stream = stream if stream is not None else cuda.stream()
+    w, items = _allocate(nf, g, stream)
+    w.startup = dict(laps, **{"weight buffers": TIMELINE.lap("weight buffers")})
+    if SIMULATOR:
+        _copy_plain(nf, items)
+        w._keep = None
+        w.load_s = time.perf_counter() - t0
+        return w
+
+    def fill() -> None:
+        from nq.runtime import staging
+        t = time.perf_counter()
+        cuda.current_context()      # this thread's CUDA context (numba pushes the primary one)
+        plan = []
+        for it in items:
+            if callable(it):
+                plan.append(it)
+                continue
+            name, dst = it
+            e = nf.entry(name)
+            if e.nbytes != dst.nbytes:
+                raise ValueError(f"{nf.path}: {name} has {e.nbytes} bytes, its device buffer "
+                                 f"{dst.nbytes}; re-pack with `nq pack`")
+            plan.append(staging.Copy(e.offset, e.nbytes, dst.__cuda_array_interface__["data"][0]))
+        nbytes = staging.run(nf.path, plan, staging.CudaDevice(stream))
+        w.load_s = time.perf_counter() - t
+        TIMELINE.aside(f"weights upload ({nbytes / 1e9:.2f} GB, "
+                       f"{nbytes / 1e9 / max(w.load_s, 1e-9):.1f} GB/s)", w.load_s)
+
+    if not background:
+        fill()
+        w._keep = None
+        return w
+    w._start(fill)
+    return w
+
+
+def _allocate(nf, g, stream):
+    """(DeviceWeights with every buffer allocated and nothing copied, the copy plan): the plan is
+    (tensor name, device view of its bytes) pairs and re-tiling launches, in stream order."""
+    from numba import cuda
+
     from nq.kernels.int4.layout import chunk_permutation
-    from nq.kernels.int4.retile import compile_retile_rows, retile, retile_mma
+    from nq.kernels.int4.retile import retile, retile_mma
     from nq.kernels.int4.tiling import MmaTiling
 
     cfg = nf.config
-    g = gemvs(cfg)     # JIT compilation (~12 s for the 7B's kernels) is not part of load_s
-    compile_retile_rows()
-    t0 = time.perf_counter()
     stage_words = max(gm.n_rows * gm.k // 8 for gm in g.values())
     stage = cuda.device_array(stage_words, np.uint32)  # (largest group's rows * K/8,) uint32
     perms = {}
+    items: list = []
 
-    def dev(a):
-        return cuda.to_device(np.ascontiguousarray(a), stream=stream)
-
-    def dev_named(name):
-        """Copy a file tensor (synchronously from pageable memory), then drop its pages."""
-        d = dev(nf.array(name))
-        nf.release(name)
+    def buffer(name):
+        e = nf.entry(name)
+        d = cuda.device_array(e.shape, e.dtype)
+        items.append((name, d))
         return d
 
     def proj(kind, i, names):
@@ -108,30 +187,28 @@ def upload(nf, stream=0) -> DeviceWeights:
         mma = isinstance(gm.tiling, MmaTiling)
         key = None if mma else (gm.k, gm.tiling.ks)
         if not mma and key not in perms:
-            perms[key] = dev(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32))
+            perms[key] = cuda.to_device(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32),
+                                        stream=stream)
         src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
         qw = cuda.device_array((gm.n_rows, k8), np.uint32)
         sc = cuda.device_array((gm.n_rows, gm.k // GROUP_SIZE), np.float16)
         row = 0
         for n in names:
-            part_q = nf.array(f"layers.{i}.{n}.qweight")
-            part_s = nf.array(f"layers.{i}.{n}.scales")
-            rows = part_q.shape[0]
-            if row + rows > gm.n_rows or part_q.shape[1] != k8:
-                raise ValueError(f"{nf.path}: layers.{i}.{n} is {part_q.shape}, the "
+            e = nf.entry(f"layers.{i}.{n}.qweight")
+            rows = e.shape[0]
+            if row + rows > gm.n_rows or e.shape[1] != k8:
+                raise ValueError(f"{nf.path}: layers.{i}.{n} is {e.shape}, the "
                                  f"{gm.name} kernel expects rows of {k8} words")
-            src[row: row + rows].copy_to_device(part_q, stream=stream)
-            sc[row: row + rows].copy_to_device(part_s, stream=stream)
-            nf.release(f"layers.{i}.{n}.qweight")
-            nf.release(f"layers.{i}.{n}.scales")
+            items.append((f"layers.{i}.{n}.qweight", src[row: row + rows]))
+            items.append((f"layers.{i}.{n}.scales", sc[row: row + rows]))
             row += rows
         if row != gm.n_rows:
             raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
                              f"{gm.n_rows}")
         if mma:
-            retile_mma(src, qw, stream)
+            items.append(lambda: retile_mma(src, qw, stream))
         else:
-            retile(src, qw, perms[key], stream)
+            items.append(lambda: retile(src, qw, perms[key], stream))
         return qw, sc
 
     layers = []
@@ -140,18 +217,67 @@ def upload(nf, stream=0) -> DeviceWeights:
         o_w, o_s = proj("o_proj", i, ("o_proj",))
         gu_w, gu_s = proj("gate_up", i, ("gate_proj", "up_proj"))
         d_w, d_s = proj("down", i, ("down_proj",))
-        bias = np.concatenate([nf.array(f"layers.{i}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")])
+        qkv_b = cuda.device_array(cfg.qkv_size, np.float16)
+        at = 0
+        for n in ("q_proj", "k_proj", "v_proj"):
+            rows = nf.entry(f"layers.{i}.{n}.bias").shape[0]
+            items.append((f"layers.{i}.{n}.bias", qkv_b[at: at + rows]))
+            at += rows
         layers.append(DeviceLayer(
-            input_norm=dev_named(f"layers.{i}.input_layernorm"),
-            post_norm=dev_named(f"layers.{i}.post_attention_layernorm"),
-            qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=dev(bias), o_w=o_w, o_s=o_s,
+            input_norm=buffer(f"layers.{i}.input_layernorm"),
+            post_norm=buffer(f"layers.{i}.post_attention_layernorm"),
+            qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=qkv_b, o_w=o_w, o_s=o_s,
             gu_w=gu_w, gu_s=gu_s, down_w=d_w, down_s=d_s))
-    embed = dev_named("embed_tokens")
-    lm_head = embed if cfg.tie_word_embeddings else dev_named("lm_head")
-    w = DeviceWeights(cfg, embed=embed, norm=dev_named("norm"), lm_head=lm_head, layers=layers)
+    embed = buffer("embed_tokens")
+    lm_head = embed if cfg.tie_word_embeddings else buffer("lm_head")
+    w = DeviceWeights(cfg, embed=embed, norm=buffer("norm"), lm_head=lm_head, layers=layers)
+    w._keep = (stage, perms)   # the plan's launches read them until the upload is done
+    return w, items
+
+
+def _copy_plain(nf, items) -> None:
+    """The plan with plain copies from the mapping (the simulator's path)."""
+    from numba import cuda
+    for it in items:
+        if callable(it):
+            it()
+        else:
+            name, dst = it
+            dst.copy_to_device(np.ascontiguousarray(nf.array(name)))
+            nf.release(name)
     cuda.synchronize()
-    w.load_s = time.perf_counter() - t0
-    return w
+
+
+def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
+    """The tensors whose device copy in w differs from the host reference (the launchers'
+    `prepare` for the projections, the file's bytes for the rest): [] when the upload is exact.
+    For tests and `nq verify`: it reads every buffer back."""
+    g = gemvs(nf.config)
+    bad = []
+
+    def same(name, dev, want):
+        got = dev.copy_to_host()
+        if got.shape != want.shape or got.tobytes() != np.ascontiguousarray(want).tobytes():
+            bad.append(name)
+
+    groups = (("qkv", ("q_proj", "k_proj", "v_proj"), "qkv_w", "qkv_s"),
+              ("o_proj", ("o_proj",), "o_w", "o_s"),
+              ("gate_up", ("gate_proj", "up_proj"), "gu_w", "gu_s"),
+              ("down", ("down_proj",), "down_w", "down_s"))
+    for i, L in enumerate(w.layers):
+        for kind, names, fw, fs in groups:
+            qw, sc = g[kind].prepare([(nf.array(f"layers.{i}.{n}.qweight"),
+                                       nf.array(f"layers.{i}.{n}.scales")) for n in names])
+            same(f"layers.{i}.{kind} qweight", getattr(L, fw), qw)
+            same(f"layers.{i}.{kind} scales", getattr(L, fs), sc)
+        same(f"layers.{i}.qkv bias", L.qkv_b, np.concatenate(
+            [nf.array(f"layers.{i}.{n}.bias") for n in ("q_proj", "k_proj", "v_proj")]))
+        same(f"layers.{i}.input_layernorm", L.input_norm, nf.array(f"layers.{i}.input_layernorm"))
+        same(f"layers.{i}.post_attention_layernorm", L.post_norm,
+             nf.array(f"layers.{i}.post_attention_layernorm"))
+    for name, dev in (("embed_tokens", w.embed), ("norm", w.norm), ("lm_head", w.lm_head)):
+        same(name, dev, nf.array(name))
+    return bad
 
 
 def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0) -> DeviceWeights:

@@ -333,6 +333,17 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
     return rows
 
 
+def format_gemms(rows: list[dict]) -> str:
+    header = ["M", "projection", "N x K", "nq ms", "nq TFLOP/s", "cuBLAS fp16 ms",
+              "cuBLAS TFLOP/s", "nq / cuBLAS time"]
+    body = [[r["m"], r["kind"], "-" if r["n"] is None else f"{r['n']} x {r['k']}",
+             f"{r['nq_ms']:.3f}", f"{r['nq_tflops']:.0f}", _f(r["cublas_ms"], ".3f"),
+             _f(r["cublas_tflops"], ".0f"),
+             "-" if r["cublas_ms"] is None else f"{r['nq_ms'] / r['cublas_ms']:.2f}x"]
+            for r in rows]
+    return _md(header, body, right={0, 3, 4, 5, 6, 7})
+
+
 # ---- plots ----------------------------------------------------------------------------------
 def write_plots(stem: Path, rows: list[dict], bds: list[dict]) -> list[str]:
     """<stem>_itl_vs_ctx.png and <stem>_breakdown.png; skipped (with a note) without matplotlib."""
@@ -503,7 +514,6 @@ def run(args) -> int:
         print()
         print(format_peers(peers, rows, bds[0]))
     if gemms:
-        from nq.tools.gemm_table import format_gemms
         print("\nPrefill GEMM per projection (INT4 weights x fp16 activations, each layer's "
               "weights in turn; cuBLAS: fp16 weights, same shapes, same run):")
         print(format_gemms(gemms))

@@ -99,15 +99,3 @@ def measure(eng, ms=(512, 8192), log=print, reps: int = 5) -> list[dict]:
                      "nq_tflops": flop / t * 1e-9, "cublas_ms": c,
                      "cublas_tflops": None if c is None else flop / c * 1e-9})
     return rows
-
-
-def format_gemms(rows: list[dict]) -> str:
-    from nq.tools.bench import _f, _md
-    header = ["M", "projection", "N x K", "nq ms", "nq TFLOP/s", "cuBLAS fp16 ms",
-              "cuBLAS TFLOP/s", "nq / cuBLAS time"]
-    body = [[r["m"], r["kind"], "-" if r["n"] is None else f"{r['n']} x {r['k']}",
-             f"{r['nq_ms']:.3f}", f"{r['nq_tflops']:.0f}", _f(r["cublas_ms"], ".3f"),
-             _f(r["cublas_tflops"], ".0f"),
-             "-" if r["cublas_ms"] is None else f"{r['nq_ms'] / r['cublas_ms']:.2f}x"]
-            for r in rows]
-    return _md(header, body, right={0, 3, 4, 5, 6, 7})

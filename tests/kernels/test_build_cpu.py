@@ -125,3 +125,69 @@ def test_every_kernel_compiles_through_build():
             if re.search(r"cuda\.jit\(", line) and "device=True" not in line:
                 offenders.append(f"{f.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "kernels compiled outside nq/kernels/build.py:\n" + "\n".join(offenders)
+
+
+
+PARALLEL_SCRIPT = r"""
+import dataclasses, json, os, time
+from pathlib import Path
+from nq.kernels import build
+build._environment = lambda: {"nq": "0", "numba-cuda": "0.30", "cc": [9, 0], "driver": [13, 0]}
+from nq.kernels import fill
+from nq.kernels.int4 import retile
+
+# what parallel_compiles collects (its exit would load the entries: that needs a GPU)
+build._BATCH = jobs = []
+kernels = [retile.compile_retile_rows(), retile.compile_retile_mma(), *fill.fill_kernels()]
+build._BATCH = None
+print("deferred", len(jobs), "still empty", sum(not k.overloads for k in kernels))
+t = time.perf_counter()
+failed = build._compile_in_children(jobs, 2)
+print("parallel_s", time.perf_counter() - t, "failed", failed)
+
+# the same jobs compiled one after another in this process, into another folder
+serial = Path(os.environ["NQ_CACHE"]) / "serial"
+build._child_init((9, 0))
+build._CHILD_JOBS = [dataclasses.replace(j, path=serial / j.path.name) for j in jobs]
+t = time.perf_counter()
+errors = [build._child_compile(i) for i in range(len(jobs))]
+print("serial_s", time.perf_counter() - t, "errors", errors)
+def same_code(a, b):
+    # the entry symbol carries numba's count of functions defined so far in the process
+    # (...B2v1B... vs ...B2v3B...): the code is compared with the symbol masked
+    ea, eb = a[0]["entry"].encode(), b[0]["entry"].encode()
+    masked = a[1].replace(ea, b"E" * len(ea)), b[1].replace(eb, b"E" * len(eb))
+    return len(ea) == len(eb) and masked[0] == masked[1]
+
+
+out = {}
+skip = ("created", "entry", "sha256")
+for j in jobs:
+    a, b = build.read_entry(j.path, j.key), build.read_entry(serial / j.path.name, j.key)
+    out[j.name] = [a is not None, b is not None, a is not None and b is not None and same_code(a, b),
+                   a is not None and b is not None and
+                   {k: v for k, v in a[0].items() if k not in skip} ==
+                   {k: v for k, v in b[0].items() if k not in skip}]
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_parallel_compiles_store_the_entries_a_serial_compile_stores(tmp_path):
+    """build.parallel_compiles' children (forked, offline sm_90 compiles: no GPU here) leave
+    the same cache entries -- key, inputs, cc, size, and the cubin's bytes but for the entry
+    symbol's numba counter -- as compiling one by one."""
+    import sys
+    env = dict(os.environ, NQ_CACHE=str(tmp_path), NQ_NO_KERNEL_CACHE="0")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-c", PARALLEL_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert "deferred 4 still empty 4" in lines, r.stdout
+    assert "failed []" in r.stdout and "errors ['', '', '', '']" in r.stdout, r.stdout
+    result = json.loads(next(line for line in lines if line.startswith("RESULT"))[7:])
+    assert len(result) == 4
+    for name, (parallel, serial, same_cubin, same_header) in result.items():
+        assert parallel and serial and same_cubin and same_header, (name, r.stdout)

@@ -173,17 +173,22 @@ def test_retile_mma_on_the_gpu(n, k):
 
 
 def test_upload_retiles_on_the_gpu_exactly_as_prepare(model):
-    """runtime.weights.upload re-tiles on the device; the launchers' prepare is the host reference."""
-    from nq.runtime.weights import gemvs
+    """runtime.weights.upload (the pinned ring of nq/runtime/staging.py, on the engine's
+    background thread and on the caller's) writes every tensor exactly: the launchers' prepare
+    is the host reference of the re-tiled projections, the file's bytes of the rest."""
+    from nq.runtime.weights import upload, upload_mismatches
     name, nf, eng, ref = model
-    g = gemvs(nf.config)
-    last = nf.config.num_layers - 1
-    for kind, names, dev in (("qkv", ("q_proj", "k_proj", "v_proj"), eng.w.layers[last].qkv_w),
-                             ("gate_up", ("gate_proj", "up_proj"), eng.w.layers[last].gu_w),
-                             ("down", ("down_proj",), eng.w.layers[last].down_w)):
-        qw, _ = g[kind].prepare([(nf.array(f"layers.{last}.{n}.qweight"),
-                                  nf.array(f"layers.{last}.{n}.scales")) for n in names])
-        np.testing.assert_array_equal(dev.copy_to_host(), qw, err_msg=f"{name} {kind}")
+    assert upload_mismatches(nf, eng.w) == [], name        # Engine.from_file: a thread
+    assert upload_mismatches(nf, upload(nf)) == [], name   # in the calling thread
+    # chunks smaller than a tensor, two buffers: pieces of one tensor in flight at once
+    from nq.runtime import staging
+    chunk, buffers = staging.CHUNK, staging.BUFFERS
+    staging.CHUNK, staging.BUFFERS = 4096, 2
+    try:
+        w = upload(nf)
+    finally:
+        staging.CHUNK, staging.BUFFERS = chunk, buffers
+    assert upload_mismatches(nf, w) == [], name
 
 
 @pytest.fixture(scope="module")

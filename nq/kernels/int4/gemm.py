@@ -178,6 +178,19 @@ class Gemm:
         raise ValueError(f"gemm: no tile configuration takes M={m}; end the list with "
                          f"(None, tiles)")
 
+    def load_cached(self) -> int:
+        """Load now every tile configuration whose kernel is in the disk cache (a few ms each),
+        so that the first long prompt does not pay for it; one not cached is still compiled
+        only when an M needs it.  Returns how many were loaded."""
+        from nq.kernels.build import is_cached
+        n = 0
+        for _, tiles in self.configs:
+            body, sig, name = build_gemm(self.kind, self.n, self.k, self.layout, tiles)
+            if is_cached(body, sig, name, launch_bounds=(tiles.threads,)):
+                compiled(self.kind, self.n, self.k, self.layout, tiles)
+                n += 1
+        return n
+
     def grid(self, tiles, m):
         """(blocks, band): NB weight blocks x ceil(m / BM) token blocks, and the token blocks of a
         band (block_coords): as many as keep band x BM x K fp16 within L2_BAND_BYTES."""
