@@ -170,14 +170,21 @@ def test_temperature_0_through_the_sampler_equals_argmax(eng):
     """The sampled graph at T 0 (a penalty of 1.3 over a window of 0 forces it, and counts
     nothing) gives the argmax graph's ids bit for bit, up to the first padded id argmax picks
     (the sampler never draws those)."""
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    eng.reset()
-    greedy = list(eng.generate_ids(prompt, 96, SamplingParams(temperature=0.0,
-                                                              repeat_penalty=1.0)))
+    # a random tiny model's argmax reaches a padded id sooner or later (19 steps for the
+    # prompt first tried, on the H200): take the first of a few prompts that stays clear of
+    # them for 32 steps
+    rng = np.random.default_rng(7)
+    for _ in range(8):
+        prompt = [int(t) for t in rng.integers(0, VALID, 8)]
+        eng.reset()
+        greedy = list(eng.generate_ids(prompt, 96, SamplingParams(temperature=0.0,
+                                                                  repeat_penalty=1.0)))
+        n = next((i for i, t in enumerate(greedy) if t >= VALID), len(greedy))
+        if n >= 32:
+            break
+    assert n >= 32, "argmax reached a padded id within 32 steps for 8 prompts"
     eng.reset()
     sampled = list(eng.generate_ids(prompt, 96, SamplingParams(temperature=0.0,
                                                                repeat_penalty=1.3,
                                                                repeat_last_n=0)))
-    n = next((i for i, t in enumerate(greedy) if t >= VALID), len(greedy))
-    assert n >= 32, "argmax picked a padded id early: choose another prompt"
     assert sampled[:n] == greedy[:n]
