@@ -142,9 +142,9 @@ def wgmma_commit_group():
 
 # ---- the accumulator-carrying intrinsics ------------------------------------------------------------
 
-def _acc_intrinsic(name, nacc, template, kinds, doc, twin):
+def _acc_intrinsic(name, nacc, template, kinds, doc, twin, off=0):
     """An intrinsic (on the GPU) or the twin (simulator): `name(acc, *args)` where acc is a
-    float32 array whose elements 0..nacc-1 are tied "+f" operands $0..$(nacc-1) of template;
+    float32 array whose elements off..off+nacc-1 are tied "+f" operands $0..$(nacc-1) of template;
     args follow as $nacc.. with kinds "u32", "u64", "s32" or "imm" (spliced)."""
     twin.__name__ = twin.__qualname__ = name
     twin.__doc__ = doc
@@ -179,7 +179,7 @@ def _acc_intrinsic(name, nacc, template, kinds, doc, twin):
     def codegen(context, builder, sig, llargs):
         f32 = ir.FloatType()
         arr = context.make_array(sig.args[0])(context, builder, value=llargs[0])
-        ptrs = [cgutils.gep_inbounds(builder, arr.data, j) for j in range(nacc)]
+        ptrs = [cgutils.gep_inbounds(builder, arr.data, off + j) for j in range(nacc)]
         operands = [builder.load(p) for p in ptrs]
         constraints = ["=f"] * nacc + [str(j) for j in range(nacc)]
         text = {}
@@ -259,6 +259,36 @@ def wgmma_fence_acc(nacc: int):
         lambda acc: None))
 
 
+def wgmma_zero_acc(nacc: int):
+    """acc[0:nacc] = 0 as one asm block of `mov.b32 r, 0;` (a loop of nacc stores that LLVM
+    does not unroll would put the accumulators in local memory).  Call as zero(acc).  Twin:
+    the same in Python."""
+    def twin(acc):
+        for j in range(nacc):
+            acc[j] = 0.0
+    body = "\n".join(f"mov.b32 %{j}, 0;" for j in range(nacc))
+    return _make_cached(("zero", nacc), lambda: _acc_intrinsic(
+        f"wgmma_zero_acc{nacc}", nacc, body, (),
+        f"acc[0:{nacc}] = 0.0 in registers (one asm block).  Call as zero(acc).", twin))
+
+
+def acc_store_shared(offsets: tuple):
+    """`st.shared.f32 [addr + offsets[j]], acc[j];` for every j, one asm block: the
+    accumulators to shared memory at constant offsets (a loop over them that LLVM does not
+    unroll would put them in local memory).  Call as store(acc, addr), addr a shared address
+    (u32).  Twin: the same stores into simulated shared memory."""
+    offsets = tuple(int(o) for o in offsets)
+    nacc = len(offsets)
+
+    def twin(acc, addr):
+        for j, off in enumerate(offsets):
+            _sim.shared_bytes(int(addr) + off, 4).view(np.float32)[0] = acc[j]
+    body = "\n".join(f"st.shared.f32 [%{nacc}+{off}], %{j};" for j, off in enumerate(offsets))
+    return _make_cached(("store", offsets), lambda: _acc_intrinsic(
+        f"acc_store_shared{nacc}_{abs(hash(offsets)) % 10**8}", nacc, body, ("u32",),
+        f"st.shared.f32 of acc[0:{nacc}] at constant offsets from a shared address.", twin))
+
+
 @ptx("wgmma.wait_group.sync.aligned %0;", args=("imm",), effect="memory")
 def wgmma_wait_group(n):
     """`wgmma.wait_group.sync.aligned n;` -- wait until at most n of this warpgroup's
@@ -309,7 +339,7 @@ def wgmma_group_model(n: int, a, b, d, scale_d) -> np.ndarray:
                     np.float32)
 
 
-def _mma_twin(n, from_regs):
+def _mma_twin(n, from_regs, off):
     def twin(acc, *args):
         if from_regs:
             a0, a1, a2, a3, desc_b, scale_d = args
@@ -317,7 +347,7 @@ def _mma_twin(n, from_regs):
         else:
             desc_a, desc_b, scale_d = args
             mine = (None, int(desc_a), int(desc_b), int(scale_d))
-        d = [float(acc[j]) for j in range(n // 2)]
+        d = [float(acc[off + j]) for j in range(n // 2)]
         everyone = _sim.warp_exchange((mine, d), size=128)
         assert len(everyone) == 128, "wgmma needs a whole warpgroup (128 threads)"
         th = threading_thread_id() % 128
@@ -336,7 +366,7 @@ def _mma_twin(n, from_regs):
         b = read_operand(mine[2], n)
         out = wgmma_group_model(n, a, b, [e[1] for e in everyone], mine[3])[th]
         for j in range(n // 2):
-            acc[j] = out[j]
+            acc[off + j] = out[j]
     return twin
 
 
@@ -344,7 +374,7 @@ def threading_thread_id() -> int:
     return threading.current_thread().thread_id
 
 
-def _make_mma(n, from_regs):
+def _make_mma(n, from_regs, off):
     nacc = n // 2
     acc = "{" + _acc_list(nacc) + "}"
     if from_regs:
@@ -362,27 +392,29 @@ def _make_mma(n, from_regs):
     template = ("{\n.reg .pred p;\nsetp.ne.b32 p, " + sd + ", 0;\n"
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {acc}, {a}, {b}, p, "
                 f"{tail};\n}}")
-    name = f"wgmma_m64n{n}k16_f32_f16_{form}"
+    name = f"wgmma_m64n{n}k16_f32_f16_{form}" + (f"_acc{off}" if off else "")
     doc = (f"`wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16` {call}: "
-           f"acc[0:{nacc}] = A . B (+ acc when scale_d != 0), A 64 x 16 fp16 "
+           f"acc[{off}:{off + nacc}] = A . B (+ acc when scale_d != 0), A 64 x 16 fp16 "
            + ("from registers (a0..a3: this thread's mma.m16n8k16-style fragment of its warp's "
               "16 rows)" if from_regs else "from shared memory (descriptor desc_a, K-major)")
            + f", B {n} x 16 K-major in shared memory (descriptor desc_b).  Asynchronous: "
            f"wgmma_fence before, commit and wait before reading acc (module doc).  "
            f"Warpgroup-collective.  Twin: computes at once (not the asynchrony).")
-    return _acc_intrinsic(name, nacc, template, kinds, doc, _mma_twin(n, from_regs))
+    return _acc_intrinsic(name, nacc, template, kinds, doc, _mma_twin(n, from_regs, off), off)
 
 
-def wgmma_rs(n: int):
-    """The register-A wgmma wrapper of width N (a multiple of 8, 8..256)."""
+def wgmma_rs(n: int, acc_offset: int = 0):
+    """The register-A wgmma wrapper of width N (a multiple of 8, 8..256), accumulating into
+    acc[acc_offset : acc_offset + N/2] (several tiles' accumulators in one local array)."""
     _check_n(n)
-    return _make_cached(("rs", n), lambda: _make_mma(n, True))
+    return _make_cached(("rs", n, acc_offset), lambda: _make_mma(n, True, acc_offset))
 
 
-def wgmma_ss(n: int):
-    """The shared-A wgmma wrapper of width N (a multiple of 8, 8..256)."""
+def wgmma_ss(n: int, acc_offset: int = 0):
+    """The shared-A wgmma wrapper of width N (a multiple of 8, 8..256), accumulating into
+    acc[acc_offset : acc_offset + N/2]."""
     _check_n(n)
-    return _make_cached(("ss", n), lambda: _make_mma(n, False))
+    return _make_cached(("ss", n, acc_offset), lambda: _make_mma(n, False, acc_offset))
 
 
 def _check_n(n):
