@@ -30,11 +30,18 @@ def test_refusals():
         W.build_gemm_wgmma("plain", 64, 256, "rows", W.WgTiles(1, 1, 128, 3))
 
 
+CANDIDATES = [W.WgTiles(1, 2, 64, 4), W.WgTiles(2, 1, 128, 4), W.WgTiles(2, 2, 64, 4),
+              W.WgTiles(1, 1, 256, 3)]
+CASES = ([(s, W.default_tiles(s[0])) for s in SHAPES_7B]
+         + [(SHAPES_7B[i], t) for i in (1, 2) for t in CANDIDATES
+            if SHAPES_7B[i][0] != "gate_up" or t.ta == 2])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("nq.ptx").ptx.SIMULATOR, reason="the simulator compiles nothing")
-@pytest.mark.parametrize("kind,n,k,layout", SHAPES_7B, ids=[s[0] for s in SHAPES_7B])
-def test_gemm_wgmma_ptx_sm90a(kind, n, k, layout, capsys):
-    tiles = W.default_tiles(kind)
+@pytest.mark.parametrize("shape,tiles", CASES, ids=[f"{s[0]}-{t.tag()}" for s, t in CASES])
+def test_gemm_wgmma_ptx_sm90a(shape, tiles, capsys):
+    kind, n, k, layout = shape
     fn, sig, name = W.build_gemm_wgmma(kind, n, k, layout, tiles)
     ptx = ptx_util.compile_ptx_sm90(fn, sig, cc=ptx_util.SM90A, launch_bounds=(tiles.threads,),
                                     **W.COMPILE_OPTIONS)
