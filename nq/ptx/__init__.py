@@ -18,9 +18,9 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
     async_copy cp_async_cg_shared_global_16 (+ _zfill), cp_async_commit_group, cp_async_wait_group
     mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
-    wgmma     (sm_90a) wgmma_fence, wgmma_commit_group, wgmma_wait_group; the accumulator-
-              carrying wgmma_rs(n) / wgmma_ss(n) / wgmma_fence_acc(n) / wgmma_wait_group_acc(n)
-              factories and the descriptor helpers live in nq.ptx.wgmma
+    (nq.ptx.wgmma, sm_90a only, imported from there: wgmma_fence, wgmma_commit_group,
+     wgmma_wait_group, the accumulator-carrying wgmma_rs(n) / wgmma_ss(n) / wgmma_fence_acc /
+     wgmma_wait_group_acc / wgmma_zero_acc / acc_store_shared factories, the descriptor)
     dp4a      dp4a_s32
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
@@ -44,7 +44,6 @@ from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
                            st_global_v4_u32)
 from nq.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
-from nq.ptx.wgmma import wgmma_commit_group, wgmma_fence, wgmma_wait_group
 from nq.ptx.permute import (LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop3_b32,
                             mov_b32_f32_from_u32, mov_b32_u32_from_f32, prmt_b32)
 
@@ -67,7 +66,6 @@ __all__ = [
     "cp_async_cg_shared_global_16", "cp_async_cg_shared_global_16_zfill",
     "cp_async_commit_group", "cp_async_wait_group",
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
-    "wgmma_fence", "wgmma_commit_group", "wgmma_wait_group",
     "dp4a_s32", "mul_hi_u32",
     "griddepcontrol_wait", "griddepcontrol_launch_dependents",
 ]

@@ -221,8 +221,8 @@ def make_gemm(kind: str, n: int, k: int, layout, configs=DEFAULT_CONFIGS, backen
     (the default: mma.sync, every M) or "wgmma" (sm_90a; nq/kernels/int4/gemm_wgmma.py for
     M > its WGMMA_MIN_M, this mma.sync Gemm below that; same call)."""
     if backend == "wgmma":
-        from nq.kernels.int4.gemm_wgmma import make_gemm_wgmma
-        return make_gemm_wgmma(kind, n, k, layout)
+        from nq.kernels.int4.gemm_wgmma import WgmmaGemm
+        return WgmmaGemm(kind, n, k, layout, small=Gemm(kind, n, k, layout, configs))
     if backend != "mma":
         raise ValueError(f"make_gemm: backend {backend!r} must be 'mma' or 'wgmma'")
     return Gemm(kind, n, k, layout, configs)

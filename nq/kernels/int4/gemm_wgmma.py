@@ -1,7 +1,7 @@
 """The prefill GEMM on wgmma (sm_90a): INT4 weights dequantised in registers as the A operand,
 fp16 activations as B from 128B-swizzled shared memory, fp32 accumulators; same interface and
 epilogues as nq/kernels/int4/gemm.py's mma.sync kernel (which stays the default and the
-small-M path: `make_gemm(..., backend="wgmma")` runs this one for M > WGMMA_MIN_M).
+small-M path: gemm.make_gemm(..., backend="wgmma") runs this one for M > WGMMA_MIN_M).
 
 Why.  mma.sync peaks at ~450 TFLOP/s through numba on the H200 and the mma.sync GEMM reaches
 ~230 (28 layers: 28.5 ms at M = 512, 408 ms at 8192; cuBLAS' wgmma fp16: 9.5 / 161 ms).
@@ -434,16 +434,15 @@ def _flat(a):
 
 
 class WgmmaGemm:
-    """gemm.Gemm's interface: `g(x, qw, sc, [bias,] out, m, stream=0)`; M <= min_m goes to the
-    mma.sync Gemm (`small`), larger M to the wgmma kernel with `tiles`."""
+    """gemm.Gemm's interface: `g(x, qw, sc, [bias,] out, m, stream=0)`.  M <= min_m goes to
+    `small` (gemm.make_gemm(..., backend="wgmma") passes the mma.sync Gemm), larger M -- or
+    every M when small is None -- to the wgmma kernel with `tiles`."""
 
-    def __init__(self, kind, n, k, layout, tiles=None, min_m=WGMMA_MIN_M):
-        from nq.kernels.int4.gemm import make_gemm
+    def __init__(self, kind, n, k, layout, tiles=None, small=None, min_m=WGMMA_MIN_M):
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
         self.tiles = tiles or default_tiles(kind)
         check(kind, n, k, layout, self.tiles)
-        self.min_m = min_m
-        self.small = make_gemm(kind, n, k, layout)
+        self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
 
     def grid(self, m):
@@ -458,12 +457,12 @@ class WgmmaGemm:
 
     def __call__(self, x, qw, sc, *rest, stream=0):
         m = int(rest[-1])
-        if m <= self.min_m:
+        if self.small is not None and m <= self.min_m:
             return self.small(x, qw, sc, *rest, stream=stream)
         bias = rest[0] if self.kind == "qkv" else None
         out = rest[-2]
         kern, name = compiled(self.kind, self.n, self.k, self.layout, self.tiles)
-        if x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
+        if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
             raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
                              f"{tuple(x.shape)} and {tuple(out.shape)}")
         need(x, f"{name} x", np.float16, (x.shape[0], self.k))
@@ -471,16 +470,11 @@ class WgmmaGemm:
         need(sc, f"{name} scales", np.float16, (self.w_rows, self.k // GROUP_SIZE), 2)
         out_t = np.float16 if self.kind == "gate_up" else np.float32
         need(out, f"{name} out", out_t, (out.shape[0], self.n), 4)
-        blocks, band = self.grid(m)
-        args = (_flat(x), _flat(qw), _flat(sc))
         if bias is not None:
             need(bias, f"{name} bias", np.float16, (self.n,), 2)
-            args += (bias,)
+        if m == 0:
+            return
+        grid, band = self.grid(m)
+        args = (_flat(x), _flat(qw), _flat(sc)) + ((bias,) if bias is not None else ())
         t = self.tiles
-        kern[blocks, t.threads, stream, t.smem_bytes()](*args, out, np.int32(m), np.int32(band))
-
-
-@functools.lru_cache(maxsize=None)
-def make_gemm_wgmma(kind: str, n: int, k: int, layout, tiles=None) -> WgmmaGemm:
-    """The wgmma GEMM of one projection shape (sm_90a; M <= WGMMA_MIN_M runs mma.sync)."""
-    return WgmmaGemm(kind, n, k, layout, tiles)
+        kern[grid, t.threads, stream, t.smem_bytes()](*args, out, np.int32(m), np.int32(band))
