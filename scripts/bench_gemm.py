@@ -6,7 +6,7 @@
 
 --wgmma adds, for M > gemm_wgmma.WGMMA_MIN_M, the wgmma kernel's candidate tiles (rows
 "wgmma:<tag>", its default marked "wgmma_default") and a "wgmma" layer line; with --quick only
-its default tiles.
+its default tiles (--wg-all: all of them, with mma.sync's default only).
 
 Per (projection, M, tiles): a batch of C launches, each on its own copy of the weights (C
 copies >= 240 MB, four times the 60 MB L2, so L2 does not hold the next launch's weights),
@@ -179,6 +179,8 @@ def main():
     ap.add_argument("--reps", type=int, default=12, help="timed replays (>= 10)")
     ap.add_argument("--wgmma", action="store_true",
                     help="also time the wgmma kernel (sm_90a) for M > WGMMA_MIN_M")
+    ap.add_argument("--wg-all", action="store_true",
+                    help="with --wgmma: every wgmma candidate tiling, even with --quick")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     rng = np.random.default_rng(0)
@@ -193,7 +195,7 @@ def main():
             candidates = list(dict.fromkeys(default.pick(m)[0] for m in ms))
         wg = []
         if args.wgmma:
-            wg = [W.default_tiles(kind)] if args.quick else WG_CANDIDATES
+            wg = [W.default_tiles(kind)] if args.quick and not args.wg_all else WG_CANDIDATES
         results["rows"].extend(bench_projection(kind, ms, candidates, max(args.reps, 10), rng,
                                                 wg))
     layer = {}
