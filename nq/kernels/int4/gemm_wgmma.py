@@ -43,8 +43,16 @@ fragments are dequantised; it retires chunk c - 1, so the A registers it read ar
 chunk 0 of group s, every read of group s - 1's buffer but the last chunk's -- hence the
 refill goes to group s - 2's buffer, which every warpgroup has retired by the barrier.
 
-Registers (ptxas sm_90a, reported by tests/kernels/int4/test_gemm_wgmma_cpu.py): bt/2 * ta
-accumulators (128 in WG_WIDE) + 2 chunks of ta fragments + the group's words.
+Registers (ptxas sm_90a, CUDA 13.0, 7B shapes; tests/kernels/int4/test_gemm_wgmma_cpu.py
+prints them): WG_WIDE 224-228 (128 of them accumulators), WG_TALL 146; no spills, no local
+memory, and no "wgmma serialized" note (ptxas serialises every wgmma of a kernel that holds a
+call -- a 64-bit division or an IEEE fp32 division is one -- hence the (band, NB, bands) grid
+and fastmath's div.approx in SwiGLU).  The accumulators never see a runtime index: zeroed and
+stored to shared memory by single asm blocks (nq/ptx/wgmma.py), since LLVM does not unroll
+128-iteration loops and would demote them to local memory.
+
+M <= WGMMA_MIN_M (64; speculative verification's 4-16 tokens included) runs the mma.sync
+kernel's SMALL / MEDIUM tiles unchanged: a 128-token wgmma tile would compute mostly padding.
 
 Floor and prediction (written before the H200 ran it, 2026-12-01): the tensor pipe at
 cuBLAS's ~750 TFLOP/s (its best 7B shapes here) is the floor: 28 layers ~9 ms at M = 512,
