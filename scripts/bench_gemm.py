@@ -2,6 +2,11 @@
 512, 2048, 8192 tokens, each candidate tile configuration, and cuBLAS fp16 as the peer.
 
     source scripts/h200_env.sh && python3 scripts/bench_gemm.py --json $OUT/bench_gemm.json
+    ... --quick --wgmma      # + the wgmma kernel (gemm_wgmma.py, sm_90a) beside mma.sync
+
+--wgmma adds, for M > gemm_wgmma.WGMMA_MIN_M, the wgmma kernel's candidate tiles (rows
+"wgmma:<tag>", its default marked "wgmma_default") and a "wgmma" layer line; with --quick only
+its default tiles (--wg-all: all of them, with mma.sync's default only).
 
 Per (projection, M, tiles): a batch of C launches, each on its own copy of the weights (C
 copies >= 240 MB, four times the 60 MB L2, so L2 does not hold the next launch's weights),
@@ -27,6 +32,7 @@ from numba import cuda  # noqa: E402
 
 from nq.config import PRESETS  # noqa: E402
 from nq.kernels.int4 import gemm as M  # noqa: E402
+from nq.kernels.int4 import gemm_wgmma as W  # noqa: E402
 
 try:
     import torch
@@ -45,6 +51,10 @@ CANDIDATES = [M.SMALL, M.MEDIUM, M.LARGE,
               M.Tiles(2, 8, 4, 2, 1, 4),     # LARGE with a fourth stage (160 KB)
               M.Tiles(2, 8, 4, 1, 1, 4),     # 128 x 64 with 4 warps: two blocks an SM
               M.Tiles(2, 8, 2, 2, 1, 4)]     # 64 x 128 with 4 warps: two blocks an SM
+WG_CANDIDATES = [W.WG_WIDE, W.WG_TALL,
+                 W.WgTiles(1, 2, 64, 4),       # 128 rows x 64 tokens: more blocks at M = 512
+                 W.WgTiles(2, 1, 128, 4),      # one warpgroup, 128 rows: two blocks an SM
+                 W.WgTiles(2, 2, 64, 4)]       # 256 rows x 64 tokens
 ROTATE_BYTES = 240 << 20
 
 
@@ -95,7 +105,7 @@ def random_device(shape, dtype, rng):
     return cuda.to_device((rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(dtype))
 
 
-def bench_projection(kind, ms, candidates, reps, rng):
+def bench_projection(kind, ms, candidates, reps, rng, wg_candidates=()):
     n, k, layout, rows = PROJECTIONS[kind]
     wbytes = rows * k // 2 + rows * (k // 128) * 2
     copies = max(1, min(40, -(-ROTATE_BYTES // wbytes)))
@@ -126,6 +136,27 @@ def bench_projection(kind, ms, candidates, reps, rng):
             rows_out.append(row)
             log(f"{kind:8s} M={m:5d} {tiles.tag():16s}{' *' if row['default'] else '  '} "
                 f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s")
+        for tiles in wg_candidates:
+            if m <= W.WGMMA_MIN_M:
+                continue                       # the launcher runs mma.sync there
+            try:
+                W.check(kind, n, k, layout, tiles)
+            except ValueError:
+                continue                       # e.g. gate_up needs ta = 2
+            g = W.WgmmaGemm(kind, n, k, layout, tiles)
+            extra = (bias,) if kind == "qkv" else ()
+
+            def batch(stream, g=g, m=m, x=x, out=out, extra=extra):
+                for qw, sc in weights:
+                    g(x, qw, sc, *extra, out, m, stream=stream)
+            t = median_time(batch, reps) / copies
+            wdef = tiles == W.default_tiles(kind)
+            row = {"kind": kind, "m": m, "n": rows, "k": k, "tiles": "wgmma:" + tiles.tag(),
+                   "default": False, "wgmma_default": wdef, "ms": t * 1e3,
+                   "tflops": flop / t * 1e-12, "weight_copies": copies}
+            rows_out.append(row)
+            log(f"{kind:8s} M={m:5d} {'wgmma:' + tiles.tag():16s}{' *' if wdef else '  '} "
+                f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s")
         if torch is not None:
             xt = torch.randn(m, k, device="cuda", dtype=torch.float16)
             wt = torch.randn(rows, k, device="cuda", dtype=torch.float16) * 0.02
@@ -146,6 +177,10 @@ def main():
     ap.add_argument("--kinds", default=",".join(PROJECTIONS), help="projections to time")
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--reps", type=int, default=12, help="timed replays (>= 10)")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also time the wgmma kernel (sm_90a) for M > WGMMA_MIN_M")
+    ap.add_argument("--wg-all", action="store_true",
+                    help="with --wgmma: every wgmma candidate tiling, even with --quick")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     rng = np.random.default_rng(0)
@@ -158,10 +193,15 @@ def main():
         if args.quick:
             default = M.make_gemm(kind, *PROJECTIONS[kind][:3])
             candidates = list(dict.fromkeys(default.pick(m)[0] for m in ms))
-        results["rows"].extend(bench_projection(kind, ms, candidates, max(args.reps, 10), rng))
+        wg = []
+        if args.wgmma:
+            wg = [W.default_tiles(kind)] if args.quick and not args.wg_all else WG_CANDIDATES
+        results["rows"].extend(bench_projection(kind, ms, candidates, max(args.reps, 10), rng,
+                                                wg))
     layer = {}
     for m in ms:
         for label, pick in (("nq", lambda r: r["default"]),
+                            ("wgmma", lambda r: r.get("wgmma_default", False)),
                             ("cublas_fp16", lambda r: r["tiles"] == "cublas_fp16")):
             rs = [r for r in results["rows"] if r["m"] == m and pick(r)]
             if len(rs) == len(args.kinds.split(",")):

@@ -20,10 +20,12 @@ from types import SimpleNamespace
 from unittest import mock
 
 SM90 = (9, 0)
+SM90A = (9, 0, "a")
 
 
-def compile_ptx_sm90(pyfunc, sig, **kw) -> str:
-    """PTX of pyfunc (a plain Python function, or a @cuda.jit dispatcher) for sm_90.
+def compile_ptx_sm90(pyfunc, sig, cc=SM90, **kw) -> str:
+    """PTX of pyfunc (a plain Python function, or a @cuda.jit dispatcher) for sm_90 (cc=SM90A:
+    sm_90a, which wgmma needs).
 
     kw goes to numba.cuda.compile_ptx (device=, fastmath=, lineinfo=, ...).
     """
@@ -33,7 +35,7 @@ def compile_ptx_sm90(pyfunc, sig, **kw) -> str:
     pyfunc = getattr(pyfunc, "py_func", pyfunc)
     fake = SimpleNamespace(compute_capability=SM90, id=0, name=b"offline sm_90 stub")
     with mock.patch.object(dispatcher, "get_current_device", lambda: fake):
-        ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=SM90, **kw)
+        ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=cc, **kw)
     return ptx
 
 
@@ -94,8 +96,13 @@ def have_ptxas() -> bool:
         return bool(shutil.which("ptxas")) or Path("/usr/local/cuda/bin/ptxas").exists()
 
 
+def _arch(ptx: str) -> str:
+    m = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    return m.group(1) if m else "sm_90"
+
+
 def ptxas_log(ptx: str) -> str:
-    """ptxas's verbose report for sm_90: nvJitLink from pip first, else a ptxas on PATH.
+    """ptxas's verbose report for the PTX's .target (sm_90 or sm_90a): nvJitLink from pip first, else a ptxas on PATH.
 
     nvJitLink (cuda.core's Linker) must be at least as new as the NVVM that wrote the PTX; a
     ptxas older than the PTX `.version` is fed the PTX with its version line lowered to 9.0
@@ -105,7 +112,7 @@ def ptxas_log(ptx: str) -> str:
         from cuda.core import Linker, LinkerOptions, ObjectCode
 
         linker = Linker(ObjectCode.from_ptx(ptx.encode()),
-                        options=LinkerOptions(arch="sm_90", verbose=True))
+                        options=LinkerOptions(arch=_arch(ptx), verbose=True))
         linker.link("cubin")
         return linker.get_info_log()
     except ImportError:
@@ -116,7 +123,7 @@ def ptxas_log(ptx: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, count=1, flags=re.M))
-        out = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        out = subprocess.run([ptxas, f"-arch={_arch(ptx)}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
                              capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"ptxas failed:\n{out.stderr}")

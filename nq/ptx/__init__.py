@@ -18,6 +18,9 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
     async_copy cp_async_cg_shared_global_16 (+ _zfill), cp_async_commit_group, cp_async_wait_group
     mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
+    (nq.ptx.wgmma, sm_90a only, imported from there: wgmma_fence, wgmma_commit_group,
+     wgmma_wait_group, the accumulator-carrying wgmma_rs(n) / wgmma_ss(n) / wgmma_fence_acc /
+     wgmma_wait_group_acc / wgmma_zero_acc / acc_store_shared factories, the descriptor)
     dp4a      dp4a_s32
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)

@@ -125,18 +125,19 @@ class _Exchange:
         self.slots = [None] * lanes
 
 
-def warp_exchange(value) -> list:
-    """Rendezvous of the caller's warp in the simulator: every lane's value, by lane."""
+def warp_exchange(value, size: int = 32) -> list:
+    """Rendezvous of the caller's warp in the simulator: every lane's value, by lane.  size=128
+    is the warpgroup (wgmma): four consecutive warps, threads 128j .. 128j+127."""
     t = threading.current_thread()
     try:
         tid, manager, block = t.thread_id, t._manager, tuple(t.blockIdx)
     except AttributeError:
         raise RuntimeError("warp-collective twins run only inside a simulated kernel") from None
     nthreads = int(np.prod(manager._block_dim))
-    warp, lane = divmod(tid, 32)
-    lanes = min(32, nthreads - 32 * warp)
+    warp, lane = divmod(tid, size)
+    lanes = min(size, nthreads - size * warp)
     with _lock:
-        ex = _warps.setdefault((id(manager), block, warp), _Exchange(lanes))
+        ex = _warps.setdefault((id(manager), block, warp, size), _Exchange(lanes))
     ex.slots[lane] = value
     ex.barrier.wait()
     values = list(ex.slots)

@@ -228,7 +228,14 @@ class Gemm:
 
 
 @functools.lru_cache(maxsize=None)
-def make_gemm(kind: str, n: int, k: int, layout, configs=DEFAULT_CONFIGS) -> Gemm:
+def make_gemm(kind: str, n: int, k: int, layout, configs=DEFAULT_CONFIGS, backend="mma"):
     """The GEMM of one projection shape (compiled once per process): kind in KINDS, n output
-    features (gate_up: I), k input features, layout "mma" or ("rows", ks)."""
+    features (gate_up: I), k input features, layout "mma" or ("rows", ks).  backend "mma"
+    (the default: mma.sync, every M) or "wgmma" (sm_90a; nq/kernels/int4/gemm_wgmma.py for
+    M > its WGMMA_MIN_M, this mma.sync Gemm below that; same call)."""
+    if backend == "wgmma":
+        from nq.kernels.int4.gemm_wgmma import WgmmaGemm
+        return WgmmaGemm(kind, n, k, layout, small=Gemm(kind, n, k, layout, configs))
+    if backend != "mma":
+        raise ValueError(f"make_gemm: backend {backend!r} must be 'mma' or 'wgmma'")
     return Gemm(kind, n, k, layout, configs)

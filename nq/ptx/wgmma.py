@@ -1,0 +1,430 @@
+"""Hopper warpgroup MMA (sm_90a only): wgmma.mma_async m64nNk16 fp16 -> fp32, its fence,
+commit and wait, and the shared-memory matrix descriptor.
+
+mma.sync peaks at ~450 TFLOP/s through numba on the H200 (DEVICE.md); cuBLAS reaches 634+ with
+`wgmma.mma_async`.  A wgmma is issued by a *warpgroup* (4 consecutive warps, threads 128j ..
+128j+127, all converged) and computes D (64 x N, fp32) = A (64 x 16) . B (16 x N) (+ D), with
+B always in shared memory, named by a 64-bit descriptor, and A either in registers ("rs") or
+in shared memory ("ss").  It runs asynchronously:
+
+    wgmma_fence()             before the first wgmma, and after registers that a wgmma reads
+                              (A fragments, accumulators) were written by other instructions
+    wgmma_m64n{N}k16_..(...)  any number, accumulating into the same registers
+    wgmma_commit_group()      closes the wgmmas issued since the last commit into a group
+    wgmma_wait_group(n, acc)  blocks until at most n groups are pending; only then may the
+                              accumulators and the A registers of the retired groups be touched
+
+These exist only on the arch-specific target sm_90a (numba-cuda adds the "a" on a cc 9.0
+device; offline compile with cc=(9, 0, "a")).
+
+Fragments (g = lane // 4, t = lane % 4, w = warp of the warpgroup):
+    A in registers: warp w holds rows 16w .. 16w+15 exactly as an mma.m16n8k16 A fragment
+        (nq/ptx/mma.py: a0 = A[16w+g, 2t:2t+2], a1 = A[16w+g+8, 2t:2t+2], a2, a3 the same at
+        columns 2t+8) -- so the INT4 "mma" layout's dequantised words feed it unchanged.
+    D: acc[4i + 0, 1] = D[16w+g, 8i+2t (+1)], acc[4i + 2, 3] = D[16w+g+8, 8i+2t (+1)],
+        i = 0 .. N/8-1: N/2 fp32 a thread.
+The accumulators live in a `cuda.local.array(N/2 or more, float32)` passed by the caller; the
+wrappers load them, tie them to the instruction's "+f" operands and store them back, so after
+inlining and SROA they are registers (never index that array with a runtime value, or it goes
+to local memory and ptxas serialises the wgmmas).
+
+Shared-memory layout of a K-major operand (B: N rows x 16 k, each row's k contiguous; A in
+"ss": 64 rows x 16 k), as the descriptor names it (`smem_offset` is the model):
+    swizzle NONE: 8 x 8 "core matrices" of 128 contiguous bytes (row r at 16 r); the core
+        matrix of rows 8i.., k 8j.. at start + i * SBO + j * LBO.
+    swizzle 128B / 64B / 32B: rows of W = 128 / 64 / 32 bytes (W/2 k of a row), row r of each
+        8-row atom at r * W, atoms SBO apart; the 16-byte chunk bits [4, 4+b) of every address
+        XORed with bits [7, 7+b) (b = 3 / 2 / 1), i.e. the pattern repeats every 1024 / 512 /
+        256 bytes of *absolute* shared address (align the buffer to that).  The k16 step j of
+        a row starts 32 j bytes in (advance the descriptor's start by 32 j; LBO is unused).
+
+Descriptor (`desc_hi` + `desc_lo`; the PTX ISA's "matrix descriptor"): bits 0-13 start address
+>> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (0: atoms aligned), 62-63 swizzle
+(0 none, 1 128B, 2 64B, 3 32B).  The constant high part is built on the host; a kernel ORs in
+`(addr >> 4) & 0x3FFF` for each stage and k step.
+
+The twins (simulator) are synchronous: a wgmma's product is computed when it is issued (from
+every thread of the warpgroup's operands, via nq/ptx/_sim.warp_exchange with size 128) and
+written to acc at once, and fence/commit/wait do nothing.  So the simulator checks the data
+movement (descriptors, swizzles, fragments), not the asynchrony: a kernel that reads an
+accumulator before its wait passes there and fails on the GPU.  That part is checked by the
+GPU tests and by ptxas (which serialises, and says so in its -v log, a pipeline it cannot
+prove correct).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.errors import TypingError
+
+from nq.ptx import _sim
+from nq.ptx._asm import SIMULATOR, ptx
+
+SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
+SWIZZLE_ROW_BYTES = {SWIZZLE_128B: 128, SWIZZLE_64B: 64, SWIZZLE_32B: 32}
+SWIZZLE_BITS = {SWIZZLE_NONE: 0, SWIZZLE_128B: 3, SWIZZLE_64B: 2, SWIZZLE_32B: 1}
+N_SHAPES = (8, 16, 32, 64, 96, 128, 192, 256)
+
+
+# ---- the descriptor ------------------------------------------------------------------------------
+
+def desc_hi(lbo: int, sbo: int, swizzle: int, base_offset: int = 0) -> int:
+    """The address-independent bits of a matrix descriptor (a Python int; use it as a constant
+    in the kernel): LBO, SBO in bytes (multiples of 16, < 2^18), swizzle mode, base offset."""
+    for name, v in (("LBO", lbo), ("SBO", sbo)):
+        if v % 16 or not 0 <= v < 1 << 18:
+            raise ValueError(f"wgmma descriptor: {name}={v} must be a multiple of 16 below 2^18")
+    if swizzle not in SWIZZLE_BITS or not 0 <= base_offset < 8:
+        raise ValueError(f"wgmma descriptor: swizzle {swizzle} must be 0-3, base offset 0-7")
+    return ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (base_offset << 49) | (swizzle << 62)
+
+
+def desc_lo(addr):
+    """The start-address field of a descriptor for shared address addr (16-byte aligned)."""
+    return (addr >> 4) & 0x3FFF
+
+
+def desc_fields(desc: int) -> tuple[int, int, int, int]:
+    """(start address, LBO, SBO, swizzle) in bytes of a descriptor (the twins' decoder)."""
+    desc = int(desc)
+    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4,
+            (desc >> 62) & 3)
+
+
+def smem_offset(row, k, lbo: int, sbo: int, swizzle: int, start: int = 0):
+    """Shared byte address of element (row, k) (k < 16) of the K-major fp16 operand a
+    descriptor (start, lbo, sbo, swizzle) names: the layout model of the module doc.  Works on
+    NumPy integer arrays too."""
+    row = np.asarray(row, np.int64)
+    k = np.asarray(k, np.int64)
+    if swizzle == SWIZZLE_NONE:
+        return start + (row // 8) * sbo + (k // 8) * lbo + (row % 8) * 16 + (k % 8) * 2
+    width, bits = SWIZZLE_ROW_BYTES[swizzle], SWIZZLE_BITS[swizzle]
+    u = start + (row // 8) * sbo + (row % 8) * width + k * 2
+    return u ^ (((u >> 7) & ((1 << bits) - 1)) << 4)
+
+
+def read_operand(desc, rows: int) -> np.ndarray:
+    """(rows, 16) float64: the K-major fp16 operand a descriptor names, read from simulated
+    shared memory (nq/ptx/_sim)."""
+    start, lbo, sbo, sw = desc_fields(desc)
+    r, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+    addrs = smem_offset(r, k, lbo, sbo, sw, start)
+    lo, hi = int(addrs.min()), int(addrs.max()) + 2
+    window = _sim.shared_bytes(lo, hi - lo)
+    assert (addrs % 2 == 0).all()
+    out = np.empty((rows, 16), np.float64)
+    flat = (addrs - lo).reshape(-1)
+    vals = window[flat].astype(np.uint16) | (window[flat + 1].astype(np.uint16) << 8)
+    out[:] = vals.view(np.float16).astype(np.float64).reshape(rows, 16)
+    return out
+
+
+# ---- fence, commit, wait ---------------------------------------------------------------------------
+
+@ptx("wgmma.fence.sync.aligned;", effect="memory")
+def wgmma_fence():
+    """`wgmma.fence.sync.aligned;` -- order this warpgroup's earlier register writes (A
+    fragments, accumulators) and shared-memory accesses before the wgmmas that follow.
+    Warpgroup-collective (all 128 threads, converged).  Twin: nothing to order."""
+
+
+@ptx("wgmma.commit_group.sync.aligned;", effect="memory")
+def wgmma_commit_group():
+    """`wgmma.commit_group.sync.aligned;` -- close the wgmmas issued since the last commit into
+    one wgmma-group.  Twin: nothing (the twins run each wgmma at once)."""
+
+
+# ---- the accumulator-carrying intrinsics ------------------------------------------------------------
+
+def _acc_intrinsic(name, nacc, template, kinds, doc, twin, off=0):
+    """An intrinsic (on the GPU) or the twin (simulator): `name(acc, *args)` where acc is a
+    float32 array whose elements off..off+nacc-1 are tied "+f" operands $0..$(nacc-1) of template;
+    args follow as $nacc.. with kinds "u32", "u64", "s32" or "imm" (spliced)."""
+    twin.__name__ = twin.__qualname__ = name
+    twin.__doc__ = doc
+    twin.twin = twin
+    twin.ptx_template = template
+    if SIMULATOR:
+        return twin
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    regs = {"u32": (types.uint32, "r"), "s32": (types.int32, "r"), "u64": (types.uint64, "l")}
+
+    def typer(typingctx, acc, *argtys):
+        if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+            raise TypingError(f"{name}: the accumulator must be a 1-d float32 array "
+                              f"(cuda.local.array), got {acc}")
+        if len(argtys) != len(kinds):
+            raise TypingError(f"{name}: {len(kinds)} arguments after acc, got {len(argtys)}")
+        sig = [acc]
+        for i, (k, t) in enumerate(zip(kinds, argtys)):
+            if k == "imm":
+                if not isinstance(t, types.IntegerLiteral):
+                    raise TypingError(f"{name}: argument {i + 1} must be a compile-time "
+                                      f"integer constant, got {t}")
+                sig.append(t)
+            else:
+                if not isinstance(t, (types.Integer, types.Boolean)):
+                    raise TypingError(f"{name}: argument {i + 1} must be an integer, got {t}")
+                sig.append(regs[k][0])
+        return types.void(*sig), codegen
+
+    def codegen(context, builder, sig, llargs):
+        f32 = ir.FloatType()
+        arr = context.make_array(sig.args[0])(context, builder, value=llargs[0])
+        ptrs = [cgutils.gep_inbounds(builder, arr.data, off + j) for j in range(nacc)]
+        operands = [builder.load(p) for p in ptrs]
+        constraints = ["=f"] * nacc + [str(j) for j in range(nacc)]
+        text = {}
+        reg = 2 * nacc if nacc else 0
+        for i, k in enumerate(kinds):
+            if k == "imm":
+                text[nacc + i] = str(int(sig.args[i + 1].literal_value))
+            else:
+                operands.append(llargs[i + 1])
+                constraints.append(regs[k][1])
+                text[nacc + i] = f"${reg}"
+                reg += 1
+        for j in range(nacc):
+            text[j] = f"${j}"
+        body = _OPERAND.sub(lambda m: text[int(m.group(1))], template)
+        constraints.append("~{memory}")
+        outty = ir.LiteralStructType([f32] * nacc) if nacc > 1 else (f32 if nacc else
+                                                                      ir.VoidType())
+        fnty = ir.FunctionType(outty, [v.type for v in operands])
+        asm = ir.InlineAsm(fnty, body, ",".join(constraints), side_effect=True)
+        res = builder.call(asm, operands, attrs=("nounwind", "convergent"))
+        if nacc == 1:
+            builder.store(res, ptrs[0])
+        else:
+            for j in range(nacc):
+                builder.store(builder.extract_value(res, j), ptrs[j])
+        return context.get_dummy_value()
+
+    params = [inspect.Parameter("typingctx", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("acc", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f"arg{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for i in range(len(kinds))]
+    typer.__signature__ = inspect.Signature(params)
+    typer.__name__ = typer.__qualname__ = name
+    typer.__module__ = __name__
+    typer.__doc__ = doc
+    intr = intrinsic(typer)
+    try:
+        intr.__qualname__ = name      # the kernel cache names closure values by qualname
+    except AttributeError:
+        pass
+    intr.twin = twin
+    intr.ptx_template = template
+    return intr
+
+
+_OPERAND = re.compile(r"%(\d+)")
+
+
+def _acc_list(n):
+    return ", ".join(f"%{j}" for j in range(n))
+
+
+def _wait_twin(acc, n):
+    return None
+
+
+def wgmma_wait_group_acc(nacc: int):
+    """The `wgmma.wait_group.sync.aligned n;` intrinsic that also ties acc[0:nacc]: code that
+    reads the accumulators after it cannot be moved above it (the plain wait ties nothing)."""
+    return _make_cached(("wait", nacc), lambda: _acc_intrinsic(
+        f"wgmma_wait_group_acc{nacc}", nacc, "wgmma.wait_group.sync.aligned %" + str(nacc) + ";",
+        ("imm",),
+        f"`wgmma.wait_group.sync.aligned n;` with acc[0:{nacc}] tied as in/out operands: "
+        f"wait until at most n wgmma-groups of this warpgroup are pending.  Call as "
+        f"wait(acc, n), n a compile-time constant.  Twin: nothing (wgmmas ran at once).",
+        lambda acc, n: None))
+
+
+def wgmma_fence_acc(nacc: int):
+    """`wgmma.fence.sync.aligned;` tying acc[0:nacc] (the accumulator's initial values are
+    then written before the fence, as the PTX ISA asks)."""
+    return _make_cached(("fence", nacc), lambda: _acc_intrinsic(
+        f"wgmma_fence_acc{nacc}", nacc, "wgmma.fence.sync.aligned;", (),
+        f"`wgmma.fence.sync.aligned;` with acc[0:{nacc}] tied as in/out operands, so that "
+        f"their earlier writes stay before it.  Call as fence(acc).  Twin: nothing.",
+        lambda acc: None))
+
+
+def wgmma_zero_acc(nacc: int):
+    """acc[0:nacc] = 0 as one asm block of `mov.b32 r, 0;` (a loop of nacc stores that LLVM
+    does not unroll would put the accumulators in local memory).  Call as zero(acc).  Twin:
+    the same in Python."""
+    def twin(acc):
+        for j in range(nacc):
+            acc[j] = 0.0
+    body = "\n".join(f"mov.b32 %{j}, 0;" for j in range(nacc))
+    return _make_cached(("zero", nacc), lambda: _acc_intrinsic(
+        f"wgmma_zero_acc{nacc}", nacc, body, (),
+        f"acc[0:{nacc}] = 0.0 in registers (one asm block).  Call as zero(acc).", twin))
+
+
+def acc_store_shared(offsets: tuple):
+    """`st.shared.f32 [addr + offsets[j]], acc[j];` for every j, one asm block: the
+    accumulators to shared memory at constant offsets (a loop over them that LLVM does not
+    unroll would put them in local memory).  Call as store(acc, addr), addr a shared address
+    (u32).  Twin: the same stores into simulated shared memory."""
+    offsets = tuple(int(o) for o in offsets)
+    nacc = len(offsets)
+
+    def twin(acc, addr):
+        for j, off in enumerate(offsets):
+            _sim.shared_bytes(int(addr) + off, 4).view(np.float32)[0] = acc[j]
+    body = "\n".join(f"st.shared.f32 [%{nacc}+{off}], %{j};" for j, off in enumerate(offsets))
+    return _make_cached(("store", offsets), lambda: _acc_intrinsic(
+        f"acc_store_shared{nacc}_{abs(hash(offsets)) % 10**8}", nacc, body, ("u32",),
+        f"st.shared.f32 of acc[0:{nacc}] at constant offsets from a shared address.", twin))
+
+
+@ptx("wgmma.wait_group.sync.aligned %0;", args=("imm",), effect="memory")
+def wgmma_wait_group(n):
+    """`wgmma.wait_group.sync.aligned n;` -- wait until at most n of this warpgroup's
+    wgmma-groups are pending (n a compile-time constant).  Ties no register: prefer
+    wgmma_wait_group_acc(nacc) before reading accumulators.  Twin: nothing."""
+
+
+_cache: dict = {}
+
+
+def _make_cached(key, make):
+    if key not in _cache:
+        _cache[key] = make()
+    return _cache[key]
+
+
+# ---- the MMA ------------------------------------------------------------------------------------
+
+def _f16(u32, half):
+    return float(np.array((int(u32) >> (16 * half)) & 0xFFFF, np.uint16).view(np.float16))
+
+
+def a_fragment_coords(thread: int, reg: int, half: int) -> tuple[int, int]:
+    """(row, k) in the 64 x 16 A of half `half` of register a{reg} of warpgroup thread
+    `thread` (0..127)."""
+    w, lane = divmod(thread, 32)
+    g, t = divmod(lane, 4)
+    return 16 * w + g + 8 * (reg & 1), 2 * t + half + 8 * (reg >> 1)
+
+
+def d_coords(thread: int, j: int) -> tuple[int, int]:
+    """(row, column) in the 64 x N D of accumulator j of warpgroup thread `thread`."""
+    w, lane = divmod(thread, 32)
+    g, t = divmod(lane, 4)
+    i, r = divmod(j, 4)
+    return 16 * w + g + 8 * (r >> 1), 8 * i + 2 * t + (r & 1)
+
+
+def wgmma_group_model(n: int, a, b, d, scale_d) -> np.ndarray:
+    """Whole-warpgroup model (tests, twins): a (64, 16), b (N, 16) as K-major rows, d (128,
+    N/2) float32 accumulators by thread -> the new (128, N/2): A . B^T (+ D if scale_d)."""
+    D = np.zeros((64, n))
+    for th in range(128):
+        for j in range(n // 2):
+            D[d_coords(th, j)] = float(d[th][j])
+    P = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T + (D if scale_d else 0.0)
+    return np.array([[P[d_coords(th, j)] for j in range(n // 2)] for th in range(128)],
+                    np.float32)
+
+
+def _mma_twin(n, from_regs, off):
+    def twin(acc, *args):
+        if from_regs:
+            a0, a1, a2, a3, desc_b, scale_d = args
+            mine = ((a0, a1, a2, a3), None, int(desc_b), int(scale_d))
+        else:
+            desc_a, desc_b, scale_d = args
+            mine = (None, int(desc_a), int(desc_b), int(scale_d))
+        d = [float(acc[off + j]) for j in range(n // 2)]
+        everyone = _sim.warp_exchange((mine, d), size=128)
+        assert len(everyone) == 128, "wgmma needs a whole warpgroup (128 threads)"
+        th = threading_thread_id() % 128
+        ops = [e[0] for e in everyone]
+        assert len({o[2] for o in ops}) == 1 and len({o[3] for o in ops}) == 1, \
+            "wgmma: the warpgroup's threads disagree on the B descriptor or scale-d"
+        if from_regs:
+            a = np.zeros((64, 16))
+            for t2, o in enumerate(ops):
+                for reg in range(4):
+                    for half in range(2):
+                        a[a_fragment_coords(t2, reg, half)] = _f16(o[0][reg], half)
+        else:
+            assert len({o[1] for o in ops}) == 1, "wgmma: threads disagree on the A descriptor"
+            a = read_operand(mine[1], 64)
+        b = read_operand(mine[2], n)
+        out = wgmma_group_model(n, a, b, [e[1] for e in everyone], mine[3])[th]
+        for j in range(n // 2):
+            acc[off + j] = out[j]
+    return twin
+
+
+def threading_thread_id() -> int:
+    return threading.current_thread().thread_id
+
+
+def _make_mma(n, from_regs, off):
+    nacc = n // 2
+    acc = "{" + _acc_list(nacc) + "}"
+    if from_regs:
+        a = f"{{%{nacc}, %{nacc + 1}, %{nacc + 2}, %{nacc + 3}}}"
+        b, sd = f"%{nacc + 4}", f"%{nacc + 5}"
+        kinds = ("u32",) * 4 + ("u64", "s32")
+        tail = "1, 1, 0"          # scale-a, scale-b, trans-b (B K-major)
+        form, call = "rs", "(acc, a0, a1, a2, a3, desc_b, scale_d)"
+    else:
+        a = f"%{nacc}"
+        b, sd = f"%{nacc + 1}", f"%{nacc + 2}"
+        kinds = ("u64", "u64", "s32")
+        tail = "1, 1, 0, 0"       # scale-a, scale-b, trans-a, trans-b (both K-major)
+        form, call = "ss", "(acc, desc_a, desc_b, scale_d)"
+    template = ("{\n.reg .pred p;\nsetp.ne.b32 p, " + sd + ", 0;\n"
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {acc}, {a}, {b}, p, "
+                f"{tail};\n}}")
+    name = f"wgmma_m64n{n}k16_f32_f16_{form}" + (f"_acc{off}" if off else "")
+    doc = (f"`wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16` {call}: "
+           f"acc[{off}:{off + nacc}] = A . B (+ acc when scale_d != 0), A 64 x 16 fp16 "
+           + ("from registers (a0..a3: this thread's mma.m16n8k16-style fragment of its warp's "
+              "16 rows)" if from_regs else "from shared memory (descriptor desc_a, K-major)")
+           + f", B {n} x 16 K-major in shared memory (descriptor desc_b).  Asynchronous: "
+           f"wgmma_fence before, commit and wait before reading acc (module doc).  "
+           f"Warpgroup-collective.  Twin: computes at once (not the asynchrony).")
+    return _acc_intrinsic(name, nacc, template, kinds, doc, _mma_twin(n, from_regs, off), off)
+
+
+def wgmma_rs(n: int, acc_offset: int = 0):
+    """The register-A wgmma wrapper of width N (a multiple of 8, 8..256), accumulating into
+    acc[acc_offset : acc_offset + N/2] (several tiles' accumulators in one local array)."""
+    _check_n(n)
+    return _make_cached(("rs", n, acc_offset), lambda: _make_mma(n, True, acc_offset))
+
+
+def wgmma_ss(n: int, acc_offset: int = 0):
+    """The shared-A wgmma wrapper of width N (a multiple of 8, 8..256), accumulating into
+    acc[acc_offset : acc_offset + N/2]."""
+    _check_n(n)
+    return _make_cached(("ss", n, acc_offset), lambda: _make_mma(n, False, acc_offset))
+
+
+def _check_n(n):
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma: N={n} must be a multiple of 8 in 8..256")
+
+
+# The shapes a kernel imports by name (numba freezes module globals as constants).
+wgmma_m64n64k16_f32_f16_rs = wgmma_rs(64)
+wgmma_m64n128k16_f32_f16_rs = wgmma_rs(128)
+wgmma_m64n256k16_f32_f16_rs = wgmma_rs(256)
+wgmma_m64n64k16_f32_f16_ss = wgmma_ss(64)
+wgmma_m64n128k16_f32_f16_ss = wgmma_ss(128)
