@@ -31,6 +31,11 @@ from __future__ import annotations
 import numpy as np
 
 DEFAULT_CHUNK = 2048
+# The projections' GEMM: "wgmma" (sm_90a, nq/kernels/int4/gemm_wgmma.py) for M > 64 and the
+# mma.sync kernel below that; "mma" for mma.sync at every M.  H200, 2026-12-01, 28 layers of
+# the 7B's projections (scripts/bench_gemm.py --quick --wgmma): 19.98 ms at M = 512 against
+# 28.53 on mma.sync, 276.6 ms at 8192 against 408.8 (cuBLAS fp16: 9.41 / 161.1).
+GEMM_BACKEND = "wgmma"
 
 
 def layout_of(gemv) -> object:
@@ -50,7 +55,7 @@ def workspace_bytes(cfg, chunk: int) -> int:
 class Prefill:
     """The prefill of one engine: its chunk workspaces and launchers, built once."""
 
-    def __init__(self, eng, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, eng, chunk: int = DEFAULT_CHUNK, gemm_backend: str = GEMM_BACKEND):
         from numba import cuda
 
         from nq.kernels import rows
@@ -71,10 +76,10 @@ class Prefill:
         self.a = cuda.device_array((C, I), np.float16)               # SwiGLU output
         g = gemvs(c)   # the decode tilings fix the uploaded layouts the GEMMs read
         self.gemm = {
-            "qkv": make_gemm("qkv", c.qkv_size, H, layout_of(g["qkv"])),
-            "o_proj": make_gemm("o_proj", H, c.q_size, layout_of(g["o_proj"])),
-            "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"])),
-            "down": make_gemm("down", H, I, layout_of(g["down"])),
+            "qkv": make_gemm("qkv", c.qkv_size, H, layout_of(g["qkv"]), backend=gemm_backend),
+            "o_proj": make_gemm("o_proj", H, c.q_size, layout_of(g["o_proj"]), backend=gemm_backend),
+            "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"]), backend=gemm_backend),
+            "down": make_gemm("down", H, I, layout_of(g["down"]), backend=gemm_backend),
         }
         for gemm in self.gemm.values():   # the tiles a first start compiled: loaded now
             gemm.load_cached()

@@ -8,7 +8,9 @@ in on first touch.  Measured on the H200 (2026-12-01, the 4.46 GB 7B file in the
 released) into `buffers` pinned buffers of `chunk` bytes, and the calling thread enqueues one
 `cuMemcpyHtoDAsync` a filled buffer on its stream, recording an event per buffer; a buffer is
 refilled only once its event says its copy left it.  Predicted: host memory bandwidth bound,
-~15-25 GB/s with 4 readers, so ~0.2-0.3 s for the 7B (docs/PERF.md has the outcome).
+~15-25 GB/s with 4 readers.  Measured there (scripts/start_probe.py): a reader copies only
+~1.4-4.3 GB/s out of the page cache, so the readers are what scale it: 4 readers 12.1 GB/s,
+8 readers 21.0 GB/s (0.26 s for the 5.55 GB file); READERS is 8 where there are 8 CPUs.
 
 The ring runs on any `device` with five operations (so the CPU tests drive it with a fake one
 whose copies run late, which catches a buffer reused too early):
@@ -26,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 CHUNK = 16 << 20        # bytes a buffer: ~0.3 ms of PCIe, ~2 ms of one reader
 BUFFERS = 8             # pinned: 128 MB, allocated once an upload
-READERS = 4
+READERS = min(8, os.cpu_count() or 1)   # H200 host, upload alone (scripts/start_probe.py,
+# 2026-12-01): 1 reader 4.3 GB/s, 2 8.8, 4 12.1, 8 21.0 (16 MB x 8 buffers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -453,6 +453,24 @@ class WgmmaGemm:
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
 
+    def pick(self, m):
+        """(tiles, kernel, name) that run m tokens (compiled, or loaded from the kernel cache,
+        the first time an M needs them), as gemm.Gemm.pick."""
+        if self.small is not None and m <= self.min_m:
+            return self.small.pick(m)
+        return (self.tiles,) + compiled(self.kind, self.n, self.k, self.layout, self.tiles)
+
+    def load_cached(self) -> int:
+        """Load now the kernels of this GEMM that are in the disk cache (the mma.sync tiles for
+        small M and the wgmma kernel), as gemm.Gemm.load_cached; returns how many."""
+        from nq.kernels.build import is_cached
+        n = self.small.load_cached() if self.small is not None else 0
+        body, sig, name = build_gemm_wgmma(self.kind, self.n, self.k, self.layout, self.tiles)
+        if is_cached(body, sig, name, **COMPILE_OPTIONS, launch_bounds=(self.tiles.threads,)):
+            compiled(self.kind, self.n, self.k, self.layout, self.tiles)
+            n += 1
+        return n
+
     def grid(self, m):
         """(grid, band): (band, NB, bands) blocks -- band token blocks (as many as keep band x
         bt x K fp16 within L2_BAND_BYTES) x NB weight blocks x ceil(mt / band) bands."""
