@@ -102,11 +102,10 @@ import functools
 
 import numpy as np
 
-from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel
-from nq.kernels.common import allow_smem, need
+from nq.kernels.common import allow_smem
 from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
-                                         gather_fragment, layout_tag, row_piece_word)
+                                         gather_fragment, launch_args, layout_tag, row_piece_word)
 
 
 # ---- the NumPy reference -------------------------------------------------------------------------
@@ -167,6 +166,7 @@ class Gemm:
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
         self.w_rows = 2 * n if kind == "gate_up" else n
         self.configs = tuple(configs)
+        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens.  A tile configuration is compiled (or loaded
@@ -211,19 +211,13 @@ class Gemm:
         if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
             raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
                              f"{tuple(x.shape)} and {tuple(out.shape)}")
-        need(x, f"{name} x", np.float16, (x.shape[0], self.k))
-        need(qw, f"{name} qweight", np.uint32, (self.w_rows, self.k // 8))
-        need(sc, f"{name} scales", np.float16, (self.w_rows, self.k // GROUP_SIZE), 2)
-        out_t, n_out = (np.float16, self.n) if self.kind == "gate_up" else (np.float32, self.n)
-        need(out, f"{name} out", out_t, (out.shape[0], n_out), 4)
+        out_t = np.float16 if self.kind == "gate_up" else np.float32
+        args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
+                           x, qw, sc, bias, out)
         if m == 0:
             return
         blocks, band = self.grid(tiles, m)
-        args = (_flat(x), _flat(qw), _flat(sc))
-        if bias is not None:
-            need(bias, f"{name} bias", np.float16, (self.n,), 2)
-            args += (bias,)
-        kern[blocks, tiles.threads, stream, tiles.smem_bytes()](*args, out, np.int32(m),
+        kern[blocks, tiles.threads, stream, tiles.smem_bytes()](*args, np.int32(m),
                                                                  np.int32(band))
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from nq.config import GROUP_SIZE
@@ -426,3 +427,35 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
                f"int32)")
     name = kernel_name("gemm", kind=kind, n=n, k=k, layout=layout_tag(layout), tiles=tiles.tag())
     return kernel, sig, name
+
+
+# ---- host side: a launch's arguments, checked once a buffer set ----------------------------
+MEMO_LIMIT = 256  # buffer sets remembered (a 7B prefill uses 28 a kind: one a layer)
+
+
+def launch_args(memo: dict, name: str, k: int, w_rows: int, n_out: int, out_dtype,
+                x, qw, sc, bias, out):
+    """The kernel arguments (flat views of x, qw, sc; bias; out) of a GEMM launch, after the
+    checks of their dtypes, shapes and alignment.  A prefill launches the same buffers every
+    chunk, and both the checks and numba's reshape cost tens of microseconds of host time a
+    launch (a 512-token prompt makes 112 GEMM launches, each only 40-400 us on the GPU), so a
+    buffer set is checked and flattened once and remembered in `memo`, keyed by the arrays'
+    identities (the entry holds the arrays, so an id is never reused while it is there)."""
+    from nq.kernels.common import need
+
+    key = (id(x), id(qw), id(sc), id(bias), id(out))
+    hit = memo.get(key)
+    if hit is not None:
+        return hit[1]
+    need(x, f"{name} x", np.float16, (x.shape[0], k))
+    need(qw, f"{name} qweight", np.uint32, (w_rows, k // 8))
+    need(sc, f"{name} scales", np.float16, (w_rows, k // GROUP_SIZE), 2)
+    need(out, f"{name} out", out_dtype, (out.shape[0], n_out), 4)
+    if bias is not None:
+        need(bias, f"{name} bias", np.float16, (n_out,), 2)
+    flat = tuple(a.reshape(int(np.prod(a.shape))) for a in (x, qw, sc))
+    args = flat + ((bias,) if bias is not None else ()) + (out,)
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = ((x, qw, sc, bias, out), args)
+    return args

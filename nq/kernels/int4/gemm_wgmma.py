@@ -72,10 +72,10 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev, need
+from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, gather_fragment, layout_tag,
-                                         row_piece_word)
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, gather_fragment, launch_args,
+                                         layout_tag, row_piece_word)
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
                     ld_global_nc_u16, ld_shared_v4_u32_at, mul_rn_f16x2, st_global_u16)
@@ -452,6 +452,7 @@ class WgmmaGemm:
         check(kind, n, k, layout, self.tiles)
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
+        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens (compiled, or loaded from the kernel cache,
@@ -491,16 +492,11 @@ class WgmmaGemm:
         if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
             raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
                              f"{tuple(x.shape)} and {tuple(out.shape)}")
-        need(x, f"{name} x", np.float16, (x.shape[0], self.k))
-        need(qw, f"{name} qweight", np.uint32, (self.w_rows, self.k // 8))
-        need(sc, f"{name} scales", np.float16, (self.w_rows, self.k // GROUP_SIZE), 2)
         out_t = np.float16 if self.kind == "gate_up" else np.float32
-        need(out, f"{name} out", out_t, (out.shape[0], self.n), 4)
-        if bias is not None:
-            need(bias, f"{name} bias", np.float16, (self.n,), 2)
+        args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
+                           x, qw, sc, bias, out)
         if m == 0:
             return
         grid, band = self.grid(m)
-        args = (_flat(x), _flat(qw), _flat(sc)) + ((bias,) if bias is not None else ())
         t = self.tiles
-        kern[grid, t.threads, stream, t.smem_bytes()](*args, out, np.int32(m), np.int32(band))
+        kern[grid, t.threads, stream, t.smem_bytes()](*args, np.int32(m), np.int32(band))

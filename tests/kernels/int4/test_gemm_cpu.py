@@ -203,3 +203,28 @@ def test_gemm_under_the_simulator():
     assert len(errs) == 10, stdout
     for name, e in errs.items():
         assert e < (1e-3 if "gateup" in name else 5e-4), (name, e)
+
+
+def test_launch_args_are_checked_once_a_buffer_set():
+    """gemm_kernel.launch_args: the checks run the first time a buffer set is seen (a wrong
+    dtype is refused with the name), a repeat returns the remembered arguments, and other
+    buffers are checked anew.  (Host arrays stand in for device ones: the checks read dtype,
+    shape, contiguity and the data address alike.)"""
+    from nq.kernels.int4.gemm_kernel import MEMO_LIMIT, launch_args
+    k, rows, n = 256, 32, 32
+    x = np.zeros((8, k), np.float16)
+    qw = np.zeros((rows, k // 8), np.uint32)
+    sc = np.zeros((rows, k // 128), np.float16)
+    out = np.zeros((8, n), np.float32)
+    memo = {}
+    args = launch_args(memo, "gemm_t", k, rows, n, np.float32, x, qw, sc, None, out)
+    assert len(args) == 4 and args[-1] is out and args[0].shape == (8 * k,)
+    assert launch_args(memo, "gemm_t", k, rows, n, np.float32, x, qw, sc, None, out) is args
+    bad = np.zeros((8, n), np.float16)
+    with pytest.raises((TypeError, ValueError), match="gemm_t out"):
+        launch_args(memo, "gemm_t", k, rows, n, np.float32, x, qw, sc, None, bad)
+    assert len(memo) == 1
+    for _ in range(MEMO_LIMIT + 3):  # bounded: temporary buffers are not kept alive forever
+        launch_args(memo, "gemm_t", k, rows, n, np.float32, x, qw, sc, None,
+                    np.zeros((8, n), np.float32))
+    assert len(memo) <= MEMO_LIMIT
