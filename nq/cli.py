@@ -426,7 +426,7 @@ def _main(argv) -> int:
     import warnings
     # numba warns about every launch with a grid under 128 CTAs; the small per-step kernels
     # (embed, argmax, attention at short context) are that size on purpose.
-    warnings.filterwarnings("ignore", message="Grid size .* will likely result in GPU under-utilization")
+    warnings.filterwarnings("ignore", message=".*Grid size .* will likely result in GPU under-utilization")
     try:
         return args.func(args)
     except OSError as e:

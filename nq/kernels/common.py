@@ -30,6 +30,15 @@ from numba import cuda, float32
 
 from nq.ptx import SIMULATOR
 
+try:  # numba warns on every launch of a grid under 128 blocks, building the message each time;
+    # nq's small grids (embed, argmax, attention at short context, a short prompt's GEMMs) are
+    # that size on purpose, and the warning reached users' terminals (its ANSI-coloured text
+    # escaped cli.py's filter).  Off for the process, which also spares the launch path.
+    from numba.cuda.core import config as _numba_config
+    _numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+except ImportError:  # another numba-cuda layout: the warning stays, harmless
+    pass
+
 FULL = 0xFFFFFFFF
 STATIC_SMEM_LIMIT = 48 * 1024
 SMEM_OPTIN_LIMIT = 227 * 1024
