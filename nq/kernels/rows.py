@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 
 from nq.kernels.build import compile_kernel, kernel_name
+from nq.kernels.fastlaunch import FastLaunch
 from nq.paged import PAGE, check_paged_args
 
 THREADS = 256    # embed_rows and last_row: a row of H fp32 in coalesced 1 KiB blocks
@@ -177,8 +178,10 @@ def embed_rows_launcher(emb, ids, x):
     kern = _jit(_embed_rows, hid)
     blocks = -(-hid // THREADS)
 
+    fast = FastLaunch(kern, emb, ids, x)
+
     def launch(m, stream=0):
-        kern[(blocks, _rows("embed_rows", m, m_max)), THREADS, stream](emb, ids, x)
+        fast((blocks, _rows("embed_rows", m, m_max)), THREADS, stream, 0)
 
     return launch
 
@@ -195,8 +198,10 @@ def rmsnorm_rows_launcher(x, w, h, eps: float):
     need(h, "rmsnorm_rows: h", np.float16, (m_max, hid), align=2)
     kern = rmsnorm.rmsnorm_kernel(hid, float(eps), False)
 
+    fast = FastLaunch(kern, x, x, w, h)
+
     def launch(m, stream=0):
-        kern[_rows("rmsnorm_rows", m, m_max), rmsnorm.THREADS, stream](x, x, w, h)
+        fast(_rows("rmsnorm_rows", m, m_max), rmsnorm.THREADS, stream, 0)
 
     return launch
 
@@ -216,12 +221,14 @@ def rope_kv_rows_launcher(cfg, qkv, inv_freq, table, kv_layer, q_out):
     kern = _jit(_rope_kv_rows, hq, hkv, d)
     max_pos = table.shape[0] * PAGE
 
+    fast = FastLaunch(kern, qkv, inv_freq, table, kv_layer, q_out, 0, 0)
+
     def launch(m, start, stream=0):
         m, start = _rows("rope_kv_rows", m, m_max), int(start)
         if not 0 <= start <= max_pos - m:
             raise ValueError(f"rope_kv_rows: positions {start}..{start + m - 1} are past the "
                              f"block table's {max_pos}")
-        kern[(hq + 2 * hkv, m), d // 2, stream](qkv, inv_freq, table, kv_layer, q_out, start, m)
+        fast((hq + 2 * hkv, m), d // 2, stream, 0, start, m)
 
     return launch
 

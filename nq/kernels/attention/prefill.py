@@ -80,6 +80,7 @@ import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float32, int32, uint32
 
+from nq.kernels.fastlaunch import FastLaunch
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import PAGE, check_paged_args
 
@@ -406,11 +407,13 @@ def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warps: int = WARPS
     tpc = tokens_per_cta(cfg.gqa_ratio, warps)
     max_pos = table.shape[0] * PAGE
 
+    fast = FastLaunch(kern, q, kv_layer, table, o32, 0, 0)
+
     def launch(m, start, stream=0):
         m, start = int(m), int(start)
         if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
             raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
                              f"and start + m <= {max_pos} (the block table's reach)")
-        kern[(hkv, -(-m // tpc)), 32 * warps, stream, nbytes](q, kv_layer, table, o32, start, m)
+        fast((hkv, -(-m // tpc)), 32 * warps, stream, nbytes, start, m)
 
     return launch

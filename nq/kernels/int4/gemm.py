@@ -105,7 +105,8 @@ import numpy as np
 from nq.kernels.build import compile_kernel
 from nq.kernels.common import allow_smem
 from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
-                                         gather_fragment, launch_args, layout_tag, row_piece_word)
+                                         fast_launch, gather_fragment, launch_args, layout_tag,
+                                         row_piece_word)
 
 
 # ---- the NumPy reference -------------------------------------------------------------------------
@@ -167,6 +168,7 @@ class Gemm:
         self.w_rows = 2 * n if kind == "gate_up" else n
         self.configs = tuple(configs)
         self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
+        self._fast = {}   # their FastLaunch, by kernel (gemm_kernel.fast_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens.  A tile configuration is compiled (or loaded
@@ -217,8 +219,8 @@ class Gemm:
         if m == 0:
             return
         blocks, band = self.grid(tiles, m)
-        kern[blocks, tiles.threads, stream, tiles.smem_bytes()](*args, np.int32(m),
-                                                                 np.int32(band))
+        fast_launch(self._fast, kern, args)(blocks, tiles.threads, stream, tiles.smem_bytes(),
+                                            m, band)
 
 
 @functools.lru_cache(maxsize=None)

@@ -459,3 +459,15 @@ def launch_args(memo: dict, name: str, k: int, w_rows: int, n_out: int, out_dtyp
         memo.clear()
     memo[key] = ((x, qw, sc, bias, out), args)
     return args
+
+
+def fast_launch(cache: dict, kern, args):
+    """The FastLaunch of kern over a buffer set's launch_args (m and band follow per call)."""
+    key = (id(kern), id(args))
+    hit = cache.get(key)
+    if hit is None:
+        from nq.kernels.fastlaunch import FastLaunch
+        if len(cache) >= 4 * MEMO_LIMIT:
+            cache.clear()
+        hit = cache[key] = FastLaunch(kern, *args, 0, 0)
+    return hit

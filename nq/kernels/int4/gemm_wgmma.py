@@ -74,8 +74,8 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, gather_fragment, launch_args,
-                                         layout_tag, row_piece_word)
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, fast_launch, gather_fragment,
+                                         launch_args, layout_tag, row_piece_word)
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
                     ld_global_nc_u16, ld_shared_v4_u32_at, mul_rn_f16x2, st_global_u16)
@@ -453,6 +453,7 @@ class WgmmaGemm:
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
         self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
+        self._fast = {}   # their FastLaunch, by kernel (gemm_kernel.fast_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens (compiled, or loaded from the kernel cache,
@@ -499,4 +500,4 @@ class WgmmaGemm:
             return
         grid, band = self.grid(m)
         t = self.tiles
-        kern[grid, t.threads, stream, t.smem_bytes()](*args, np.int32(m), np.int32(band))
+        fast_launch(self._fast, kern, args)(grid, t.threads, stream, t.smem_bytes(), m, band)
