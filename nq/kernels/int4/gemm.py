@@ -104,7 +104,7 @@ import numpy as np
 
 from nq.kernels.build import compile_kernel
 from nq.kernels.common import allow_smem
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check, check_rows,  # noqa: F401
                                          fast_launch, gather_fragment, launch_args, layout_tag,
                                          row_piece_word)
 
@@ -210,9 +210,7 @@ class Gemm:
             out, m = rest
         m = int(m)
         tiles, kern, name = self.pick(max(m, 1))
-        if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
-            raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
-                             f"{tuple(x.shape)} and {tuple(out.shape)}")
+        check_rows(name, m, x, out)
         out_t = np.float16 if self.kind == "gate_up" else np.float32
         args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
                            x, qw, sc, bias, out)

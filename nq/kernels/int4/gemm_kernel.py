@@ -433,6 +433,13 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
 MEMO_LIMIT = 256  # buffer sets remembered (a 7B prefill uses 28 a kind: one a layer)
 
 
+def check_rows(name: str, m: int, x, out) -> None:
+    """x and out must be 2-D with at least the m rows a launch computes."""
+    if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
+        raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
+                         f"{tuple(x.shape)} and {tuple(out.shape)}")
+
+
 def launch_args(memo: dict, name: str, k: int, w_rows: int, n_out: int, out_dtype,
                 x, qw, sc, bias, out):
     """The kernel arguments (flat views of x, qw, sc; bias; out) of a GEMM launch, after the

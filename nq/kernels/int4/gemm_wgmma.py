@@ -74,8 +74,9 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, fast_launch, gather_fragment,
-                                         launch_args, layout_tag, row_piece_word)
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, check_rows, fast_launch,
+                                         gather_fragment, launch_args, layout_tag,
+                                         row_piece_word)
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
                     ld_global_nc_u16, ld_shared_v4_u32_at, mul_rn_f16x2, st_global_u16)
@@ -490,9 +491,7 @@ class WgmmaGemm:
         bias = rest[0] if self.kind == "qkv" else None
         out = rest[-2]
         kern, name = compiled(self.kind, self.n, self.k, self.layout, self.tiles)
-        if m < 0 or x.ndim != 2 or out.ndim != 2 or x.shape[0] < m or out.shape[0] < m:
-            raise ValueError(f"{name}: x and out must be 2-D with at least m={m} rows, got "
-                             f"{tuple(x.shape)} and {tuple(out.shape)}")
+        check_rows(name, m, x, out)
         out_t = np.float16 if self.kind == "gate_up" else np.float32
         args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
                            x, qw, sc, bias, out)
