@@ -104,8 +104,8 @@ import numpy as np
 
 from nq.kernels.build import compile_kernel
 from nq.kernels.common import allow_smem
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check, check_rows,  # noqa: F401
-                                         fast_launch, gather_fragment, launch_args, layout_tag,
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
+                                         gather_fragment, gemm_launch, layout_tag,
                                          row_piece_word)
 
 
@@ -167,8 +167,7 @@ class Gemm:
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
         self.w_rows = 2 * n if kind == "gate_up" else n
         self.configs = tuple(configs)
-        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
-        self._fast = {}   # their FastLaunch, by kernel (gemm_kernel.fast_launch)
+        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens.  A tile configuration is compiled (or loaded
@@ -210,15 +209,11 @@ class Gemm:
             out, m = rest
         m = int(m)
         tiles, kern, name = self.pick(max(m, 1))
-        check_rows(name, m, x, out)
-        out_t = np.float16 if self.kind == "gate_up" else np.float32
-        args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
-                           x, qw, sc, bias, out)
-        if m == 0:
+        fast = gemm_launch(self, name, kern, m, x, qw, sc, bias, out)
+        if fast is None:      # m = 0: checked, nothing to launch
             return
         blocks, band = self.grid(tiles, m)
-        fast_launch(self._fast, kern, args)(blocks, tiles.threads, stream, tiles.smem_bytes(),
-                                            m, band)
+        fast(blocks, tiles.threads, stream, tiles.smem_bytes(), m, band)
 
 
 @functools.lru_cache(maxsize=None)

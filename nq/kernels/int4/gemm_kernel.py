@@ -464,17 +464,24 @@ def launch_args(memo: dict, name: str, k: int, w_rows: int, n_out: int, out_dtyp
     args = flat + ((bias,) if bias is not None else ()) + (out,)
     if len(memo) >= MEMO_LIMIT:
         memo.clear()
-    memo[key] = ((x, qw, sc, bias, out), args)
+    memo[key] = ((x, qw, sc, bias, out), args, {})   # {}: its FastLaunch by kernel
     return args
 
 
-def fast_launch(cache: dict, kern, args):
-    """The FastLaunch of kern over a buffer set's launch_args (m and band follow per call)."""
-    key = (id(kern), id(args))
-    hit = cache.get(key)
-    if hit is None:
+def gemm_launch(g, name: str, kern, m: int, x, qw, sc, bias, out):
+    """The FastLaunch of kern over this buffer set (m and band follow per call), or None when
+    m = 0.  The rows are checked every call, the buffers once (launch_args), and the
+    FastLaunch is built once a kernel and kept in the buffer set's memo entry, so it goes when
+    the buffers go.  g: the GEMM (its kind, k, w_rows, n and _memo); kern one of its compiled
+    kernels, which live as long as the process (functools caches), so id(kern) is a key."""
+    check_rows(name, m, x, out)
+    out_t = np.float16 if g.kind == "gate_up" else np.float32
+    args = launch_args(g._memo, name, g.k, g.w_rows, g.n, out_t, x, qw, sc, bias, out)
+    if m == 0:
+        return None
+    launches = g._memo[(id(x), id(qw), id(sc), id(bias), id(out))][2]
+    fl = launches.get(id(kern))
+    if fl is None:
         from nq.kernels.fastlaunch import FastLaunch
-        if len(cache) >= 4 * MEMO_LIMIT:
-            cache.clear()
-        hit = cache[key] = FastLaunch(kern, *args, 0, 0)
-    return hit
+        fl = launches[id(kern)] = FastLaunch(kern, *args, 0, 0)
+    return fl

@@ -74,9 +74,8 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (KINDS, TILE, check_rows, fast_launch,
-                                         gather_fragment, launch_args, layout_tag,
-                                         row_piece_word)
+from nq.kernels.int4.gemm_kernel import (KINDS, TILE, gather_fragment, gemm_launch,
+                                         layout_tag, row_piece_word)
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
                     ld_global_nc_u16, ld_shared_v4_u32_at, mul_rn_f16x2, st_global_u16)
@@ -453,8 +452,7 @@ class WgmmaGemm:
         check(kind, n, k, layout, self.tiles)
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
-        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.launch_args)
-        self._fast = {}   # their FastLaunch, by kernel (gemm_kernel.fast_launch)
+        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens (compiled, or loaded from the kernel cache,
@@ -491,12 +489,9 @@ class WgmmaGemm:
         bias = rest[0] if self.kind == "qkv" else None
         out = rest[-2]
         kern, name = compiled(self.kind, self.n, self.k, self.layout, self.tiles)
-        check_rows(name, m, x, out)
-        out_t = np.float16 if self.kind == "gate_up" else np.float32
-        args = launch_args(self._memo, name, self.k, self.w_rows, self.n, out_t,
-                           x, qw, sc, bias, out)
-        if m == 0:
+        fast = gemm_launch(self, name, kern, m, x, qw, sc, bias, out)
+        if fast is None:      # m = 0: checked, nothing to launch
             return
         grid, band = self.grid(m)
         t = self.tiles
-        fast_launch(self._fast, kern, args)(grid, t.threads, stream, t.smem_bytes(), m, band)
+        fast(grid, t.threads, stream, t.smem_bytes(), m, band)

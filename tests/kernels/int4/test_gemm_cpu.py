@@ -228,3 +228,28 @@ def test_launch_args_are_checked_once_a_buffer_set():
         launch_args(memo, "gemm_t", k, rows, n, np.float32, x, qw, sc, None,
                     np.zeros((8, n), np.float32))
     assert len(memo) <= MEMO_LIMIT
+
+
+def test_gemm_launch_keeps_one_fast_launch_a_kernel_and_buffer_set():
+    """gemm_kernel.gemm_launch: m = 0 is checked and launches nothing; a repeat of the same
+    kernel and buffers reuses its FastLaunch; another kernel, or other buffers, get their own,
+    over their own arrays (never a remembered launch of buffers that are gone)."""
+    import types
+
+    from nq.kernels.int4.gemm_kernel import gemm_launch
+    k, rows, n = 256, 32, 32
+    g = types.SimpleNamespace(kind="o_proj", k=k, w_rows=rows, n=n, _memo={})
+
+    def buffers():
+        return (np.zeros((8, k), np.float16), np.zeros((rows, k // 8), np.uint32),
+                np.zeros((rows, k // 128), np.float16), None, np.zeros((8, n), np.float32))
+    b1, b2 = buffers(), buffers()
+    k1, k2 = object(), object()
+    assert gemm_launch(g, "gemm_t", k1, 0, *b1) is None
+    f = gemm_launch(g, "gemm_t", k1, 8, *b1)
+    assert gemm_launch(g, "gemm_t", k1, 5, *b1) is f and f.kernel is k1
+    assert gemm_launch(g, "gemm_t", k2, 8, *b1) is not f
+    other = gemm_launch(g, "gemm_t", k1, 8, *b2)
+    assert other is not f and other.args[-3] is b2[4]      # out is the second set's
+    with pytest.raises(ValueError, match="at least m=9 rows"):
+        gemm_launch(g, "gemm_t", k1, 9, *b1)
