@@ -35,6 +35,7 @@ import numpy as np
 
 from nq.config import PRESETS
 from nq.tools.environment import gpu_clocks, versions
+from nq.tools.tables import cell, md_table
 
 # --sampling NAME -> nq.sample.SamplingParams keywords (seed fixed: the same draws every run)
 SAMPLING = {"default": dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0,
@@ -117,33 +118,16 @@ def make_row(test: str, ctx: float, weights_bytes: int, cfg, ceiling_gbs: float,
 
 
 # ---- formatting -----------------------------------------------------------------------------
-def _md(header: list, rows: list, right: set) -> str:
-    """A padded markdown table; columns whose index is in `right` are right-aligned."""
-    w = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    w = [max(3, x) for x in w]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).rjust(w[i]) if i in right else str(c).ljust(w[i])
-                                 for i, c in enumerate(cells)) + " |"
-    sep = "| " + " | ".join(("-" * (w[i] - 1) + ":") if i in right else "-" * w[i]
-                            for i in range(len(w))) + " |"
-    return "\n".join([line(header), sep] + [line(r) for r in rows])
-
-
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def format_table(model: str, rows: list[dict]) -> str:
     """llama-bench's table: one row per test, t/s as mean ± sd."""
     header = ["model", "test", "t/s", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "bytes/token",
               "GB/s", "% of ceiling"]
     body = [[model, r["test"], f"{r['tok_s_mean']:.2f} ± {r['tok_s_sd']:.2f}",
-             _f(r["ttft_ms"], ".1f"), _f(r["itl_p50_ms"], ".3f"), _f(r["itl_p90_ms"], ".3f"),
+             cell(r["ttft_ms"], ".1f"), cell(r["itl_p50_ms"], ".3f"), cell(r["itl_p90_ms"], ".3f"),
              "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e9:.3f} GB",
-             _f(r["GBs"], ".0f"), "-" if r["pct_ceiling"] is None else f"{r['pct_ceiling']:.1f} %"]
+             cell(r["GBs"], ".0f"), "-" if r["pct_ceiling"] is None else f"{r['pct_ceiling']:.1f} %"]
             for r in rows]
-    return _md(header, body, right=set(range(2, len(header))))
+    return md_table(header, body, right=set(range(2, len(header))))
 
 
 def format_breakdown(bds: list[dict]) -> str:
@@ -163,14 +147,14 @@ def format_breakdown(bds: list[dict]) -> str:
     body.append(["kernel_gap"] + [x for b in bds for x in
                                   (f"{b['kernel_gap_ms']:.4f}", f"{100 * b['kernel_gap_ms'] / b['itl_ms']:.1f}")])
     body.append(["ITL"] + [x for b in bds for x in (f"{b['itl_ms']:.4f}", "100.0")])
-    return _md(header, body, right=set(range(1, len(header))))
+    return md_table(header, body, right=set(range(1, len(header))))
 
 
 def format_prefill(rows: list[dict]) -> str:
     """The pp rows as a prefill table: TTFT, prompt tok/s and TFLOP/s."""
     body = [[r["test"], f"{r['ttft_ms_p50']:.1f}", f"{r['ttft_ms']:.1f} ± {r['ttft_ms_sd']:.1f}",
              f"{r['tok_s_mean']:.0f}", f"{r['tflops']:.1f}"] for r in rows if "tflops" in r]
-    return _md(["test", "TTFT p50 ms", "TTFT mean ± sd", "prompt tok/s", "TFLOP/s"], body,
+    return md_table(["test", "TTFT p50 ms", "TTFT mean ± sd", "prompt tok/s", "TFLOP/s"], body,
                {1, 2, 3, 4})
 
 
@@ -333,61 +317,6 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
     return rows
 
 
-def format_gemms(rows: list[dict]) -> str:
-    header = ["M", "projection", "N x K", "nq ms", "nq TFLOP/s", "cuBLAS fp16 ms",
-              "cuBLAS TFLOP/s", "nq / cuBLAS time"]
-    body = [[r["m"], r["kind"], "-" if r["n"] is None else f"{r['n']} x {r['k']}",
-             f"{r['nq_ms']:.3f}", f"{r['nq_tflops']:.0f}", _f(r["cublas_ms"], ".3f"),
-             _f(r["cublas_tflops"], ".0f"),
-             "-" if r["cublas_ms"] is None else f"{r['nq_ms'] / r['cublas_ms']:.2f}x"]
-            for r in rows]
-    return _md(header, body, right={0, 3, 4, 5, 6, 7})
-
-
-# ---- plots ----------------------------------------------------------------------------------
-def write_plots(stem: Path, rows: list[dict], bds: list[dict]) -> list[str]:
-    """<stem>_itl_vs_ctx.png and <stem>_breakdown.png; skipped (with a note) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("nq bench: plots skipped: matplotlib is not installed (pip install matplotlib)")
-        return []
-    paths = []
-    tg = sorted((r for r in rows if r["itl_p50_ms"] is not None), key=lambda r: r["ctx"])
-    if tg:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["ctx"] for r in tg], [r["itl_p50_ms"] for r in tg], "o-", label="ITL p50")
-        ax.plot([r["ctx"] for r in tg], [r["itl_p90_ms"] for r in tg], "x--", label="ITL p90")
-        if bds:
-            ax.plot([b["ctx"] for b in bds], [b["regions_ms"].get("paged_attention", 0) for b in bds],
-                    "s:", label="paged_attention alone")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="context (tokens)", ylabel="ms / token", title="decode ITL vs context")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        paths.append(str(stem) + "_itl_vs_ctx.png")
-        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-        plt.close(fig)
-    if bds:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        parts = list(bds[0]["regions_ms"]) + ["kernel_gap"]
-        bottom = [0.0] * len(bds)
-        labels = [str(b["ctx"]) for b in bds]
-        for p in parts:
-            vals = [b["kernel_gap_ms"] if p == "kernel_gap" else b["regions_ms"][p] for b in bds]
-            ax.bar(labels, vals, bottom=bottom, label=p)
-            bottom = [x + y for x, y in zip(bottom, vals)]
-        ax.set(xlabel="context (tokens)", ylabel="ms / token",
-               title="ITL breakdown (norms fused into the GEMVs)")
-        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
-        paths.append(str(stem) + "_breakdown.png")
-        fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
-        plt.close(fig)
-    return paths
-
-
 # ---- command line ---------------------------------------------------------------------------
 def _ctx_list(text: str) -> list[int]:
     try:
@@ -516,6 +445,7 @@ def run(args) -> int:
     if gemms:
         print("\nPrefill GEMM per projection (INT4 weights x fp16 activations, each layer's "
               "weights in turn; cuBLAS: fp16 weights, same shapes, same run):")
+        from nq.tools.gemm_table import format_gemms
         print(format_gemms(gemms))
     v = env["versions"]
     print(f"\n{env['gpu']}, driver {env['start'].get('driver_version', '?')} (CUDA "
@@ -534,6 +464,7 @@ def run(args) -> int:
                "gemm": gemms}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
+        from nq.tools.plots import write_plots
         out["plots"] = write_plots(path.with_suffix(""), rows, bds)
         path.write_text(json.dumps(out, indent=1))
         log(f"nq bench: wrote {path}" + "".join(f", {p}" for p in out["plots"]))

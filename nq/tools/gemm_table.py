@@ -99,3 +99,16 @@ def measure(eng, ms=(512, 8192), log=print, reps: int = 5) -> list[dict]:
                      "nq_tflops": flop / t * 1e-9, "cublas_ms": c,
                      "cublas_tflops": None if c is None else flop / c * 1e-9})
     return rows
+
+
+def format_gemms(rows: list[dict]) -> str:
+    """The rows of `measure` as `nq bench` prints them."""
+    from nq.tools.tables import cell, md_table
+    header = ["M", "projection", "N x K", "nq ms", "nq TFLOP/s", "cuBLAS fp16 ms",
+              "cuBLAS TFLOP/s", "nq / cuBLAS time"]
+    body = [[r["m"], r["kind"], "-" if r["n"] is None else f"{r['n']} x {r['k']}",
+             f"{r['nq_ms']:.3f}", f"{r['nq_tflops']:.0f}", cell(r["cublas_ms"], ".3f"),
+             cell(r["cublas_tflops"], ".0f"),
+             "-" if r["cublas_ms"] is None else f"{r['nq_ms'] / r['cublas_ms']:.2f}x"]
+            for r in rows]
+    return md_table(header, body, right={0, 3, 4, 5, 6, 7})

@@ -326,6 +326,6 @@ def test_gemm_table_sums_the_layers_and_compares_with_cublas(monkeypatch):
     assert layers["nq_ms"] == pytest.approx(28 * sum(ms_of.values()))
     if layers["cublas_ms"] is not None:  # torch with CUDA present
         assert layers["cublas_ms"] == pytest.approx(28 * sum(r["cublas_ms"] for r in rows[:4]))
-    text = bench.format_gemms(rows)
+    text = gemm_table.format_gemms(rows)
     assert "| 8192 | 28 layers" in text.replace("  ", " ").replace("  ", " ")
     assert len(text.splitlines()) == 2 + 10
