@@ -26,7 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from nq.config import GROUP_SIZE, ConfigError, ModelConfig
-from nq.loader.outfile import check_output, remove_stale
+from nq.loader.outfile import check_output, fsync_folder, remove_stale
 
 MAGIC = b"NANOQWEN"
 VERSION = 1
@@ -228,7 +228,7 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_folder(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.errno is None:
@@ -239,20 +239,6 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
         tmp.unlink(missing_ok=True)
         raise
     return path
-
-
-def _fsync_dir(folder) -> None:
-    """Make a rename in `folder` durable; a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _encode_table(entries: list[Entry]) -> bytes:

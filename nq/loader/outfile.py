@@ -42,6 +42,20 @@ def check_output(path) -> Path:
     return path
 
 
+def fsync_folder(folder) -> None:
+    """Make a rename in `folder` durable; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def writer_pid(path: Path) -> int | None:
     """The pid a temporary name ends with (`m.nanoqwen.tmp-123`, `.tmp-ab12-123`), else None."""
     m = re.search(r"-(\d+)$", Path(path).name)
