@@ -4,9 +4,12 @@ INT4 GEMM against cuBLAS fp16 at the same shapes, in the same run.
 nq: the engine's own `Prefill.gemm[kind]` (the tiles it picks for M) on the engine's uploaded
 weights, one launch per layer in a row, so every launch reads another layer's weights and L2
 holds none of them (the 7B's smallest, qkv, is 8 MB a layer; 28 layers are 4x the 60 MB L2).
-Launches are eager: each takes >= 60 us on the GPU at M >= 512, above the ~20-50 us a launch
-costs the host, so the GPU does not wait on Python.  Median over `reps` batches after a
-warm-up batch (which also compiles or loads the tiles), timed with CUDA events.
+Launches are eager, through nq/kernels/fastlaunch.py (~16 us of host time each on the H200);
+the shortest, qkv and o_proj at M = 512, take ~40-90 us on the GPU, so the GPU does not wait
+on Python.  (Through numba's own launch, ~94 us, the H200 measured the host there: o_proj at
+512 read 0.204 ms against 0.043 graph-timed by scripts/bench_gemm.py, the reference figure.)
+Median over `reps` batches after a warm-up batch (which also compiles or loads the tiles),
+timed with CUDA events.
 
 cuBLAS: torch's fp16 `x @ w.T` over one weight copy of the same (N, K), in a CUDA graph
 (nq.tools.peers.graph_ms).  qkv's fp16 weight (33 MB at 7B) fits L2, which flatters cuBLAS a
