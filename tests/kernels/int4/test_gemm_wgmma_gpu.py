@@ -9,8 +9,6 @@ signs), products exact in fp32, fp32 sums (wgmma accumulates in fp32 like mma.sy
 fp32 outputs, 1e-3 for gate_up's fp16.  Run tests/ptx/test_wgmma_gpu.py first: if the
 one-tile probe fails, the descriptor / swizzle reading is wrong and everything here fails too.
 """
-import functools
-
 import numpy as np
 import pytest
 
@@ -21,33 +19,11 @@ from numba import cuda  # noqa: E402
 from nq.config import PRESETS  # noqa: E402
 from nq.kernels.int4 import gemm as M  # noqa: E402
 from nq.kernels.int4 import gemm_wgmma as W  # noqa: E402
-from nq.kernels.int4.layout import mma_layout, tile_rows  # noqa: E402
-from nq.loader.quant import dequantize_packed, quantize_pack  # noqa: E402
+from nq.loader.quant import dequantize_packed  # noqa: E402
+
+from gemm_cases import SHAPES, weights  # noqa: E402  (tests/: both GEMMs' cases)
 
 MS = (65, 128, 300, 512, 2048)     # 65, 300: a partial last token block
-
-
-def projections(cfg, qkv_ks, gate_up_ks):
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return [("qkv", cfg.qkv_size, h, ("rows", qkv_ks)), ("o_proj", h, cfg.q_size, "mma"),
-            ("gate_up", i, h, ("rows", gate_up_ks)), ("down", h, i, "mma")]
-
-
-SHAPES = ([("0.5b",) + p for p in projections(PRESETS["0.5b"], 7, 7)]
-          + [("7b",) + p for p in projections(PRESETS["7b"], 14, 4)])
-
-
-@functools.lru_cache(maxsize=None)
-def weights(model, kind, n, k, layout):
-    rng = np.random.default_rng(n * 7 + k)
-    rows = 2 * n if kind == "gate_up" else n
-    if model == "0.5b":
-        qw, sc = quantize_pack(rng.standard_normal((rows, k)).astype(np.float32) * 0.05)
-    else:
-        qw = rng.integers(0, 2**32, (rows, k // 8), dtype=np.uint32)
-        sc = rng.uniform(0.002, 0.02, (rows, k // 128)).astype(np.float16)
-    up = mma_layout(qw) if layout == "mma" else tile_rows(qw, layout[1])
-    return cuda.to_device(up), cuda.to_device(sc), qw, sc
 
 
 def check_against_reference(g, model, kind, n, k, layout, m):
