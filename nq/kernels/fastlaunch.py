@@ -23,6 +23,8 @@ import ctypes
 import functools
 import os
 
+import numpy as np
+
 from nq.ptx import SIMULATOR
 
 ENABLED = os.environ.get("NQ_FAST_LAUNCH", "1") != "0" and not SIMULATOR
@@ -102,5 +104,4 @@ class FastLaunch:
 
 
 def _is_int(a) -> bool:
-    import numpy as np
     return isinstance(a, (int, np.integer))
