@@ -51,10 +51,10 @@ CANDIDATES = [M.SMALL, M.MEDIUM, M.LARGE,
               M.Tiles(2, 8, 4, 2, 1, 4),     # LARGE with a fourth stage (160 KB)
               M.Tiles(2, 8, 4, 1, 1, 4),     # 128 x 64 with 4 warps: two blocks an SM
               M.Tiles(2, 8, 2, 2, 1, 4)]     # 64 x 128 with 4 warps: two blocks an SM
-WG_CANDIDATES = [W.WG_WIDE, W.WG_TALL,
-                 W.WgTiles(1, 2, 64, 4),       # 128 rows x 64 tokens: more blocks at M = 512
-                 W.WgTiles(2, 1, 128, 4),      # one warpgroup, 128 rows: two blocks an SM
-                 W.WgTiles(2, 2, 64, 4)]       # 256 rows x 64 tokens
+WG_CANDIDATES = [W.WG_WIDE, W.WG_TALL, W.WG_SHORT,
+                 W.WgTiles(1, 2, 128, 4),      # WG_TALL with one chunk in flight
+                 W.WgTiles(1, 2, 64, 4),       # WG_SHORT with one chunk in flight
+                 W.WgTiles(2, 2, 128, 4, 2)]   # WG_WIDE with two chunks in flight
 ROTATE_BYTES = 240 << 20
 
 
@@ -103,6 +103,24 @@ def random_device(shape, dtype, rng):
     if dtype == np.uint32:
         return cuda.to_device(rng.integers(0, 2**32, shape, dtype=np.uint32))
     return cuda.to_device((rng.standard_normal(shape, dtype=np.float32) * 0.5).astype(dtype))
+
+
+def precompile(ms, plan):
+    """Compile (or load) every kernel the sweep will launch, in parallel processes (each wgmma
+    tiling costs ~5-10 s of NVVM + ptxas; the sweep has dozens)."""
+    from nq.kernels.build import parallel_compiles
+    with parallel_compiles():
+        for kind, candidates, wg_candidates in plan:
+            n, k, layout, _ = PROJECTIONS[kind]
+            for m in ms:
+                for tiles in candidates:
+                    M.make_gemm(kind, n, k, layout, configs=((None, tiles),)).pick(m)
+                for tiles in wg_candidates:
+                    if m > W.WGMMA_MIN_M:
+                        try:
+                            W.WgmmaGemm(kind, n, k, layout, tiles).pick(m)
+                        except ValueError:
+                            pass
 
 
 def bench_projection(kind, ms, candidates, reps, rng, wg_candidates=()):
@@ -175,6 +193,10 @@ def main():
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--ms", default="16,512,2048,8192", help="token counts")
     ap.add_argument("--kinds", default=",".join(PROJECTIONS), help="projections to time")
+    ap.add_argument("--layout", default="",
+                    help="KIND=LAYOUT,...: time a kind's weights in another upload layout "
+                         "('mma' or rows:KS), e.g. gate_up=mma: what a decode upload change "
+                         "would buy the prefill")
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--reps", type=int, default=12, help="timed replays (>= 10)")
     ap.add_argument("--wgmma", action="store_true",
@@ -183,11 +205,17 @@ def main():
                     help="with --wgmma: every wgmma candidate tiling, even with --quick")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    for item in filter(None, args.layout.split(",")):
+        kind, lay = item.split("=")
+        n, k, _, rows = PROJECTIONS[kind]
+        PROJECTIONS[kind] = (n, k, "mma" if lay == "mma" else ("rows", int(lay.split(":")[1])),
+                             rows)
     rng = np.random.default_rng(0)
     dev = cuda.get_current_device()
     name = getattr(dev, "name", b"simulator")
     results = {"device": name.decode() if isinstance(name, bytes) else str(name),
                "graph_timed": torch is not None, "rows": []}
+    plan = []
     for kind in args.kinds.split(","):
         candidates = CANDIDATES
         if args.quick:
@@ -196,6 +224,9 @@ def main():
         wg = []
         if args.wgmma:
             wg = [W.default_tiles(kind)] if args.quick and not args.wg_all else WG_CANDIDATES
+        plan.append((kind, candidates, wg))
+    precompile(ms, plan)
+    for kind, candidates, wg in plan:
         results["rows"].extend(bench_projection(kind, ms, candidates, max(args.reps, 10), rng,
                                                 wg))
     layer = {}

@@ -37,6 +37,10 @@ from nq.kernels.fastlaunch import FastLaunch
 from nq.paged import PAGE, check_paged_args
 
 THREADS = 256    # embed_rows and last_row: a row of H fp32 in coalesced 1 KiB blocks
+# rope_kv_rows: one block a token (it was a block of D/2 threads a (head, token): 36 x M tiny
+# blocks, each paying precise cosf/sinf for its pairs -- 90 us a 2048-token chunk of the 7B on
+# the H200 for ~70 MB moved, 2026-12-01); D/2 must divide it
+ROPE_THREADS = 256
 
 
 # ---- NumPy references ----------------------------------------------------------------------------
@@ -95,39 +99,45 @@ def _rope_kv_rows(num_heads: int, num_kv: int, head_dim: int):
     from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
 
     HQ, HKV, D, HALF = num_heads, num_kv, head_dim, head_dim // 2
+    if ROPE_THREADS % HALF:
+        raise ValueError(f"rope_kv_rows: head_dim {D}: D/2 must divide {ROPE_THREADS}")
+    NHG = ROPE_THREADS // HALF      # head slots a block works on at once
+    NB = HQ + 2 * HKV               # q heads, then k heads, then v heads
 
     def rope_kv_rows(qkv, inv_freq, table, kv, q_out, start, m):
         # qkv (M_max, qkv_size) f32; inv_freq (D/2,) f32; table (max_pages,) int32
-        # kv (n_pages, HKV, 2, 16, D) f16; q_out (M_max, HQ, D) f32; grid (HQ + 2 HKV, m),
-        # block D/2: block (b, row) is rope_kv's block b for the token at start + row
+        # kv (n_pages, HKV, 2, 16, D) f16; q_out (M_max, HQ, D) f32; grid (m,), block
+        # ROPE_THREADS: thread (hg, i) rotates pair (i, i + D/2) of heads hg, hg + NHG, ...
+        # of the token at start + row, so its cos/sin are computed once for NB / NHG heads
         griddepcontrol_wait()   # PDL: qkv comes from the GEMM before
         griddepcontrol_launch_dependents()
-        b = cuda.blockIdx.x
-        row = cuda.blockIdx.y
-        i = cuda.threadIdx.x    # pair (i, i + D/2)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        i = tid % HALF
         pos = start + row
         page = table[pos // PAGE]
         slot = pos % PAGE
-        if b < HQ + HKV:
-            ang = float32(pos) * inv_freq[i]
-            c = math.cos(ang)
-            s = math.sin(ang)
-            x1 = qkv[row, b * D + i]
-            x2 = qkv[row, b * D + i + HALF]
-            y1 = cuda.fma(x1, c, -(x2 * s))   # rope_kv's x1*c - x2*s as compiled (module doc)
-            y2 = cuda.fma(x1, s, x2 * c)      # rope_kv's x2*c + x1*s as compiled
-            if b < HQ:
-                q_out[row, b, i] = y1
-                q_out[row, b, i + HALF] = y2
+        ang = float32(pos) * inv_freq[i]
+        c = math.cos(ang)
+        s = math.sin(ang)
+        for b in range(tid // HALF, NB, NHG):
+            if b < HQ + HKV:
+                x1 = qkv[row, b * D + i]
+                x2 = qkv[row, b * D + i + HALF]
+                y1 = cuda.fma(x1, c, -(x2 * s))   # rope_kv's x1*c - x2*s as compiled (module doc)
+                y2 = cuda.fma(x1, s, x2 * c)      # rope_kv's x2*c + x1*s as compiled
+                if b < HQ:
+                    q_out[row, b, i] = y1
+                    q_out[row, b, i + HALF] = y2
+                else:
+                    h = b - HQ
+                    kv[page, h, 0, slot, i] = float16(y1)
+                    kv[page, h, 0, slot, i + HALF] = float16(y2)
             else:
-                h = b - HQ
-                kv[page, h, 0, slot, i] = float16(y1)
-                kv[page, h, 0, slot, i + HALF] = float16(y2)
-        else:
-            h = b - HQ - HKV
-            base = (HQ + HKV + h) * D
-            kv[page, h, 1, slot, i] = float16(qkv[row, base + i])
-            kv[page, h, 1, slot, i + HALF] = float16(qkv[row, base + i + HALF])
+                h = b - HQ - HKV
+                base = (HQ + HKV + h) * D
+                kv[page, h, 1, slot, i] = float16(qkv[row, base + i])
+                kv[page, h, 1, slot, i + HALF] = float16(qkv[row, base + i + HALF])
 
     sig = ("void(float32[:, ::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], "
            "float32[:, :, ::1], int32, int32)")
@@ -228,7 +238,7 @@ def rope_kv_rows_launcher(cfg, qkv, inv_freq, table, kv_layer, q_out):
         if not 0 <= start <= max_pos - m:
             raise ValueError(f"rope_kv_rows: positions {start}..{start + m - 1} are past the "
                              f"block table's {max_pos}")
-        fast((hq + 2 * hkv, m), d // 2, stream, 0, start, m)
+        fast(m, ROPE_THREADS, stream, 0, start, m)
 
     return launch
 

@@ -17,9 +17,12 @@ tile (`dequant_word` on the "mma" layout, `gather_fragment` on the row layout), 
 `mul.rn.f16x2` (the scales folded in, as there).  gate_up: ta = 2, tile 0 the gate rows and
 tile 1 the same rows of up, so the SwiGLU epilogue has both in the same thread.
 
-    tiles    warpgroups x m64 tiles x tokens   stage (weights + x)   stages  smem     for
-    WG_WIDE  2 x 2 x 128   256 rows            16 + 32 KB            4       193 KB   gate_up, qkv
-    WG_TALL  2 x 1 x 128   128 rows            8 + 32 KB             4       161 KB   o_proj, down
+    tiles     warpgroups x m64 tiles x tokens   stage (weights + x)   stages  smem     for
+    WG_WIDE   2 x 2 x 128   256 rows            16 + 32 KB            4       193 KB   gate_up
+    WG_TALL   2 x 1 x 128   128 rows            8 + 32 KB             4       161 KB   qkv, down
+    WG_SHORT  2 x 1 x 64    128 rows            8 + 16 KB             4        97 KB   o_proj
+
+(`DEFAULT_TILES` below has the measurements.)
 
 The shared layouts.  A stage is one group (128 k).  Weights as gemm_kernel's copy plan puts
 them (1 KB a 16-row tile; the mma layout's lane halves swapped for conflict-free ld.shared.v4).
@@ -36,12 +39,13 @@ warp), `stages - 2` groups ahead.  Per group:
     proxy); bar.sync                          -- group s landed; group s - 2's buffer is free
     issue group s + stages - 2 into group s - 2's buffer
     for each k16 chunk c (8):  dequantise + scale the ta A fragments (from ld.shared words);
-        wgmma.fence; ta x wgmma m64n{bt}k16; commit; wait_group(1)
+        wgmma.fence; ta x wgmma m64n{bt}k16; commit; wait_group(depth)
 
-wait_group(1) after each chunk keeps one chunk's wgmmas in flight while the next chunk's
-fragments are dequantised; it retires chunk c - 1, so the A registers it read are free and, at
-chunk 0 of group s, every read of group s - 1's buffer but the last chunk's -- hence the
-refill goes to group s - 2's buffer, which every warpgroup has retired by the barrier.
+wait_group(depth) after each chunk keeps `depth` chunks' wgmmas in flight while the next
+chunk's fragments are dequantised (ptxas keeps their A registers alive until then); it retires
+chunk c - depth, so at chunk 0 of group s every read of group s - 1's buffer but its last
+`depth` chunks' has retired -- hence the refill goes to group s - 2's buffer, which every
+warpgroup has retired by the barrier (depth <= 4 < 8 chunks a group).
 
 Registers (ptxas sm_90a, CUDA 13.0, 7B shapes; tests/kernels/int4/test_gemm_wgmma_cpu.py
 prints them): WG_WIDE 224-228 (128 of them accumulators), WG_TALL 146; no spills, no local
@@ -88,11 +92,13 @@ X_DESC_HI = desc_hi(16, 1024, SWIZZLE_128B)   # LBO unused (16), SBO = 8 rows of
 @dataclasses.dataclass(frozen=True)
 class WgTiles:
     """A block: `wg` warpgroups, each `ta` m64 weight tiles x `bt` tokens (wgmma N); `stages`
-    groups of 128 k in the ring (stages - 2 of them ahead of the one multiplied)."""
+    groups of 128 k in the ring (stages - 2 of them ahead of the one multiplied); `depth` k16
+    chunks of wgmmas left in flight while the next chunk's fragments are dequantised."""
     ta: int
     wg: int
     bt: int
     stages: int
+    depth: int = 1
 
     @property
     def rows(self) -> int:
@@ -115,15 +121,25 @@ class WgTiles:
         return max(ring, epilogue) + 1024                   # + the 1024-alignment pad
 
     def tag(self) -> str:
-        return f"wg{self.wg}a{self.ta}t{self.bt}s{self.stages}"
+        d = f"d{self.depth}" if self.depth != 1 else ""
+        return f"wg{self.wg}a{self.ta}t{self.bt}s{self.stages}{d}"
 
 
 WG_WIDE = WgTiles(ta=2, wg=2, bt=128, stages=4)
-WG_TALL = WgTiles(ta=1, wg=2, bt=128, stages=4)
+WG_TALL = WgTiles(ta=1, wg=2, bt=128, stages=4, depth=2)
+WG_SHORT = WgTiles(ta=1, wg=2, bt=64, stages=4, depth=2)
+
+# Each kind's tiles, the fastest of scripts/bench_gemm.py --wgmma --wg-all at M = 512, 2048
+# and 8192 alike (H200, 2026-12-01; TFLOP/s at 512 / 2048 / 8192 against the tiles before):
+#   qkv     WG_TALL   197 / 318 / 339   (WG_WIDE 183 / 248 / 330)
+#   o_proj  WG_SHORT  321 / 326 / 334   (WG_TALL depth 1: 306 / 235 / 273)
+#   gate_up WG_WIDE   336 / 377 / 374   (depth 2: 336 / 375 / 372)
+#   down    WG_TALL   455 / 441 / 466   (depth 1: 427 / 414 / 429)
+DEFAULT_TILES = {"qkv": WG_TALL, "o_proj": WG_SHORT, "gate_up": WG_WIDE, "down": WG_TALL}
 
 
 def default_tiles(kind: str) -> WgTiles:
-    return WG_WIDE if kind in ("gate_up", "qkv") else WG_TALL
+    return DEFAULT_TILES.get(kind, WG_TALL if kind != "gate_up" else WG_WIDE)
 
 
 def check(kind: str, n: int, k: int, layout, t: WgTiles) -> None:
@@ -136,6 +152,9 @@ def check(kind: str, n: int, k: int, layout, t: WgTiles) -> None:
     if t.ta not in (1, 2) or t.wg < 1 or t.threads > 1024 or t.stages < 3:
         raise ValueError(f"gemm_wgmma: tiles {t.tag()}: ta must be 1 or 2, stages >= 3, at "
                          f"most 1024 threads")
+    if not 1 <= t.depth <= 4:
+        raise ValueError(f"gemm_wgmma: tiles {t.tag()}: depth must be 1..4 chunks in flight "
+                         f"(the ring frees a group's buffer only when all 8 of its chunks retired)")
     if t.bt % 8 or not 8 <= t.bt <= 256 or (t.bt * 16) % t.threads:
         raise ValueError(f"gemm_wgmma: tiles {t.tag()}: bt must be a multiple of 8 in 8..256 "
                          f"with bt * 16 copies a whole number a thread")
@@ -152,7 +171,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     """(kernel body, signature, name) of the wgmma GEMM of `kind` (N = n output features,
     gate_up: I) reading weights in `layout`; gemm.py's argument conventions."""
     check(kind, n, k, layout, tiles)
-    TA, WGS, BT, STAGES = tiles.ta, tiles.wg, tiles.bt, tiles.stages
+    TA, WGS, BT, STAGES, DEPTH = tiles.ta, tiles.wg, tiles.bt, tiles.stages, tiles.depth
     BW, TPB = tiles.rows, tiles.threads
     G = k // GROUP_SIZE
     K8 = k // 8
@@ -177,6 +196,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     NACC = TA * NA
     N_AW, N_RW, N_SC, N_FR = 4 * TA, 8 * TA, 2 * TA, 4 * TA
     EPI_PITCH = BW + 4                     # fp32 a token row of the epilogue tile (+4: banks)
+    EPI_U = 8                              # elements a thread writes out per batch
     OUT_ROWS = OUT_TILES * TILE            # output rows (features) of a block
     mma0 = wgmma_rs(BT, 0)
     mma1 = wgmma_rs(BT, NA) if TA == 2 else mma0
@@ -300,7 +320,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
                     if TA == 2:
                         mma1(acc, fr[4], fr[5], fr[6], fr[7], d, 1)
                     wgmma_commit_group()
-                    wait(acc, 1)
+                    wait(acc, DEPTH)
 
     dequant, gather, row_piece = dev(dequant_word), dev(gather_fragment), dev(row_piece_word)
     block_coords, weight_tile, copy_plan, issue_stage, load_scales, group_wgmma = (
@@ -374,25 +394,41 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         cuda.syncthreads()
         tid = int32(cuda.threadIdx.x)
         row0 = nb * (OUT_TILES * TILE)
-        for e in range(tid, BT * OUT_ROWS, TPB):
-            tok = e // OUT_ROWS
-            o = e - tok * OUT_ROWS
-            wq = o // (HALF * 64)
-            rem = o - wq * (HALF * 64)
-            lr = (wq * TA) * 64 + rem                 # the (gate) row of the tile
-            row = row0 + o
-            if row < n and m0 + tok < m:
-                v = tile[t0 + tok * EPI_PITCH + lr]
-                if GATE_UP:
-                    u = tile[t0 + tok * EPI_PITCH + lr + HALF * 64]
-                    y = v / (float32(1.0) + math.exp(-v)) * u
-                    st_global_u16(out, (m0 + tok, row), cvt_rn_f16_f32(y))
-                elif RESIDUAL:
-                    out[m0 + tok, row] += v
-                elif BIAS:
-                    out[m0 + tok, row] = v + cvt_f32_f16(ld_global_nc_u16(bias, row))
-                else:
-                    out[m0 + tok, row] = v
+        # EPI_U elements a thread a batch: every global load of the batch (the residual's old
+        # value, the bias) is issued before any store.  One element at a time, each `out +=`
+        # waited a full memory latency behind the store before it (the compiler cannot prove
+        # they do not alias): ~25 us a block, as long as a K = 3584 main loop (H200, o_proj
+        # against down at M = 8192, 2026-12-01).
+        vals = cuda.local.array(EPI_U, float32)
+        for e0 in range(tid, BT * OUT_ROWS, TPB * EPI_U):
+            for j in range(EPI_U):
+                e = e0 + j * TPB
+                tok = e // OUT_ROWS
+                o = e - tok * OUT_ROWS
+                wq = o // (HALF * 64)
+                rem = o - wq * (HALF * 64)
+                lr = (wq * TA) * 64 + rem                 # the (gate) row of the tile
+                row = row0 + o
+                v = float32(0.0)
+                if row < n and m0 + tok < m and e < BT * OUT_ROWS:
+                    v = tile[t0 + tok * EPI_PITCH + lr]
+                    if GATE_UP:
+                        u = tile[t0 + tok * EPI_PITCH + lr + HALF * 64]
+                        v = v / (float32(1.0) + math.exp(-v)) * u
+                    elif RESIDUAL:
+                        v += out[m0 + tok, row]
+                    elif BIAS:
+                        v += cvt_f32_f16(ld_global_nc_u16(bias, row))
+                vals[j] = v
+            for j in range(EPI_U):
+                e = e0 + j * TPB
+                tok = e // OUT_ROWS
+                row = row0 + e - tok * OUT_ROWS
+                if row < n and m0 + tok < m and e < BT * OUT_ROWS:
+                    if GATE_UP:
+                        st_global_u16(out, (m0 + tok, row), cvt_rn_f16_f32(vals[j]))
+                    else:
+                        out[m0 + tok, row] = vals[j]
 
     mainloop, epilogue = dev(mainloop), dev(epilogue)
 

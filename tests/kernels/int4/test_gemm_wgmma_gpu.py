@@ -65,7 +65,9 @@ def test_gemm_wgmma_against_the_reference(model, kind, n, k, layout, m):
 
 @pytest.mark.parametrize("tiles", [
     W.WG_WIDE, W.WG_TALL, W.WgTiles(1, 2, 64, 4), W.WgTiles(2, 1, 128, 4),
-    W.WgTiles(2, 2, 64, 4), W.WgTiles(1, 1, 256, 3)], ids=lambda t: t.tag())
+    W.WgTiles(2, 2, 64, 4), W.WgTiles(1, 1, 256, 3), W.WgTiles(2, 2, 128, 4, 2),
+    W.WgTiles(2, 2, 128, 4, 3), W.WgTiles(1, 2, 64, 4, 2), W.WgTiles(1, 2, 128, 4, 2)],
+    ids=lambda t: t.tag())
 @pytest.mark.parametrize("kind", ["o_proj", "gate_up"])
 def test_candidate_tiles(kind, tiles):
     """The bench's alternatives (so a faster one can become the default), on a 7B shape."""
