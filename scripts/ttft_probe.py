@@ -35,7 +35,7 @@ for n in lengths:
             eng.prompt[:n].copy_to_device(ids.astype(np.int32), stream=eng.stream)
             eng.stream.synchronize()
             t = time.perf_counter()
-            pre.run(0, 0, n - 1, eng.stream)
+            pre.run(0, 0, n, eng.stream)
             e = time.perf_counter()
             eng.stream.synchronize()
             enq.append((1e3 * (e - t), 1e3 * (time.perf_counter() - t)))
@@ -43,6 +43,6 @@ for n in lengths:
             f"{np.median(ts[1:]):.1f} ms")
     if enq:
         q, d = np.median([x[0] for x in enq[1:]]), np.median([x[1] for x in enq[1:]])
-        line += f"; prefill of {n - 1} alone {d:.1f} ms, of which enqueueing {q:.1f} ms"
+        line += f"; prefill of {n} alone {d:.1f} ms, of which enqueueing {q:.1f} ms"
     print(line, flush=True)
 eng.reset()

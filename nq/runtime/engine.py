@@ -16,6 +16,10 @@ One decode step (this file never holds a kernel body; nq/kernels does):
                (any other sampling: the device sampler in its place, in a second graph
                captured from the same steps: nq/runtime/sampling.py)
 
+A prompt of two tokens or more goes through the batched prefill instead (nq/runtime/prefill.py),
+all of it; the last token's residual row then takes only the step's tail, lm_head and argmax
+(or the sampler), launched eagerly: `_head`.
+
 Everything that changes per step lives in device memory (`state`, the block table), so the
 step is captured once and replayed.  One graph serves every position: the kernels read `pos`
 on the device and pages are reserved ahead, so nothing differs at a page boundary
@@ -328,10 +332,13 @@ class Engine:
             self.seq.dirty = False
 
     def _start_prompt(self, ids, batched: bool = True, sampled: bool = False) -> tuple[int, int]:
-        """Upload ids as the tokens following the cache and enqueue the batched prefill of all
-        but the last (when this engine has one and `batched`); the decode steps that follow
-        take the rest, from the state written here.  sampled: the sampler's penalty history
-        takes the prompt too.  Returns (tokens, tokens prefilled)."""
+        """Upload ids as the tokens following the cache and, when this engine has a batched
+        prefill, `batched` and there are two tokens or more, enqueue the prefill of all of them
+        and the copy of the last one's residual row into `x`.  The state written here is the
+        one the decode step of the next token to run sees: prompt token 0 for the replays, the
+        last for `_head`, which then takes that token's step (the same token, position, step
+        number and penalty history).  sampled: the sampler's penalty history takes the prompt
+        too.  Returns (tokens, tokens prefilled): 0 (one replay a token) or all of them."""
         ids = np.asarray(ids, np.int32).reshape(-1)
         if ids.size == 0:
             raise ValueError("prefill: no tokens")
@@ -343,19 +350,36 @@ class Engine:
         if sampled:
             self.sampling.append_prompt(start, int(ids.size))
         self.feed_meta.copy_to_device(np.array([start, ids.size], np.int32), stream=self.stream)
-        done = 0
-        if batched and self.prefiller is not None and ids.size > 1:
-            done = int(ids.size) - 1
-            self.prefiller.run(0, start, done, self.stream)
-        # step `done` replays next: feed puts prompt[done] in state.token, out_ids by step
-        self._write_state(token=int(ids[done]), pos=start + done, step=done)
-        return int(ids.size), done
+        n, done = int(ids.size), 0
+        pre = self.prefiller
+        if batched and pre is not None and n > 1:
+            done = n
+            pre.run(0, start, n, self.stream)
+            # the row the decode step's layers would leave in x for the last token
+            self.x.copy_to_device(pre.x[pre.last_row(n)], stream=self.stream)
+        # the step of prompt token k runs next (a replay: feed puts prompt[k] in state.token;
+        # or the head of the last), out_ids by step
+        k = min(done, n - 1)
+        self._write_state(token=int(ids[k]), pos=start + k, step=k)
+        return n, done
+
+    def _head(self, sampled: bool = False) -> None:
+        """Enqueue the decode step's tail alone -- lm_head, then argmax (sampled: the device
+        sampler) -- on the `x` a batched prefill left: the last prompt token's step without its
+        layers, whose work the prefill did.  Eager launches, queued behind the prefill's."""
+        for region, launch in self.steps:
+            if region == "lm_head":
+                launch(self.stream)
+        _, sample = self.sampling.steps()[-1] if sampled else self.steps[-1]
+        sample(self.stream)
 
     # ---- host-sampled interface ---------------------------------------------------------------
     def prefill(self, ids) -> np.ndarray:
-        """Append ids to the context; logits (vocab,) fp32 of the last (batched prefill, then
-        one decode step for the last token)."""
+        """Append ids to the context; logits (vocab,) fp32 of the last (the batched prefill and
+        lm_head on its last row; one decode step a token without a prefiller or for one token)."""
         n, done = self._start_prompt(ids)
+        if done == n:
+            self._head()
         for _ in range(n - done):
             self.step()
         self._pos += n
@@ -405,16 +429,20 @@ class Engine:
             self.prepare_sampler().set_params(params)
         start = self._pos
         p, done = self._start_prompt(prompt_ids, sampled=sampled)
-        for _ in range(p - 1 - done):
+        for _ in range(p - 1 - done):  # all but the last (none after a batched prefill)
             self.step()  # prompt tokens: whatever a replay picks, feed overwrites it
-        # Replay r writes out_ids[r]; generated token k comes from replay p-1+k.  Token k-1 is
+        # Step r writes out_ids[r]; generated token k comes from step p-1+k, the last prompt
+        # token's for k = 0 (the head, when the prefill took the whole prompt).  Token k-1 is
         # read after step k is queued, so the GPU never waits for the host.  The consumer may
         # stop at any yield (a stop id): `finally` then books what the cache holds.
         produced = steps = 0
         try:
             prev = None
             for k in range(n):
-                self.step(sampled)
+                if k == 0 and done == p:
+                    self._head(sampled)
+                else:
+                    self.step(sampled)
                 steps += 1
                 reader = self._enqueue_read(p - 1 + k, k % 2)
                 if prev is not None:

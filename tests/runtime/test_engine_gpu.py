@@ -109,19 +109,28 @@ def test_prefill_logits_match_reference(model):
 
 
 def test_graph_replay_equals_eager(model):
+    """The prompt (batched, then the head's eager lm_head and argmax) and three decode steps,
+    with the step graph and with the same steps launched eagerly: the same logits, bit for bit."""
     name, nf, eng, ref = model
     prompt = [7, 8, 9, 10, 11]
     # every kernel-to-kernel edge is programmatic (PDL): embed..argmax is one chain
     assert eng.pdl and eng.graph.programmatic_edges == eng.graph.num_nodes - 1
-    eng.reset()
-    a = eng.prefill(prompt)
+
+    def run():
+        eng.reset()
+        out = [eng.prefill(prompt)]
+        for tok in (5, 9, 2):
+            out.append(eng.decode(tok))
+        return out
+
+    a = run()
     graph, eng.graph = eng.graph, None  # eager launches of the same steps
     try:
-        eng.reset()
-        b = eng.prefill(prompt)
+        b = run()
     finally:
         eng.graph = graph
-    np.testing.assert_array_equal(a, b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_pdl_graph_equals_plain_graph_over_many_steps(model):
@@ -289,3 +298,81 @@ def test_32b_width_decodes_and_prefills_as_the_reference(tmp_path_factory):
         assert gap <= TIE_TOL * spread, (f"first divergence at step {k}: gpu {got_ids[k]} vs ref "
                                          f"{want_ids[k]}; reference top-2 gap {gap / spread:.2e} "
                                          "of the spread")
+
+
+def within_prefill_tolerance(got, want, what):
+    """The batched-prefill tolerance of the tests above: 2e-2 of the logit spread."""
+    spread = float(want.max() - want.min())
+    err = float(np.abs(got - want).max())
+    assert err < 2e-2 * spread, f"{what}: max |batched-replay| {err:.3e}, spread {spread:.3e}"
+
+
+@pytest.mark.parametrize("n", [2, 127, 128, 129, 300])
+def test_the_batched_head_equals_the_replayed_last_step(long_model, n, monkeypatch):
+    """prefill(ids): the whole prompt batched (chunks of 128: the last token's row is
+    (n - 1) % 128 of the last chunk), then lm_head and argmax on that row alone, against the
+    replay engine's decode step of the last token.  Logits within the batched-prefill tolerance;
+    the state the step leaves (position, step; the token its own logits' argmax, in out_ids
+    at the last prompt token's step); and no decode step on the batched side."""
+    from nq.paged import STATE_POS, STATE_STEP, STATE_TOKEN
+    nf, batched, replay, ref = long_model
+    prompt = [int(t) for t in np.random.default_rng(100 + n).integers(0, nf.config.vocab_size, n)]
+    ends = []
+    for eng in (replay, batched):
+        eng.reset()
+        if eng is batched:
+            steps = []
+            monkeypatch.setattr(eng, "step", lambda sampled=False: steps.append(sampled))
+        logits = eng.prefill(prompt)
+        st, out = eng.state.copy_to_host(), eng.out_ids.copy_to_host()
+        assert st[STATE_TOKEN] == int(np.argmax(logits)) == out[n - 1]
+        assert eng.length == n
+        ends.append((logits, int(st[STATE_POS]), int(st[STATE_STEP])))
+    assert steps == []
+    within_prefill_tolerance(ends[1][0], ends[0][0], f"n={n}")
+    assert ends[0][1:] == ends[1][1:] == (n, n)
+
+
+@pytest.mark.parametrize("n", [2, 130])
+def test_the_batched_head_continues_a_context_as_the_replay(long_model, n):
+    """A chat turn: 150 tokens, 3 decoded, then n more (start 153; 130 crosses a chunk of 128,
+    the last row 1 of the second chunk): the batched head's logits against the replay's."""
+    nf, batched, replay, ref = long_model
+    rng = np.random.default_rng(n)
+    first = [int(t) for t in rng.integers(0, nf.config.vocab_size, 150)]
+    second = [int(t) for t in rng.integers(0, nf.config.vocab_size, n)]
+    got = []
+    for eng in (replay, batched):
+        eng.reset()
+        eng.prefill(first)
+        for tok in (5, 9, 2):
+            eng.decode(tok)
+        got.append(eng.prefill(second))
+        assert eng.length == 153 + n
+    within_prefill_tolerance(got[1], got[0], f"{n} tokens after 153")
+
+
+@pytest.mark.parametrize("n", [2, 129])
+def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
+    """32 greedy tokens after an n-token prompt, the first from the batched head, against the
+    replay engine's: identical, unless they part where the replay's own top-2 logits are within
+    nq verify's TIE_TOL of the spread (fp16 rounding decides a coin toss)."""
+    from nq.tools.verify import TIE_TOL
+    nf, batched, replay, ref = long_model
+    prompt = [int(t) for t in np.random.default_rng(200 + n).integers(0, nf.config.vocab_size, n)]
+    ids = []
+    for eng in (replay, batched):
+        eng.reset()
+        ids.append(list(eng.generate_ids(prompt, 32, GREEDY)))
+    want, got = ids
+    if got != want:
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        replay.reset()
+        logits = replay.prefill(prompt)
+        for tok in want[:k]:
+            logits = replay.decode(tok)
+        top = np.sort(logits)[::-1]
+        spread = float(top[0] - top[-1])
+        assert top[0] - top[1] <= TIE_TOL * spread, (
+            f"n={n}: divergence at token {k}: batched {got[k]} vs replay {want[k]}, top-2 gap "
+            f"{(top[0] - top[1]) / spread:.2e} of the spread")

@@ -64,7 +64,10 @@ def stepped(eng, prompt, n, params):
     for k in range(n):
         eng.stream.synchronize()
         st = eng.state.copy_to_host()
-        eng.step(True)
+        if k == 0 and done == p:
+            eng._head(True)  # the last prompt token after a batched prefill, as generate_ids
+        else:
+            eng.step(True)
         eng.stream.synchronize()
         assert st[STATE_POS] == len(ctx) - 1
         logits = eng.logits.copy_to_host()

@@ -201,3 +201,17 @@ def test_chat_and_serve_controls_reach_the_device_params():
     assert (params.presence_penalty, params.frequency_penalty) == (1.5, 0.5) == (presence,
                                                                                 frequency)
     assert needs_device_sampler(params)
+
+
+def test_the_sampled_head_after_a_batched_prefill(eng):
+    """The last prompt token's sampled step is the head on the batched path (lm_head and the
+    sampler on the prefill's last row, no layers): the same tokens and history as the replays,
+    one sampler launch a generated token."""
+    batched = eng.prefiller is not None
+    block = pack_sampling(SAMPLED, eng.sampling.sampler.pack, eng.max_len)
+    prompt = [3, 4, 5, 6, 7, 8]
+    got = list(eng.generate_ids(prompt, 5, SAMPLED))
+    assert got == sampled_reference(prompt, len(prompt), 5, block)
+    assert eng.sampling.sampler.launches == 5
+    assert eng.calls["layers"] == (4 if batched else 5 + 5)
+    assert_history_is(eng, prompt + got[:-1])
