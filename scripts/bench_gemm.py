@@ -54,7 +54,8 @@ CANDIDATES = [M.SMALL, M.MEDIUM, M.LARGE,
 WG_CANDIDATES = [W.WG_WIDE, W.WG_TALL, W.WG_SHORT,
                  W.WgTiles(1, 2, 128, 4),      # WG_TALL with one chunk in flight
                  W.WgTiles(1, 2, 64, 4),       # WG_SHORT with one chunk in flight
-                 W.WgTiles(2, 2, 128, 4, 2)]   # WG_WIDE with two chunks in flight
+                 W.WgTiles(2, 2, 128, 4, 2),   # WG_WIDE with two chunks in flight
+                 W.WgTiles(1, 4, 64, 3, 2)]    # four warpgroups, 256 rows x 64 tokens
 ROTATE_BYTES = 240 << 20
 
 

@@ -120,6 +120,13 @@ class WgTiles:
         epilogue = self.bt * (self.rows + 4) * 4            # the fp32 tile of the epilogue
         return max(ring, epilogue) + 1024                   # + the 1024-alignment pad
 
+    def out_tiles(self, kind: str) -> int:
+        """Output 16-row tiles of a block: gate_up's SwiGLU pairs a gate tile with an up tile
+        -- inside a warpgroup (ta = 2) or across the two halves of the warpgroups (ta = 1)."""
+        if kind != "gate_up":
+            return self.wg * self.ta * 4
+        return self.wg * 4 if self.ta == 2 else (self.wg // 2) * 4
+
     def tag(self) -> str:
         d = f"d{self.depth}" if self.depth != 1 else ""
         return f"wg{self.wg}a{self.ta}t{self.bt}s{self.stages}{d}"
@@ -158,9 +165,10 @@ def check(kind: str, n: int, k: int, layout, t: WgTiles) -> None:
     if t.bt % 8 or not 8 <= t.bt <= 256 or (t.bt * 16) % t.threads:
         raise ValueError(f"gemm_wgmma: tiles {t.tag()}: bt must be a multiple of 8 in 8..256 "
                          f"with bt * 16 copies a whole number a thread")
-    if kind == "gate_up" and t.ta != 2:
+    if kind == "gate_up" and t.ta != 2 and t.wg % 2:
         raise ValueError(f"gemm_wgmma: gate_up needs ta = 2 (gate and up tiles of the same "
-                         f"rows in one warpgroup), got {t.tag()}")
+                         f"rows in one warpgroup) or an even wg (gate in the first half of the "
+                         f"warpgroups, up in the second), got {t.tag()}")
     if t.smem_bytes() > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemm_wgmma: tiles {t.tag()} need {t.smem_bytes()} bytes of shared "
                          f"memory, over sm_90's {SMEM_OPTIN_LIMIT}")
@@ -181,8 +189,9 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     MMA = layout == "mma"
     KS = 1 if MMA else layout[1]
     NT_OUT = n // TILE
-    HALF = TA // 2 if GATE_UP else TA      # output m64 tiles of a warpgroup
-    OUT_TILES = WGS * HALF * 4             # output 16-row tiles of a block
+    GU_SPLIT = GATE_UP and TA == 1         # gate_up: gate in warpgroups 0..WGS/2-1, up after
+    HALF = TA // 2 if GATE_UP and not GU_SPLIT else TA   # output m64 tiles of a warpgroup
+    OUT_TILES = tiles.out_tiles(kind)      # output 16-row tiles of a block
     NB = -(-NT_OUT // OUT_TILES)
     W_BYTES = BW * GROUP_SIZE // 2
     X_OFF = W_BYTES
@@ -198,6 +207,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     EPI_PITCH = BW + 4                     # fp32 a token row of the epilogue tile (+4: banks)
     EPI_U = 8                              # elements a thread writes out per batch
     OUT_ROWS = OUT_TILES * TILE            # output rows (features) of a block
+    UP_COL = OUT_ROWS if GU_SPLIT else HALF * 64   # gate_up: up's column after the gate's
     mma0 = wgmma_rs(BT, 0)
     mma1 = wgmma_rs(BT, NA) if TA == 2 else mma0
     fence = wgmma_fence_acc(NACC)
@@ -225,7 +235,11 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         a = rem >> 2
         w = rem & 3
         up = 0
-        if GATE_UP and a >= HALF:
+        if GU_SPLIT:
+            if wgi >= WGS // 2:
+                up = 1
+                wgi -= WGS // 2
+        elif GATE_UP and a >= HALF:
             up = 1
             a -= HALF
         ot = nb * OUT_TILES + (wgi * HALF + a) * 4 + w
@@ -405,15 +419,18 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
                 e = e0 + j * TPB
                 tok = e // OUT_ROWS
                 o = e - tok * OUT_ROWS
-                wq = o // (HALF * 64)
-                rem = o - wq * (HALF * 64)
-                lr = (wq * TA) * 64 + rem                 # the (gate) row of the tile
+                if GU_SPLIT:
+                    lr = o                                # gate columns first, up OUT_ROWS on
+                else:
+                    wq = o // (HALF * 64)
+                    rem = o - wq * (HALF * 64)
+                    lr = (wq * TA) * 64 + rem             # the (gate) row of the tile
                 row = row0 + o
                 v = float32(0.0)
                 if row < n and m0 + tok < m and e < BT * OUT_ROWS:
                     v = tile[t0 + tok * EPI_PITCH + lr]
                     if GATE_UP:
-                        u = tile[t0 + tok * EPI_PITCH + lr + HALF * 64]
+                        u = tile[t0 + tok * EPI_PITCH + lr + UP_COL]
                         v = v / (float32(1.0) + math.exp(-v)) * u
                     elif RESIDUAL:
                         v += out[m0 + tok, row]
@@ -512,8 +529,7 @@ class WgmmaGemm:
         """(grid, band): (band, NB, bands) blocks -- band token blocks (as many as keep band x
         bt x K fp16 within L2_BAND_BYTES) x NB weight blocks x ceil(mt / band) bands."""
         t = self.tiles
-        out_tiles = t.wg * (t.ta // 2 if self.kind == "gate_up" else t.ta) * 4
-        nb = -(-(self.n // TILE) // out_tiles)
+        nb = -(-(self.n // TILE) // t.out_tiles(self.kind))
         mt = -(-m // t.bt)
         band = max(1, min(mt, L2_BAND_BYTES // (t.bt * self.k * 2)))
         return (band, nb, -(-mt // band)), band
