@@ -169,7 +169,7 @@ def bench_projection(kind, ms, candidates, reps, rng, wg_candidates=()):
                 for qw, sc in weights:
                     g(x, qw, sc, *extra, out, m, stream=stream)
             t = median_time(batch, reps) / copies
-            wdef = tiles == W.default_tiles(kind)
+            wdef = tiles == W.default_tiles(kind, m)
             row = {"kind": kind, "m": m, "n": rows, "k": k, "tiles": "wgmma:" + tiles.tag(),
                    "default": False, "wgmma_default": wdef, "ms": t * 1e3,
                    "tflops": flop / t * 1e-12, "weight_copies": copies}
@@ -224,7 +224,8 @@ def main():
             candidates = list(dict.fromkeys(default.pick(m)[0] for m in ms))
         wg = []
         if args.wgmma:
-            wg = [W.default_tiles(kind)] if args.quick and not args.wg_all else WG_CANDIDATES
+            wg = (list(dict.fromkeys(W.default_tiles(kind, m) for m in ms))
+                  if args.quick and not args.wg_all else WG_CANDIDATES)
         plan.append((kind, candidates, wg))
     precompile(ms, plan)
     for kind, candidates, wg in plan:

@@ -17,10 +17,11 @@ tile (`dequant_word` on the "mma" layout, `gather_fragment` on the row layout), 
 `mul.rn.f16x2` (the scales folded in, as there).  gate_up: ta = 2, tile 0 the gate rows and
 tile 1 the same rows of up, so the SwiGLU epilogue has both in the same thread.
 
-    tiles     warpgroups x m64 tiles x tokens   stage (weights + x)   stages  smem     for
-    WG_WIDE   2 x 2 x 128   256 rows            16 + 32 KB            4       193 KB   gate_up
-    WG_TALL   2 x 1 x 128   128 rows            8 + 32 KB             4       161 KB   qkv, down
-    WG_SHORT  2 x 1 x 64    128 rows            8 + 16 KB             4        97 KB   o_proj
+    tiles     warpgroups x m64 tiles x tokens  stage (weights + x)  stages  smem    for
+    WG_WIDE   2 x 2 x 128   256 rows           16 + 32 KB           4       193 KB  gate_up > 1024
+    WG_TALL   2 x 1 x 128   128 rows           8 + 32 KB            4       161 KB  qkv, down,
+                                                                                    gate_up
+    WG_SHORT  2 x 1 x 64    128 rows           8 + 16 KB            4        97 KB  o_proj
 
 (`DEFAULT_TILES` below has the measurements.)
 
@@ -136,17 +137,30 @@ WG_WIDE = WgTiles(ta=2, wg=2, bt=128, stages=4)
 WG_TALL = WgTiles(ta=1, wg=2, bt=128, stages=4, depth=2)
 WG_SHORT = WgTiles(ta=1, wg=2, bt=64, stages=4, depth=2)
 
-# Each kind's tiles, the fastest of scripts/bench_gemm.py --wgmma --wg-all at M = 512, 2048
-# and 8192 alike (H200, 2026-12-01; TFLOP/s at 512 / 2048 / 8192 against the tiles before):
+# Each kind's tiles by M: ((max_m, tiles), ...), the first entry whose max_m >= M (None: any
+# M).  The fastest of scripts/bench_gemm.py --wgmma --wg-all (H200, 2026-12-01; TFLOP/s at
+# M = 512 / 2048 / 8192 against the tiles before this table):
 #   qkv     WG_TALL   197 / 318 / 339   (WG_WIDE 183 / 248 / 330)
 #   o_proj  WG_SHORT  321 / 326 / 334   (WG_TALL depth 1: 306 / 235 / 273)
-#   gate_up WG_WIDE   336 / 377 / 374   (depth 2: 336 / 375 / 372)
+#   gate_up WG_TALL   359 at 512 (gate and up in the two warpgroups; WG_WIDE 326), WG_WIDE
+#           373 / 372 at 2048 / 8192 (WG_TALL 365 / 348)
 #   down    WG_TALL   455 / 441 / 466   (depth 1: 427 / 414 / 429)
-DEFAULT_TILES = {"qkv": WG_TALL, "o_proj": WG_SHORT, "gate_up": WG_WIDE, "down": WG_TALL}
+DEFAULT_TILES = {"qkv": ((None, WG_TALL),), "o_proj": ((None, WG_SHORT),),
+                 "gate_up": ((1024, WG_TALL), (None, WG_WIDE)), "down": ((None, WG_TALL),)}
 
 
-def default_tiles(kind: str) -> WgTiles:
-    return DEFAULT_TILES.get(kind, WG_TALL if kind != "gate_up" else WG_WIDE)
+def tiles_by_m(kind: str) -> tuple:
+    return DEFAULT_TILES.get(kind, ((None, WG_WIDE if kind == "gate_up" else WG_TALL),))
+
+
+def default_tiles(kind: str, m: int | None = None) -> WgTiles:
+    """The tiles that run m tokens of `kind` (m None: the largest M's)."""
+    table = tiles_by_m(kind)
+    if m is not None:
+        for max_m, t in table:
+            if max_m is None or m <= max_m:
+                return t
+    return table[-1][1]
 
 
 def check(kind: str, n: int, k: int, layout, t: WgTiles) -> None:
@@ -501,8 +515,10 @@ class WgmmaGemm:
 
     def __init__(self, kind, n, k, layout, tiles=None, small=None, min_m=WGMMA_MIN_M):
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
-        self.tiles = tiles or default_tiles(kind)
-        check(kind, n, k, layout, self.tiles)
+        # ((max_m, tiles), ...): `tiles` alone runs every M; by default DEFAULT_TILES' table
+        self.table = ((None, tiles),) if tiles is not None else tiles_by_m(kind)
+        for _, t in self.table:
+            check(kind, n, k, layout, t)
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
         self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
@@ -512,23 +528,31 @@ class WgmmaGemm:
         the first time an M needs them), as gemm.Gemm.pick."""
         if self.small is not None and m <= self.min_m:
             return self.small.pick(m)
-        return (self.tiles,) + compiled(self.kind, self.n, self.k, self.layout, self.tiles)
+        t = self.tiles_for(m)
+        return (t,) + compiled(self.kind, self.n, self.k, self.layout, t)
+
+    def tiles_for(self, m) -> WgTiles:
+        for max_m, t in self.table:
+            if max_m is None or m <= max_m:
+                return t
+        return self.table[-1][1]
 
     def load_cached(self) -> int:
         """Load now the kernels of this GEMM that are in the disk cache (the mma.sync tiles for
         small M and the wgmma kernel), as gemm.Gemm.load_cached; returns how many."""
         from nq.kernels.build import is_cached
         n = self.small.load_cached() if self.small is not None else 0
-        body, sig, name = build_gemm_wgmma(self.kind, self.n, self.k, self.layout, self.tiles)
-        if is_cached(body, sig, name, **COMPILE_OPTIONS, launch_bounds=(self.tiles.threads,)):
-            compiled(self.kind, self.n, self.k, self.layout, self.tiles)
-            n += 1
+        for _, t in self.table:
+            body, sig, name = build_gemm_wgmma(self.kind, self.n, self.k, self.layout, t)
+            if is_cached(body, sig, name, **COMPILE_OPTIONS, launch_bounds=(t.threads,)):
+                compiled(self.kind, self.n, self.k, self.layout, t)
+                n += 1
         return n
 
     def grid(self, m):
         """(grid, band): (band, NB, bands) blocks -- band token blocks (as many as keep band x
         bt x K fp16 within L2_BAND_BYTES) x NB weight blocks x ceil(mt / band) bands."""
-        t = self.tiles
+        t = self.tiles_for(m)
         nb = -(-(self.n // TILE) // t.out_tiles(self.kind))
         mt = -(-m // t.bt)
         band = max(1, min(mt, L2_BAND_BYTES // (t.bt * self.k * 2)))
@@ -540,10 +564,10 @@ class WgmmaGemm:
             return self.small(x, qw, sc, *rest, stream=stream)
         bias = rest[0] if self.kind == "qkv" else None
         out = rest[-2]
-        kern, name = compiled(self.kind, self.n, self.k, self.layout, self.tiles)
+        t = self.tiles_for(m)
+        kern, name = compiled(self.kind, self.n, self.k, self.layout, t)
         fast = gemm_launch(self, name, kern, m, x, qw, sc, bias, out)
         if fast is None:      # m = 0: checked, nothing to launch
             return
         grid, band = self.grid(m)
-        t = self.tiles
         fast(grid, t.threads, stream, t.smem_bytes(), m, band)

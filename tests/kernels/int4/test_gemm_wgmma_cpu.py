@@ -32,7 +32,7 @@ def test_refusals():
 
 CANDIDATES = [W.WgTiles(1, 2, 64, 4), W.WgTiles(2, 1, 128, 4), W.WgTiles(2, 2, 64, 4),
               W.WgTiles(1, 1, 256, 3)]
-CASES = ([(s, W.default_tiles(s[0])) for s in SHAPES_7B]
+CASES = ([(s, t) for s in SHAPES_7B for _, t in W.tiles_by_m(s[0])]
          + [(SHAPES_7B[i], t) for i in (1, 2) for t in CANDIDATES
             if SHAPES_7B[i][0] != "gate_up" or t.ta == 2 or t.wg % 2 == 0])
 
@@ -123,3 +123,21 @@ def test_gemm_wgmma_under_the_simulator():
     assert len(errs) == 6, stdout
     for name, e in errs.items():
         assert e < (1e-3 if "gateup" in name else 5e-4), (name, e)
+
+
+def test_tiles_by_m():
+    """DEFAULT_TILES' table: the first entry whose max_m holds M; an explicit tiling runs every M;
+    the grid follows the tiles the M takes (gate_up: 64 features a block on WG_TALL, 128 on
+    WG_WIDE)."""
+    assert W.default_tiles("gate_up", 512) == W.WG_TALL
+    assert W.default_tiles("gate_up", 1024) == W.WG_TALL
+    assert W.default_tiles("gate_up", 1025) == W.WG_WIDE
+    assert W.default_tiles("gate_up") == W.WG_WIDE
+    assert W.default_tiles("o_proj", 8192) == W.WG_SHORT
+    g = W.WgmmaGemm("gate_up", I, H, ("rows", 4))
+    assert g.tiles_for(300) == W.WG_TALL and g.tiles_for(4096) == W.WG_WIDE
+    (band, nb, bands), _ = g.grid(512)
+    assert nb == I // 64 and band * bands >= 512 // W.WG_TALL.bt
+    assert g.grid(4096)[0][1] == -(-I // 128)
+    fixed = W.WgmmaGemm("gate_up", I, H, ("rows", 4), W.WG_WIDE)
+    assert fixed.tiles_for(100) == fixed.tiles_for(8192) == W.WG_WIDE
