@@ -29,6 +29,8 @@ def make_backend(name: str, nf, ctx: int, valid_vocab: int | None = None,
         from nq.ref import NumpyBackend
         return NumpyBackend.from_file(nf, max_len=ctx)
     if name == "gpu":
+        from nq import gpu_start
+        gpu_start.wait()    # the start's threads (driver, numba's import) have finished
         from numba import cuda
         if not cuda.is_available():
             raise RuntimeError("no CUDA GPU is visible (nq's kernels need an NVIDIA sm_90 GPU); "

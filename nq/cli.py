@@ -13,10 +13,12 @@ import os
 import sys
 from pathlib import Path
 
+from nq import gpu_start
 from nq.errors import interrupted, os_error_words, signals_as_interrupts
 from nq.backend import context_size, make_backend, sampling_params
 from nq.cli_args import Formatter, model_args, sampling_args
 from nq.loader.resolve import resolve_model
+from nq.tools.flags import bench_arguments, verify_arguments
 
 
 def _err(msg: str) -> int:
@@ -140,7 +142,8 @@ def print_run_stats(stats) -> None:
 def cmd_generate(args) -> int:
     from nq.timeline import TIMELINE
     TIMELINE.lap("argument parsing")
-    prelude = start_gpu_prelude() if args.backend == "gpu" else None
+    if args.backend == "gpu":
+        gpu_start.start(TIMELINE)   # the CUDA driver and numba's import, beside the next steps
     from nq.generate import Interrupted, StopStrings, generate
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
@@ -168,8 +171,7 @@ def cmd_generate(args) -> int:
         return _err(f"prompt ({len(ids)} tokens) + -n {args.n} exceeds the context -c {ctx}; "
                     "raise -c or shorten the prompt")
     TIMELINE.lap("prompt")
-    if prelude is not None:
-        prelude.join()
+    if args.backend == "gpu" and gpu_start.wait():
         TIMELINE.lap("numba, CUDA context, engine imports (waiting)")
     from nq.runtime.sampling import needs_device_sampler
     backend = make_backend(args.backend, nf, ctx, valid_vocab=tok.vocab_size,
@@ -232,34 +234,6 @@ def cmd_generate(args) -> int:
     return 130 if stats.stop_reason == "interrupted" else 0
 
 
-def start_gpu_prelude():
-    """A thread that imports numba, creates the CUDA context, and imports the engine's modules
-    and computes the kernel cache's key inputs while this one opens the file and tokenizes
-    (numba's import and the context are ~0.2-0.5 s each, the driver's part outside the GIL);
-    join it before the engine is built.  Its errors are left for the backend to report."""
-    import threading
-
-    def prelude() -> None:
-        try:
-            from numba import cuda
-            if cuda.is_available():
-                cuda.current_context()
-                from nq.kernels import build
-                build.source_digest()
-                build._environment()
-                import importlib    # the modules the engine imports as it is built (~0.1 s)
-                for name in ("nq.runtime.engine", "nq.runtime.weights", "nq.runtime.prefill",
-                             "nq.runtime.staging", "nq.kernels.int4", "nq.kernels.attention",
-                             "nq.kernels.rows", "nq.kernels.embed", "nq.kernels.feed",
-                             "nq.kernels.lm_head", "nq.kernels.rope_kv", "nq.kernels.sampling"):
-                    importlib.import_module(name)
-        except Exception:  # noqa: BLE001 -- make_backend says what is wrong (a renamed module
-            pass           # here costs only its import time later)
-    t = threading.Thread(target=prelude, name="nq-cuda-init", daemon=True)
-    t.start()
-    return t
-
-
 def cmd_cache(args) -> int:
     """`nq cache info|clear`: the compiled-kernel cache (nq/kernels/build.py)."""
     from nq.kernels.build import cache_entries, cache_root, clear_cache
@@ -285,24 +259,33 @@ def cmd_cache(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if args.backend == "gpu":
+        gpu_start.start()
     from nq.serve import main as serve  # lazy: starlette and uvicorn load only for `nq serve`
     return serve(args)
 
 
 def cmd_bench(args) -> int:
-    from nq.tools.bench import run  # lazy: numba and torch load only for `nq bench`
+    from nq.tools.bench import run  # lazy: numpy, numba and torch load only for `nq bench`
+    return run(args)
+
+
+def cmd_verify(args) -> int:
+    from nq.tools.verify import run
     return run(args)
 
 
 # ---- argument parsing -----------------------------------------------------------------------
 def cmd_chat(args) -> int:
+    if args.n == 0 or args.n < -1:
+        raise ValueError(f"-n {args.n}: give the most tokens a reply may have, or -1 for "
+                         "until an end token or a full context")
+    if args.backend == "gpu":
+        gpu_start.start()
     from nq.chat import ChatSession, repl
     from nq.loader.format import NanoqwenFile
     from nq.text import Tokenizer
 
-    if args.n == 0 or args.n < -1:
-        raise ValueError(f"-n {args.n}: give the most tokens a reply may have, or -1 for "
-                         "until an end token or a full context")
     nf = NanoqwenFile(resolve_model(args.model, args.revision))
     tok = Tokenizer.from_nanoqwen(nf)
     resolve_seed(args)
@@ -395,13 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "others are copies in pinned host memory (K x the context's KV bytes)")
     s.set_defaults(func=cmd_serve)
 
-    from nq.tools.verify import add_parser as add_verify
-    add_verify(sub)
+    s = sub.add_parser("verify", help="check this GPU's kernels, prefill and decode graph "
+                                      "against the references (unit, layer, prefill, graph tiers)")
+    verify_arguments(s)
+    s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser("bench", help="prefill/decode speed as a llama-bench table, with the ITL "
                                      "breakdown, copy ceiling and torch peers (GPU)")
-    from nq.tools.bench import add_arguments
-    add_arguments(s)
+    bench_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
 

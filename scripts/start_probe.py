@@ -16,6 +16,14 @@ own (emptied first; $NQ_CACHE's is left alone):
 For each: wall seconds from the command to its first byte of generated text on stdout and to
 its exit, TTFT, and `--verbose`'s parts (nq/timeline.py: they add up to the process's life up to
 its last lap; "exit" below is what is left: interpreter and CUDA teardown).
+
+    python3 scripts/start_probe.py --warm 3      # ~2 minutes on the H200
+
+Warm starts only: the import times (median of 5 fresh processes), one start of each model to
+fill the kernel cache, then 3 warm starts of the 7B and of the tiny model with the CUDA driver
+started on its own thread (nq/gpu_start.py) and 3 with NQ_DRIVER_THREAD=0 (numba starts it, as
+before), alternated; each part's median, side by side.  `--imports` prints only the import
+times (it runs on a CPU).
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import os
 import re
 import selectors
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +89,56 @@ def show(label: str, r: dict, detail: bool) -> None:
                 print("    " + line)
 
 
+IMPORTS = {   # what a `nq generate` start imports, in fresh processes (wall, median of 5)
+    "python -c pass": "pass",
+    "import nq.cli + its parser": "import nq.cli; nq.cli.build_parser()",
+    "generate's main thread": "import nq.cli; nq.cli.build_parser(); import nq.generate, "
+                              "nq.loader.format, nq.text",
+    "from numba import cuda": "from numba import cuda",
+    "cuda.bindings.driver": "from cuda.bindings import driver",
+    "the start's threads' imports": "from numba import cuda; import nq.kernels.build; "
+                                    "import nq.gpu_start as g; [__import__(m) for m in "
+                                    "g.ENGINE_MODULES]",
+}
+
+
+def import_times(env, reps: int = 5) -> None:
+    for name, code in IMPORTS.items():
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                               capture_output=True)
+            ts.append(time.perf_counter() - t)
+        ok = "" if r.returncode == 0 else "  (failed: " + r.stderr.decode()[-80:].strip() + ")"
+        print(f"  {name:32s}{statistics.median(ts) * 1e3:7.0f} ms{ok}", flush=True)
+
+
+def warm_table(label: str, cmd, env, n: int) -> None:
+    """n warm starts with the driver's thread and n without (NQ_DRIVER_THREAD=0), alternated;
+    the median of each part, first byte and exit, side by side."""
+    runs = {"driver thread": [], "NQ_DRIVER_THREAD=0": []}
+    for _ in range(n):
+        runs["driver thread"].append(run(cmd, env))
+        runs["NQ_DRIVER_THREAD=0"].append(run(cmd, dict(env, NQ_DRIVER_THREAD="0")))
+    names = []
+    for rs in runs.values():
+        for r in rs:
+            names += [p for p, _ in r["parts"] if p not in names and not p.startswith(
+                ("prompt eval", "time to first", "eval ", "ITL"))]
+
+    def med(rs, key):
+        vals = [v for v in (key(r) for r in rs) if v is not None]
+        return f"{statistics.median(vals) * 1e3:9.1f}" if vals else f"{'-':>9s}"
+    print(f"{label + f' (median of {n}, ms)':60s}" + "".join(f"{k:>22s}" for k in runs))
+    rows = [("first byte on stdout (wall)", lambda r: r["first"]),
+            ("exit (wall)", lambda r: r["wall"])]
+    rows += [(p, lambda r, p=p: dict(r["parts"]).get(p)) for p in names]
+    for name, key in rows:
+        print(f"    {name:56s}" + "".join(f"{med(rs, key):>22s}" for rs in runs.values()),
+              flush=True)
+
+
 def sweep(path: str) -> None:
     """The weight upload alone (nq/runtime/staging.py) from the page cache into one device
     buffer, at a few ring shapes, against the pageable copies it replaced; bytes checked once."""
@@ -124,11 +183,18 @@ def main() -> int:
     ap.add_argument("--all-parts", action="store_true", help="print every run's parts")
     ap.add_argument("--backend", default="gpu", help="numpy: a smoke test of this script on a CPU")
     ap.add_argument("--tiny-only", action="store_true", help="skip the 7B runs")
+    ap.add_argument("--warm", type=int, metavar="N", default=0,
+                    help="only warm starts: N with the driver's thread, N without, medians")
+    ap.add_argument("--imports", action="store_true", help="only the import times (CPU)")
     ap.add_argument("--sweep", metavar="FILE", help=argparse.SUPPRESS)   # the child of the sweep
     a = ap.parse_args()
     if a.sweep:
         sys.path.insert(0, str(ROOT))
         sweep(a.sweep)
+        return 0
+    if a.imports:
+        print("imports (wall of a fresh process, median of 5):")
+        import_times(os.environ)
         return 0
 
     if a.tiny_only:
@@ -164,6 +230,15 @@ def main() -> int:
     short = ["-p", "def fib(n):"]
     long_ = ["-f", str(long_prompt), "-c", "4096"]
     try:
+        if a.warm:
+            print("imports (wall of a fresh process, median of 5):")
+            import_times(env)
+            models = ([("7B", a.model)] if not a.tiny_only else []) + [("tiny", a.tiny)]
+            for label, path in models:   # fills the kernel cache
+                show(f"{label} first start", run(gen + ["-m", path] + short, env), False)
+            for label, path in models:
+                warm_table(f"{label} warm", gen + ["-m", path] + short, env, a.warm)
+            return 0
         if not a.tiny_only and a.backend == "gpu":
             print("weight upload alone (first run: its bytes checked against the file):")
             subprocess.run([sys.executable, __file__, "--sweep", a.model], check=True, env=env,

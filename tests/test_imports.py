@@ -77,3 +77,35 @@ def test_kernels_never_import_upward():
     bad = [(m, t) for m, ts in import_graph().items() if m.startswith("nq.kernels")
            for t in ts if t.startswith(up)]
     assert not bad, f"kernels importing the layers above them: {bad}"
+
+
+def test_the_command_line_imports_nothing_heavy():
+    """`nq`'s start (nq.cli and its parser) imports no third-party package: numpy, numba and
+    the tokenizer load where a subcommand needs them (`nq generate` starts numba's import on a
+    thread as soon as its flags are parsed, nq/gpu_start.py), the server, packer and
+    benchmark packages only in their subcommands."""
+    import subprocess
+    import sys
+    heavy = ("numpy", "numba", "llvmlite", "cuda", "tokenizers", "jinja2", "huggingface_hub",
+             "safetensors", "torch", "transformers", "starlette", "uvicorn", "tqdm", "scipy")
+    code = ("import sys, nq.cli; nq.cli.build_parser(); "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_generate_on_the_cpu_imports_only_what_it_uses(tiny_nanoqwen):
+    """`nq generate` (NumPy backend, plain prompt): numpy and tokenizers, nothing of the
+    packer (huggingface_hub, safetensors, tqdm), the server or the chat template (jinja2)."""
+    import subprocess
+    import sys
+    code = ("import sys; from nq.cli import main; "
+            f"rc = main(['generate', '--backend', 'numpy', '-m', {str(tiny_nanoqwen)!r}, "
+            "'-p', 'x', '-n', '1']); "
+            "print(rc, sorted({m.split('.')[0] for m in sys.modules} & {'numpy', 'tokenizers', "
+            "'jinja2', 'huggingface_hub', 'safetensors', 'tqdm', 'torch', 'starlette', "
+            "'uvicorn', 'numba'}), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent)
+    assert out.stderr.strip().splitlines()[-1] == "0 ['numpy', 'tokenizers']", out.stderr

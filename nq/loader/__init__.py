@@ -5,9 +5,20 @@
   hf       resolve a snapshot, read safetensors by mmap, the HF->nq name map, pack()
   weights  fp32 host weights for the NumPy reference; fake_quantize for tests
   synth    synthetic Qwen2 snapshots (random weights, tokenizer) for tests and benchmarks
-"""
-from nq.loader.format import FormatError, NanoqwenFile, open_nanoqwen, write_nanoqwen
-from nq.loader.hf import LoadError, pack, resolve_snapshot
+  resolve  `-m` (a file, a folder, a repo id) -> one .nanoqwen path
 
-__all__ = ["FormatError", "LoadError", "NanoqwenFile", "open_nanoqwen", "pack",
-           "resolve_snapshot", "write_nanoqwen"]
+The names below are imported on first use (PEP 562), not with the package: `nq` imports
+nq.loader.resolve to build its parser, and numpy's import (~0.1 s) should wait for a command
+that reads a file.
+"""
+_EXPORTS = {"FormatError": "format", "NanoqwenFile": "format", "open_nanoqwen": "format",
+            "write_nanoqwen": "format", "LoadError": "hf", "pack": "hf",
+            "resolve_snapshot": "hf"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(f"nq.loader.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'nq.loader' has no attribute {name!r}")

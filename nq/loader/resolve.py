@@ -23,12 +23,11 @@ def cache_dir() -> Path:
 def resolve_model(model: str | None, revision: str | None = None) -> Path:
     """A `.nanoqwen` path for -m: a packed file as is; an HF snapshot folder or a repo id
     (default: Qwen2.5-Coder-7B-Instruct) downloaded and packed once into the cache."""
-    from nq.loader.hf import pack, resolve_snapshot
-
     model = model or DEFAULT_REPO
     path = Path(model).expanduser()
     if path.is_file():
         return path
+    from nq.loader.hf import pack, resolve_snapshot   # the packer, only when there is no file
     if model.endswith(".nanoqwen"):
         raise FileNotFoundError(f"{model}: no such file; pack one with `nq pack SRC {model}`")
     # A snapshot folder in the HF cache is named after its commit, so a new revision packs anew.

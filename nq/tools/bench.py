@@ -23,7 +23,6 @@ the torch peers live in nq/tools/peers.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -35,11 +34,8 @@ import numpy as np
 
 from nq.config import PRESETS
 from nq.tools.environment import gpu_clocks, versions
+from nq.tools.flags import SAMPLING  # its flags live in flags.py, for the parser's sake
 from nq.tools.tables import cell, md_table
-
-# --sampling NAME -> nq.sample.SamplingParams keywords (seed fixed: the same draws every run)
-SAMPLING = {"default": dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0,
-                            repeat_penalty=1.05, repeat_last_n=-1, seed=0)}
 
 NO_GPU = ("nq bench needs an NVIDIA GPU with a working CUDA driver (numba.cuda.is_available() "
           "is False{why}); run it on the H100/H200, or use `nq generate --backend numpy` here")
@@ -315,59 +311,6 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
         rows.append(make_row(f"tg{args.n} @ d{c}", c + args.n / 2, wbytes, cfg, ceiling, tok_s, itl))
         log(f"nq bench: tg{args.n} @ d{c}: {rows[-1]['tok_s_mean']:.1f} tok/s")
     return rows
-
-
-# ---- command line ---------------------------------------------------------------------------
-def _ctx_list(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ctx wants comma-separated token counts, e.g. "
-                                         f"512,2048,8192; got {text!r}") from None
-    if any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"--ctx values must be positive; got {text!r}")
-    return vals
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
-    return v
-
-
-def add_arguments(s: argparse.ArgumentParser) -> None:
-    """The flags of `nq bench` (llama-bench's -m -p -n -r)."""
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
-    src.add_argument("--random", choices=list(PRESETS), metavar="SIZE",
-                     help="random weights of a Qwen2.5 shape made on the GPU: "
-                          + ", ".join(PRESETS))
-    s.add_argument("-p", "--n-prompt", dest="p", type=_ctx_list, default=[512],
-                   help="prompt tokens, one pp test each, e.g. 512,2048,8192,32000 (default "
-                        "512); the tg test follows the first")
-    s.add_argument("-n", "--n-gen", dest="n", type=_positive, default=128,
-                   help="decode steps per test (tg test; default 128)")
-    s.add_argument("-r", "--repetitions", dest="r", type=_positive, default=5,
-                   help="runs per test (default 5)")
-    s.add_argument("--sampling", choices=list(SAMPLING),
-                   help="add a tg row sampled on the device with these settings (default: "
-                        "Qwen2.5-Instruct's T 0.7, top-k 20, top-p 0.8, repetition penalty 1.05)")
-    s.add_argument("--ctx", type=_ctx_list, default=[],
-                   help="decode at these context lengths too, e.g. 512,2048,8192,32768")
-    s.add_argument("--replays", type=_positive, default=100,
-                   help="graph replays per region in the ITL breakdown (default 100)")
-    s.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt")
-    s.add_argument("--no-peers", action="store_true", help="skip the torch peer chains")
-    s.add_argument("--gemm", type=_ctx_list, default=[512, 8192], metavar="M,M",
-                   help="token counts of the prefill GEMM table (each projection, nq against "
-                        "cuBLAS fp16)")
-    s.add_argument("--no-gemm", action="store_true", help="skip the prefill GEMM table")
-    s.add_argument("--json", metavar="FILE", help="write every figure and the environment here "
-                                                  "(plots go next to it)")
 
 
 def run(args) -> int:

@@ -35,7 +35,6 @@ TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that ro
 # sit no higher; 1e-2 leaves room for long prompts without hiding a wrong row or position
 # (those move logits by a large fraction of the spread).
 TOL_PREFILL = 1e-2
-DEFAULT_PREFILL_LENGTHS = (1, 17, 300, 2100)  # 2100: past one 2,048-token chunk
 
 
 @dataclasses.dataclass
@@ -470,26 +469,3 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if ok else 1
-
-
-def add_parser(sub) -> None:
-    s = sub.add_parser("verify", help="check this GPU's kernels, prefill and decode graph "
-                                      "against the references (unit, layer, prefill, graph tiers)")
-    s.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
-    s.add_argument("--tiers", default="unit,layer,prefill,graph",
-                   help="comma-separated: unit (every kernel against its NumPy reference), layer "
-                        "(decoder layer 0 against nq.ref), prefill (last-position logits of the "
-                        "batched prefill against the reference engine), graph (greedy tokens of "
-                        "the decode graph against transformers or nq.ref)")
-    s.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL_LENGTHS)),
-                   help="prefill tier: prompt lengths in tokens, comma-separated; the longest "
-                        "is also run as two halves, the second continuing the first")
-    s.add_argument("--prompts", type=int, default=100, help="graph tier: random prompts to run")
-    s.add_argument("--tokens", type=int, default=32, help="graph tier: greedy tokens a prompt")
-    s.add_argument("--prompt-len", type=int, default=16, help="graph tier: tokens a prompt")
-    s.add_argument("--reference", choices=["auto", "torch", "numpy"], default="auto",
-                   help="graph tier's reference: transformers on torch, nq.ref on NumPy, or "
-                        "torch when importable")
-    s.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    s.add_argument("--json", help="also write the table as JSON to this path")
-    s.set_defaults(func=run)
