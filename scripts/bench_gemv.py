@@ -43,7 +43,8 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
     "o_proj": [default_tiling("o_proj", H, H), default_tiling("o_proj", H, H, mma=False),
                T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448)],
     "gate_up": [default_tiling("gate_up", I, H), T(4, threads=128, span=128),
-                T(4, threads=256, span=128)],
+                T(4, threads=256, span=128),
+                MmaTiling(warps=2, threads=256)],   # the NQ_MMA_GATE_UP=1 default (opt-in)
     "down": [default_tiling("down", H, I), default_tiling("down", H, I, mma=False),
              MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512)],
 }
@@ -152,6 +153,8 @@ def launcher(kind, g, b, qw, sc):
 def make(kind, tiling):
     n_out, k, _ = SHAPES[kind]
     if isinstance(tiling, MmaTiling):   # the tensor-core kernel (nq/kernels/int4/gemv_mma.py)
+        if kind == "gate_up":
+            return launch.GateUpMmaGemv(CFG, n_out, k, tiling)
         return launch.ResidualMmaGemv(kind, n_out, k, tiling)
     if kind == "qkv":
         return launch.QkvGemv(CFG, n_out, k, n_out, tiling)

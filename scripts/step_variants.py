@@ -13,8 +13,9 @@ A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o
 gate_up, down; fields of its tiling, nq.kernels.int4.tiling: a Tiling's ks, rows, threads,
 prefetch, span, min_blocks, an MmaTiling's warps, threads, min_blocks -- a new ks reads the
 weights in the wrong order, which is fine for timing random weights and nothing else;
-`kind.mma=0` / `kind.mma=1` first switches o_proj or down to the shape's CUDA-core /
-tensor-core default tiling) or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
+`kind.mma=0` / `kind.mma=1` first switches o_proj, down or gate_up to the shape's CUDA-core /
+tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what NQ_MMA_GATE_UP=1 makes default)
+or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
 rows_per_copy, min_pps, early), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out

@@ -16,7 +16,8 @@ model as matrices: per chunk of m <= `chunk` tokens at positions start .. start+
                     x += gemm_down(a)
 
 The INT4 GEMMs (nq/kernels/int4/gemm.py) read the weights exactly as decode uploaded them
-(the mma fragment layout for o_proj/down, the row layout for qkv/gate_up): no second copy.
+(the mma fragment layout for o_proj/down, the row layout for qkv/gate_up; gate_up's mma
+layout with NQ_MMA_GATE_UP=1, which `layout_of` passes on): no second copy.
 The whole prompt is prefilled here, its last token included; the engine then copies that
 token's row of `x` (`last_row`) into the decode step's residual buffer and launches only the
 step's tail on it: lm_head (on that one position, the final RMSNorm fused) and argmax or the

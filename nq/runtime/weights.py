@@ -27,7 +27,7 @@ class DeviceLayer:
     qkv_b: object           # (q+2kv,) fp16
     o_w: object
     o_s: object
-    gu_w: object            # (2I, H/8) uint32: gate rows then up rows, tiled
+    gu_w: object            # (2I, H/8) uint32: gate rows then up rows, tiled (or mma fragments)
     gu_s: object
     down_w: object
     down_s: object
@@ -167,7 +167,6 @@ def _allocate(nf, g, stream):
 
     from nq.kernels.int4.layout import chunk_permutation
     from nq.kernels.int4.retile import retile, retile_mma
-    from nq.kernels.int4.tiling import MmaTiling
 
     cfg = nf.config
     stage_words = max(gm.n_rows * gm.k // 8 for gm in g.values())
@@ -184,10 +183,11 @@ def _allocate(nf, g, stream):
     def proj(kind, i, names):
         gm = g[kind]
         k8 = gm.k // 8
-        mma = isinstance(gm.tiling, MmaTiling)
-        key = None if mma else (gm.k, gm.tiling.ks)
+        layout, ks = gm.tiling.layout()   # ("mma", 16) or ("rows", ks): what the kernel reads
+        mma = layout == "mma"
+        key = None if mma else (gm.k, ks)
         if not mma and key not in perms:
-            perms[key] = cuda.to_device(chunk_permutation(gm.k, gm.tiling.ks).astype(np.int32),
+            perms[key] = cuda.to_device(chunk_permutation(gm.k, ks).astype(np.int32),
                                         stream=stream)
         src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
         qw = cuda.device_array((gm.n_rows, k8), np.uint32)

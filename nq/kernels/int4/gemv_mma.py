@@ -1,4 +1,5 @@
-"""The INT4 residual GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16.
+"""The INT4 GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16; and,
+opt-in, gate_up, out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w).
 
 Why: ncu read the CUDA-core GEMV (gemv.py) for down as issue-bound, not memory-bound (0.61
 instructions issued a cycle per scheduler, DRAM at 38 % of peak; docs/KERNELS_GEMV.md).  Per 8
@@ -9,8 +10,14 @@ which replaces the 4 fmas, and one 8-byte B fragment of activations serves the 1
 tile: ~10 instructions per 8 weights instead of ~14.  The default for o_proj and down
 (`tiling.mma_tiling`; the 7B step -0.14 ms, docs/KERNELS_GEMV.md).
 
+gate_up here lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows): +0.017 ms a step
+(2 warps a tile, 256 threads; +0.046 beside the mma down), 4 warps t256 +0.084, 1 warp t128
++0.51.  It is back as an opt-in (`NQ_MMA_GATE_UP=1`, tiling.MMA_GATE_UP; not yet measured on
+the H200 in this form): the prefill GEMMs read gate_up ~1.3x faster in this layout than in the
+row layout (bench_gemm.py: 430-490 against 326-372 TFLOP/s), -3.5 ms of a 512-token prompt
+and -32 ms of an 8K one, predicted against +0.02..0.05 ms a decode step, and its sums are fp32.
+
 Retired, each after it lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows):
-    gate_up on the tensor cores: +0.017 ms a step (ks2 t256), ks4 t256 +0.084, ks1 t128 +0.51; code at 13c221c
     prefetch=2 (two groups' loads in flight): down +0.039 / +0.037 ms a step at 512 / 8K; code at 13c221c
     splits (split-K, the last block adds the partials): down +0.042..+0.167 ms a step; code at 13c221c
 
@@ -37,23 +44,37 @@ a[16c+2t+8 : 16c+2t+10]).  B's 8 columns are all `a` (lanes with the same t load
 bytes), so every column of D is the dot product and lane (g, t) holds rows g (d0) and g+8
 (d2).  The warps' partials meet in shared memory and one thread a row adds them in a fixed
 order: deterministic, one writer per x element.
+
+gate_up (13c221c's kernel, ported): a warp holds a tile of gate rows and the same rows of up
+(the stacked [gate; up] matrix's tile + I/16), so each B fragment serves 32 rows.  Its
+activations are staged as gemv.py's gate_up stages them, value for value: x * norm_w times a
+power of two f_g per group that puts the group's absmax in [128, 256) (exact; fp16 cannot
+overflow whatever x holds), each group's sums scaled by 1/f_g, the rows by rstd, then
+silu(g) * u in fp32 and one fp16 store, as gemv.py's put_swiglu.  rstd is gemv.py's
+arithmetic too (a lane's sum of squares over its groups, the warp's butterfly, the warps' sums
+in order), equal to the bit where the two kernels have as many warps.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, dev
-from nq.kernels.int4.dequant import dequant_word
+from nq.kernels.common import (SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, block_rstd, dev, warp_max,
+                               warp_sum)
+from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
 from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.tiling import MMA_KINDS, TILE, MmaTiling
-from nq.ptx import (SIMULATOR, cvt_f32_f16, cvta_to_shared_u32, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v4_u32,
-                    ld_shared_v2_u32_at, mma_sync_m16n8k16_f16_f32)
+from nq.ptx import (SIMULATOR, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
+                    griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
+                    ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
+                    ld_shared_v2_u32_at, mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32,
+                    st_global_u16, unpack_f16x2_to_f32)
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
@@ -73,6 +94,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if k * 2 + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
+    if kind == "gate_up" and dynamic_smem(k):
+        raise ValueError(f"gemv_mma: gate_up's K={k} (the hidden size) needs {k * 2} bytes of "
+                         f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
+                         f"shared memory it stages in; use the CUDA-core gate_up (a Tiling)")
 
 
 def dynamic_smem(k: int) -> int:
@@ -82,41 +107,53 @@ def dynamic_smem(k: int) -> int:
     return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
 
 
-def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling) -> str:
-    """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
-    return kernel_name(f"gemv_mma_{kind}", n=n_out, k=k, **dataclasses.asdict(t))
+def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None) -> str:
+    """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
+    (gate_up: RMSNorm's eps too)."""
+    extra = {} if eps is None else {"eps": eps}
+    return kernel_name(f"gemv_mma_{kind}", n=n_out, k=k, **dataclasses.asdict(t), **extra)
 
 
 @functools.cache
-def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling):
+def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
     """The compiled kernel (or the simulator's), once per process for each set of constants."""
-    body, sig = build_kernel(kind, n_out, k, t)
+    body, sig = build_kernel(kind, n_out, k, t, eps)
     bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
-    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t), launch_bounds=bounds)
+    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t, eps), launch_bounds=bounds)
 
 
 @functools.cache
-def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
-    """The kernel body (x (N,) fp32 += W . a, a (K,) fp16) and its signature."""
+def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
+    """The kernel body and its signature: o_proj / down, x (N,) fp32 += W . a, a (K,) fp16;
+    gate_up (eps: RMSNorm's), out (N,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w),
+    the weights [gate; up] stacked (2N rows)."""
     check_tiling(kind, n_out, k, t)
+    if (kind == "gate_up") != (eps is not None):
+        raise ValueError(f"gemv_mma: eps is RMSNorm's, for gate_up only (kind {kind!r}, eps {eps})")
     # The constants the body closes over (numba freezes them):
     #   TILE_WARPS   warps a tile's groups are split over (MmaTiling.warps)
     #   THREADS, WARPS, TILES      a block's threads, warps and 16-row tiles
-    #   GROUPS, N_TILES            a row's groups, the matrix's tiles
+    #   GROUPS, N_TILES            a row's groups, the matrix's tiles (gate_up: of gate)
+    #   MATS         weight matrices a warp's tile reads: 2 for gate_up (gate, up), else 1
     #   PAIRS        two-group iterations of a warp's loop (the last may be short)
     #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
     #   PARTIALS     the warps' row partials in shared memory
+    #   NORM_ITERS   gate_up: groups a warp stages (warp w: w, w + WARPS, ...)
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
     TILES = WARPS // TILE_WARPS
     GROUPS = k // GROUP_SIZE
     N_TILES = n_out // TILE
+    MATS = 2 if kind == "gate_up" else 1
     PAIRS = -(-GROUPS // (2 * TILE_WARPS))
     CHUNKS = GROUPS * (GROUP_SIZE // CHUNK)
     ACT_WORDS = CHUNKS * 8
-    PARTIALS = TILES * TILE_WARPS * TILE
+    PARTIALS = TILES * TILE_WARPS * TILE * MATS
     STAGE_ITERS = -(-CHUNKS // THREADS)
+    NORM_ITERS = -(-GROUPS // WARPS)
+    EPS = np.float32(eps or 0.0)
+    INV_K = np.float32(1.0 / k)
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -135,33 +172,47 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
         s0, s1 = load_scales(sc, sbase, grp)
         return (w0, w1, w2, w3, w4, w5, w6, w7, s0, s1)
 
+    def load_both(qw, sc, bases, grp):
+        # group grp of the warp's tile and (gate_up) of its up tile; else the same loads twice
+        wa, sa, wb, sb = bases
+        ca = load_group(qw, sc, wa, sa, grp)
+        cb = ca
+        if MATS == 2:
+            cb = load_group(qw, sc, wb, sb, grp)
+        return ca, cb
+
     def dequant_mma(q, b0, b1, d):
         # one k16 chunk: the word's 8 weights as the A fragment (gemv.py's dequant), times B
         a0, a1, a2, a3 = dequant(q)
         return mma_sync_m16n8k16_f16_f32(a0, a1, a2, a3, b0, b1, d[0], d[1], d[2], d[3])
 
-    def chunk(q, baddr, d):
-        # one k16 chunk: its B fragment from shared memory, then the mma
+    def chunk(qa, qb, baddr, da, db):
+        # one k16 chunk: its B fragment from shared memory, then the mma of the tile (and,
+        # gate_up, of the up tile: one B fragment serves both)
         b0, b1 = ld_shared_v2_u32_at(baddr)
-        return dequant_mma(q, b0, b1, d)
+        da = dequant_mma(qa, b0, b1, da)
+        if MATS == 2:
+            db = dequant_mma(qb, b0, b1, db)
+        return da, db
 
-    def group_dot(c, abase, grp, t4):
-        """Rows g and g+8 of one group, fp32, times their weight scales; then two zeros
-        (mainloop says why).  Written out, not looped: tuple elements need literal indices to
-        stay in registers."""
+    def group_dot(ca, cb, abase, grp, t4):
+        """Rows g and g+8 of one group, fp32, times their weight scales; then the same of the
+        up tile (gate_up; zeros otherwise: mainloop says why).  Written out, not looped: tuple
+        elements need literal indices to stay in registers."""
         z = float32(0.0)
-        d = (z, z, z, z)
+        da = (z, z, z, z)
+        db = da
         b = abase + uint32(grp * (GROUP_SIZE // CHUNK) * 32) + uint32(t4 * 8)  # chunk stride 32 B
-        d = chunk(c[0], b, d)
-        d = chunk(c[1], b + uint32(32), d)
-        d = chunk(c[2], b + uint32(64), d)
-        d = chunk(c[3], b + uint32(96), d)
-        d = chunk(c[4], b + uint32(128), d)
-        d = chunk(c[5], b + uint32(160), d)
-        d = chunk(c[6], b + uint32(192), d)
-        d = chunk(c[7], b + uint32(224), d)
-        return (d[0] * cvt_f32_f16(c[8]), d[2] * cvt_f32_f16(c[9]),
-                z * cvt_f32_f16(c[8]), z * cvt_f32_f16(c[9]))
+        da, db = chunk(ca[0], cb[0], b, da, db)
+        da, db = chunk(ca[1], cb[1], b + uint32(32), da, db)
+        da, db = chunk(ca[2], cb[2], b + uint32(64), da, db)
+        da, db = chunk(ca[3], cb[3], b + uint32(96), da, db)
+        da, db = chunk(ca[4], cb[4], b + uint32(128), da, db)
+        da, db = chunk(ca[5], cb[5], b + uint32(160), da, db)
+        da, db = chunk(ca[6], cb[6], b + uint32(192), da, db)
+        da, db = chunk(ca[7], cb[7], b + uint32(224), da, db)
+        return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
+                db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
 
     def stage(a, act):
         # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
@@ -181,42 +232,74 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
                 act[w + 6] = p3
                 act[w + 7] = p7
 
-    def add_group(acc, c, abase, grp, t4):
-        # acc + group grp's sums (none past the last group)
+    def stage_norm(x, norm_w, act, invf, ssum):
+        """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
+        invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; lane l
+        holds a group's values 4l..4l+3: pairs 2(l%4) and 2(l%4)+1 of chunk l//4, which land
+        at words 2j (j < 4) or 2(j-4)+1 of the chunk.  gemv.py's piece_put, value for value."""
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.threadIdx.x >> 5
+        ss = float32(0.0)
+        for it in range(NORM_ITERS):
+            grp = it * WARPS + warp
+            base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
+            x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+            n0, n1 = unpack_f16x2_to_f32(w01)
+            n2, n3 = unpack_f16x2_to_f32(w23)
+            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+            m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
+            f, fi = pow2_scale(m)
+            if grp < GROUPS:
+                ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
+                w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+                w += 2 * j if j < 4 else 2 * j - 7
+                act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+                act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                if lane == 0:
+                    invf[grp] = fi
+        ss = wsum(ss)
+        if lane == 0:
+            ssum[warp] = ss
+        cuda.syncthreads()
+        return rstd_of(ssum, WARPS, INV_K, EPS)
+
+    def add_group(acc, ca, cb, abase, grp, t4, invf):
+        # acc + group grp's sums (none past the last group; gate_up's undo f_g)
         a0, a1, a2, a3 = acc
         if grp < GROUPS:
-            v0, v1, v2, v3 = group_dot(c, abase, grp, t4)
+            v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
+            if MATS == 2:
+                fi = invf[grp]
+                v0, v1, v2, v3 = v0 * fi, v1 * fi, v2 * fi, v3 * fi
             a0 += v0
             a1 += v1
             a2 += v2
             a3 += v3
         return a0, a1, a2, a3
 
-    def mainloop(qw, sc, abase, wbase, sbase, kw, t4, c):
+    def mainloop(qw, sc, abase, bases, kw, t4, first, invf):
         """The warp's groups kw, kw + TILE_WARPS, ..., two an iteration, into two register
         sets that take turns (no copies): each group's loads are issued a group ahead of its
         math.  The conditions are the same for the whole warp: the mma sees all 32 lanes.
-        c: the first group's loads (issued before griddepcontrol.wait).
+        first: the first group's loads (issued before griddepcontrol.wait).
 
-        acc is rows g and g+8, then two sums that stay zero: the retired gate_up kernel's
-        up-tile rows.  In a loop LLVM does not unroll (down's) their adds survive as 2 dead
+        acc is rows g and g+8, then those of the up tile (gate_up).  o_proj and down keep the
+        last two, zeros: in a loop LLVM does not unroll (down's) their adds survive as 2 dead
         fma.f32 a group, never stored; dropping them changes the default kernels' PTX, so
         that is left to a deliberate change measured on the device."""
+        ca, cb = first
         z = float32(0.0)
         acc = (z, z, z, z)
         for it in range(PAIRS):
             ga = kw + 2 * it * TILE_WARPS
             gb = ga + TILE_WARPS
-            n = load_group(qw, sc, wbase, sbase, min(gb, GROUPS - 1))
-            acc = add_group(acc, c, abase, ga, t4)
-            c = load_group(qw, sc, wbase, sbase, min(gb + TILE_WARPS, GROUPS - 1))
-            acc = add_group(acc, n, abase, gb, t4)
+            na, nb = load_both(qw, sc, bases, min(gb, GROUPS - 1))
+            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
+            ca, cb = load_both(qw, sc, bases, min(gb + TILE_WARPS, GROUPS - 1))
+            acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
-
-    def first_loads(qw, sc, wbase, sbase, kw):
-        # the warp's first group's loads, for before griddepcontrol.wait: weights depend on
-        # nothing upstream
-        return load_group(qw, sc, wbase, sbase, min(kw, GROUPS - 1))
 
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
@@ -229,8 +312,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
         return lane, lane >> 2, lane & 3, tl, warp - tl * TILE_WARPS, tile
 
     def tile_bases(tile, lane, g):
-        # where the lane's words of a tile start (256 a group) and its row g's scales
-        return (tile * GROUPS * 32 + lane) * 8, (tile * TILE + g) * GROUPS
+        # where the lane's words of a tile start (256 a group) and its row g's scales; then
+        # the same of its up tile (gate_up: the same rows, N_TILES tiles on; else repeated)
+        wa, sa = (tile * GROUPS * 32 + lane) * 8, (tile * TILE + g) * GROUPS
+        wb, sb = wa, sa
+        if MATS == 2:
+            up = tile + N_TILES
+            wb, sb = (up * GROUPS * 32 + lane) * 8, (up * TILE + g) * GROUPS
+        return wa, sa, wb, sb
 
     def out_row():
         # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
@@ -242,25 +331,29 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
         return tl2, r, row if tid < TILES * TILE and row < n_out else -1
 
     def put_partials(red, tl, kw, g, t4, acc):
-        # lane t = 0 of each row pair: the warp's sums of rows g and g+8
+        # lane t = 0 of each row pair: the warp's sums of rows g and g+8 (and the up tile's)
         if t4 == 0:
-            o = (tl * TILE_WARPS + kw) * TILE + g
+            o = (tl * TILE_WARPS + kw) * TILE * MATS + g
             red[o] = acc[0]
             red[o + 8] = acc[1]
+            if MATS == 2:
+                red[o + TILE] = acc[2]
+                red[o + TILE + 8] = acc[3]
 
-    def row_sum(red, tl, r):
-        # row r of tile tl: the TILE_WARPS warps' partials in a fixed order
+    def row_sum(red, tl, r, m):
+        # row r of tile tl (m: 0, or 1 for the up tile): the TILE_WARPS warps' partials in a
+        # fixed order
         s = float32(0.0)
         for w_ in range(TILE_WARPS):
-            s += red[(tl * TILE_WARPS + w_) * TILE + r]
+            s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
     def block_sums(a, qw, sc, act, red):
-        """Everything up to the warps' partials in `red`: (row, tl2, r) for
-        row_sum(red, tl2, r), the thread's output row; row -1 for threads without one."""
+        """o_proj / down up to the warps' partials in `red`: (row, tl2, r) for
+        row_sum(red, tl2, r, 0), the thread's output row; row -1 for threads without one."""
         lane, g, t4, tl, kw, tile = roles()
-        wbase, sbase = tile_bases(tile, lane, g)
-        first = first_loads(qw, sc, wbase, sbase, kw)
+        bases = tile_bases(tile, lane, g)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))  # weights wait for nothing
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage(a, act)
@@ -268,32 +361,65 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling):
         # widened here, once: the chunk offsets added to it are 64-bit sums anyway (kept as a
         # 32-bit value the PTX comes out in another order)
         abase = uint64(cvta_to_shared_u32(act))
-        acc = mainloop(qw, sc, abase, wbase, sbase, kw, t4, first)
+        # (red stands in for invf, which only gate_up reads)
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
         return row, tl2, r
 
-    dequant = dev(dequant_word)
-    load_words, load_scales, load_group, dequant_mma, chunk, group_dot, stage, add_group, \
-        mainloop, first_loads, roles, tile_bases, out_row, put_partials, row_sum, block_sums = (
-            dev(f) for f in (load_words, load_scales, load_group, dequant_mma, chunk, group_dot,
-                             stage, add_group, mainloop, first_loads, roles, tile_bases, out_row,
-                             put_partials, row_sum, block_sums))
+    def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
+        """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
+        row_sum(red, tl2, r, 0 / 1), the thread's output row; row -1 for threads without one."""
+        lane, g, t4, tl, kw, tile = roles()
+        bases = tile_bases(tile, lane, g)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        abase = uint64(cvta_to_shared_u32(act))
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        put_partials(red, tl, kw, g, t4, acc)
+        cuda.syncthreads()
+        tl2, r, row = out_row()
+        return row, tl2, r, rstd
 
+    dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
+    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
+    load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
+        stage_norm, add_group, mainloop, roles, tile_bases, out_row, put_partials, row_sum, \
+        block_sums, gate_up_sums = (
+            dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
+                             group_dot, stage, stage_norm, add_group, mainloop, roles,
+                             tile_bases, out_row, put_partials, row_sum, block_sums,
+                             gate_up_sums))
+
+    if kind == "gate_up":
+        def kernel(x, norm_w, qw, sc, out):
+            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(PARTIALS, float32)
+            invf = cuda.shared.array(GROUPS, float32)
+            ssum = cuda.shared.array(WARPS, float32)
+            row, tl2, r, rstd = gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum)
+            if row >= 0:
+                gt = row_sum(red, tl2, r, 0) * rstd
+                up = row_sum(red, tl2, r, 1) * rstd
+                y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
+                st_global_u16(out, row, cvt_rn_f16_f32(y))
+        return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
     if not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             row, tl2, r = block_sums(a, qw, sc, act, red)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r)
+                x[row] += row_sum(red, tl2, r, 0)
     else:
         def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
             red = cuda.shared.array(PARTIALS, float32)
             row, tl2, r = block_sums(a, qw, sc, act, red)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r)
+                x[row] += row_sum(red, tl2, r, 0)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"

@@ -45,8 +45,8 @@ class _Gemv:
         self.tiling = tiling or default_tiling(self.kind, n_out, k, mma=False)
         if isinstance(self.tiling, MmaTiling):
             raise ValueError(f"{self.kind}: {self.tiling.tag()} is a tensor-core tiling; the "
-                             f"tensor-core kernel (gemv_mma.py) takes o_proj and down only, "
-                             f"built by make_o_proj_gemv / make_down_gemv")
+                             f"tensor-core kernel (gemv_mma.py) takes o_proj, down and gate_up, "
+                             f"built by make_o_proj_gemv / make_down_gemv / make_gate_up_gemv")
         self.eps = float(cfg.rms_norm_eps)
         t = self.tiling
         self.kernel = compile_gemv(self.kind, n_out, k, t, self.eps, self.heads)
@@ -138,18 +138,19 @@ class ResidualGemv(_Gemv):
         self.kernel[self.grid, self.block, stream, 0](a, qw, sc, x)
 
 
-class ResidualMmaGemv:
-    """o_proj and down on the tensor cores: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a,
-    a fp16 (K,); its own weight layout (`mma_layout`; upload: `retile.retile_mma`)."""
+class _MmaGemv:
+    """One compiled tensor-core GEMV: its own weight layout (`mma_layout`; upload:
+    `retile.retile_mma`), launch grid, weight preparation and checks."""
 
-    def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling):
+    def __init__(self, kind: str, n_out: int, k: int, n_rows: int, tiling: MmaTiling,
+                 eps: float | None = None):
         check_tiling(kind, n_out, k, tiling)
         self.kind, self.n_out, self.k, self.tiling = kind, n_out, k, tiling
-        self.n_rows = n_out   # weight rows
-        self.kernel = compile_gemv_mma(kind, n_out, k, tiling)
+        self.n_rows = n_rows   # weight rows (gate_up: 2N, [gate; up])
+        self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps)
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
-        self.name = gemv_mma_name(kind, n_out, k, tiling)
+        self.name = gemv_mma_name(kind, n_out, k, tiling, eps)
         self.smem = dynamic_smem(k)  # 0 up to the 14B; the 32B's down stages 55 KB
         if self.smem:
             allow_smem(self.kernel, self.smem)
@@ -170,13 +171,41 @@ class ResidualMmaGemv:
             raise ValueError(f"{self.name}: {q.shape[0]} weight rows, expected {self.n_rows}")
         return mma_layout(q), np.ascontiguousarray(s)
 
-    def __call__(self, a, qw, sc, x, stream=0):
+    def _weights(self, qw, sc):
+        # the checked weights, flat (the kernel's signature)
         need(qw, f"{self.name} qweight", np.uint32, (self.n_rows, self.k // 8))
         need(sc, f"{self.name} scales", np.float16, (self.n_rows, self.k // GROUP_SIZE), 2)
+        return qw.reshape(qw.size), sc.reshape(sc.size)
+
+
+class ResidualMmaGemv(_MmaGemv):
+    """o_proj and down on the tensor cores: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a,
+    a fp16 (K,)."""
+
+    def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling):
+        super().__init__(kind, n_out, k, n_out, tiling)
+
+    def __call__(self, a, qw, sc, x, stream=0):
+        qw, sc = self._weights(qw, sc)
         need(a, f"{self.name} a", np.float16, (self.k,), 16)
         need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, self.smem](a, qw.reshape(qw.size),
-                                                              sc.reshape(sc.size), x)
+        self.kernel[self.grid, self.block, stream, self.smem](a, qw, sc, x)
+
+
+class GateUpMmaGemv(_MmaGemv):
+    """gate_up on the tensor cores (opt-in: tiling.MMA_GATE_UP): GateUpGemv's call, `g(x,
+    norm_w, qw, sc, out, stream)`, out fp16 (I,) = silu(Wg . h) * (Wu . h), h = rmsnorm(x,
+    norm_w); prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix."""
+
+    def __init__(self, cfg: ModelConfig, n_out: int, k: int, tiling: MmaTiling):
+        super().__init__("gate_up", n_out, k, 2 * n_out, tiling, float(cfg.rms_norm_eps))
+
+    def __call__(self, x, norm_w, qw, sc, out, stream=0):
+        qw, sc = self._weights(qw, sc)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
+        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
 
 
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
@@ -204,9 +233,14 @@ def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None)
     return _residual("o_proj", cfg, cfg.hidden_size, cfg.q_size, tiling)
 
 
-def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> GateUpGemv:
-    """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix."""
+def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
+    """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix; call
+    (x, norm_w, qw, sc, out, stream).  The tensor cores' kernel where the tiling is an
+    MmaTiling (the default only with NQ_MMA_GATE_UP=1: tiling.MMA_GATE_UP)."""
     i = cfg.intermediate_size
+    tiling = tiling or default_tiling("gate_up", i, cfg.hidden_size)
+    if isinstance(tiling, MmaTiling):
+        return GateUpMmaGemv(cfg, i, cfg.hidden_size, tiling)
     return GateUpGemv(cfg, i, cfg.hidden_size, 2 * i, tiling)
 
 

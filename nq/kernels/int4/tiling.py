@@ -10,16 +10,23 @@ Two kernels, two small frozen dataclasses, so that no field means two things:
 need not re-run the experiment), `mma_tiling`'s rule for o_proj and down at other sizes, and
 a rule for the rest.  A tiling fixes the prepared weights' layout (`layout()`): tilings with
 equal layouts read the same uploaded weights.
+
+NQ_MMA_GATE_UP=1 in the environment (read once, at import: `MMA_GATE_UP`) makes gate_up's
+default the tensor-core tiling too, so that the upload writes gate_up in the mma fragment
+layout, decode runs it on gemv_mma and the prefill GEMMs read that layout (faster there:
+`mma_tiling` has the figures).  Off by default until the H200 has timed it in the step.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from nq.config import GROUP_SIZE
-from nq.kernels.common import SMEM_OPTIN_LIMIT
+from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
-MMA_KINDS = ("o_proj", "down")   # kinds the tensor-core kernel takes (x += W . a)
+MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
+MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP") == "1"   # gate_up's default on it (module doc)
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -75,22 +82,32 @@ class MmaTiling:
 
 
 def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
-    """The tensor-core tiling for o_proj or down, or None where gemv_mma cannot take the shape
-    (N not a multiple of 16, or K's staged activations over half a block's 227 KB; the 32B's
-    down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).  One 16-row
-    tile a block, its groups split over `warps` warps: half the groups under 32 of them, else
-    the largest divisor of the group count in 8..16, else 16; none under 16 groups (a small
-    o_proj), where the CUDA-core kernel tied or won.
+    """The tensor-core tiling for o_proj, down or gate_up, or None where gemv_mma cannot take
+    the shape (N not a multiple of 16, or K's staged activations over half a block's 227 KB;
+    the 32B's down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).
+    o_proj and down: one 16-row tile a block, its groups split over `warps` warps: half the
+    groups under 32 of them, else the largest divisor of the group count in 8..16, else 16;
+    none under 16 groups (a small o_proj), where the CUDA-core kernel tied or won.
 
     Measured in the step graph (scripts/step_variants.py, 32d8702) against the CUDA-core
     tilings, ms a step at 512: 7B o_proj 14 warps -0.048 (beside the mma down), down 16 warps
     -0.069 (t1024, two tiles a block: -0.091, the 7B's measured entry); 1.5B o_proj 6 warps
     0.000, down 14 -0.125 (16: -0.103); 14B o_proj 10 -0.397 (8: -0.359, 20: -0.350), down 12
     t384 -0.244 (16 t512 -0.104); 3B o_proj 8 -0.004, down 16 -0.171; 0.5B down 16 -0.097, but
-    o_proj (7 groups) 3 warps +0.012.  gate_up on the tensor cores lost at the 7B (gemv_mma.py's
-    epitaph), so the kernel takes o_proj and down only."""
+    o_proj (7 groups) 3 warps +0.012.
+
+    gate_up (the default only with MMA_GATE_UP): 2 warps a tile, 256 threads (4 tiles a block),
+    at every size, 13c221c's best in the 7B step (32d8702, ms a step at 512 against the
+    CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
+    +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
+    read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
+    gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at 8192, against 326-359 and 372 in
+    the row layout; ~-3.5 ms of a 512-token prompt, ~-32 ms of an 8K one), and fp32 sums in
+    decode.  None where K's activations pass 48 KB of static shared memory (K > 24576)."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
+    if kind == "gate_up":
+        return MmaTiling(warps=2, threads=256) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE
     if groups < 16:
         return None
@@ -106,7 +123,8 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
 
     mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
-    every size measured; mma=False gives the CUDA-core tiling for the shape.  The CUDA-core
+    every size measured, and gate_up where MMA_GATE_UP is on; mma=False gives the CUDA-core
+    tiling for the shape.  The CUDA-core
     rule: a single wave whose threads each own >= 1 whole group; spread a row over as many
     lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
     """
@@ -134,6 +152,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
         # gate_up on the tensor cores lost in the step (32d8702): ks2 t256 +0.017 ms (+0.046
         # beside the mma down), ks2 t128 +0.018, ks4 t256 +0.084, ks1 t128 +0.51, ks7 t224 +0.19
+        # (opt-in for the prefill's sake: MMA_GATE_UP, mma_tiling)
         ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
         # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /
@@ -150,7 +169,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61
         ("down", 3584, 18944): MmaTiling(warps=16, threads=1024),
     }
-    if mma:
+    if mma and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
         if t is not None:
             return t

@@ -152,9 +152,9 @@ def test_refuses_unsupported_shapes_and_tilings():
         gemv.build_kernel("up", 64, 256, Tiling(ks=2), 1e-6)
     with pytest.raises(ValueError, match="not a CUDA-core Tiling"):
         gemv.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=64), 1e-6)
-    # gate_up on the tensor cores is retired: its launcher refuses an MmaTiling
-    with pytest.raises(ValueError, match="o_proj and down only"):
-        launch.make_gate_up_gemv(PRESETS["7b"], MmaTiling(warps=2, threads=256))
+    # the CUDA-core launcher refuses an MmaTiling (make_gate_up_gemv takes it to gemv_mma)
+    with pytest.raises(ValueError, match="is a tensor-core tiling"):
+        launch.GateUpGemv(PRESETS["7b"], 18944, 3584, 2 * 18944, MmaTiling(warps=2, threads=256))
 
 
 def test_qkv_rope_refusals_and_tiling():

@@ -48,8 +48,8 @@ def test_layout_round_trip_and_refusals():
         gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=3, threads=128))
     with pytest.raises(ValueError, match="multiple of 16"):
         gemv_mma.build_kernel("down", 40, 256, t)
-    with pytest.raises(ValueError, match="not one of"):   # gate_up on the tensor cores: retired
-        gemv_mma.build_kernel("gate_up", 64, 256, t)
+    with pytest.raises(ValueError, match="not one of"):   # qkv: the CUDA-core kernel's
+        gemv_mma.build_kernel("qkv", 64, 256, t)
     with pytest.raises(ValueError, match="not an MmaTiling"):
         gemv_mma.check_tiling("down", 64, 256, Tiling(ks=2, threads=128))
     with pytest.raises(ValueError, match="shared memory of a block"):   # 227 KB: K = 116K
@@ -60,14 +60,14 @@ def test_layout_round_trip_and_refusals():
 
 def test_mma_tiling_rule():
     """o_proj and down from 16 groups up (the 32B's down with its activations in dynamic shared
-    memory); the 7B's measured
-    entries; nothing for gate_up or qkv."""
+    memory); the 7B's measured entries; gate_up's (opt-in) in test_gemv_mma_gate_up_cpu.py;
+    nothing for qkv."""
     assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024)
     assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448)
     assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=12, threads=384)    # 14B: 108 groups
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
     assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=12, threads=384)  # 32B: 216 groups
-    assert mma_tiling("gate_up", 18944, 3584) is None
+    assert mma_tiling("qkv", 4608, 3584) is None
     assert isinstance(default_tiling("down", 3584, 18944, mma=False), Tiling)
 
 
