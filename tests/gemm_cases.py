@@ -17,7 +17,10 @@ def projections(cfg, qkv_ks, gate_up_ks):
 
 
 SHAPES = ([("0.5b",) + p for p in projections(PRESETS["0.5b"], 7, 7)]
-          + [("7b",) + p for p in projections(PRESETS["7b"], 14, 4)])
+          + [("7b",) + p for p in projections(PRESETS["7b"], 14, 4)]
+          # gate_up as decode uploads it with NQ_MMA_GATE_UP=1 (gemv_mma's fragment layout)
+          + [(m, "gate_up", PRESETS[m].intermediate_size, PRESETS[m].hidden_size, "mma")
+             for m in ("0.5b", "7b")])
 
 
 @functools.lru_cache(maxsize=None)

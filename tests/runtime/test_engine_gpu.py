@@ -95,12 +95,17 @@ def test_prefill_logits_match_reference(model):
     INT4 GEMVs with fp16 partial sums, over 2 layers; errors stay ~1e-3 of the spread.
     """
     name, nf, eng, ref = model
-    prompt = list(range(3, 23))
+    prefill_then_decode_match(name, eng, ref, list(range(3, 23)))
+
+
+def prefill_then_decode_match(name, eng, ref, prompt, tokens=(5, 9, 2)):
+    """The engine's logits after prefilling `prompt`, then after each decode step of `tokens`,
+    within 2e-2 of the reference's logit spread."""
     ref.reset()
     eng.reset()
     want = ref.forward(np.array(prompt))[-1]
     got = eng.prefill(prompt)
-    for tok in (5, 9, 2):
+    for tok in tokens:
         spread = float(want.max() - want.min())
         err = float(np.abs(got - want).max())
         assert err < 2e-2 * spread, f"{name}: max |gpu-ref| {err:.3e}, spread {spread:.3e}"
