@@ -36,7 +36,7 @@ def cmd_pack(args) -> int:
         raise FileExistsError(f"{out} exists; pass --force to replace it (the new file is written "
                               "beside it and renamed over it only once complete)")
     snapshot = resolve_snapshot(args.src, revision=args.revision)
-    out = pack(snapshot, out)
+    out = pack(snapshot, out, lm_head=args.lm_head)
     print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return 0
 
@@ -318,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output .nanoqwen path")
     s.add_argument("--revision", help="branch, tag or commit of a repo id")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--lm-head", choices=["fp16", "int8"], default="fp16",
+                   help="int8: the lm_head as int8 rows with one fp32 scale each, half its bytes "
+                        "(a tied model keeps its fp16 embedding beside it); the file then needs "
+                        "nq >= 0.2.0")
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("info", help="print a .nanoqwen header, config and tensor table")

@@ -201,7 +201,8 @@ class RefModel:
     """Qwen2 forward pass over host weights; `forward` continues from the cache's length.
 
     weights: names and shapes of docs/ARCHITECTURE.md "Host weights" (any float dtype; widened
-    to fp32 once here).  A tied model may omit `lm_head`; `embed_tokens` is used for it.
+    to fp32 once here).  A tied model may omit `lm_head`; `embed_tokens` is used for it (a
+    tied model's file with an int8 lm_head gives its own, dequantised: load_host_weights).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], max_len: int | None = None):
@@ -220,7 +221,11 @@ class RefModel:
                                  f"expects {shape}")
             self.w[name] = a
         if cfg.tie_word_embeddings:
-            self.w["lm_head"] = self.w["embed_tokens"]
+            head = weights.get("lm_head")
+            if head is not None and np.shape(head) != expected["embed_tokens"]:
+                raise ValueError(f"RefModel: lm_head has shape {np.shape(head)}, config "
+                                 f"{cfg.name} expects {expected['embed_tokens']}")
+            self.w["lm_head"] = self.w["embed_tokens"] if head is None else np.asarray(head, np.float32)
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

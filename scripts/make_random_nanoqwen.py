@@ -2,6 +2,7 @@
 
     python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b.nanoqwen
     python3 scripts/make_random_nanoqwen.py 7b /tmp/7b-width-2l.nanoqwen --layers 2
+    python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b-int8.nanoqwen --lm-head int8
 
 For what needs a full-size file but not a real checkpoint: the weight-upload time of the
 engine, `nq generate -m` on the GPU at the real shape, `nq info --verify`.  The nibbles and
@@ -30,7 +31,7 @@ from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E
 PRIME = 4_194_301  # the largest prime below 2**22
 
 
-def random_tensors(cfg, seed: int = 0, text_ids: int = 0):
+def random_tensors(cfg, seed: int = 0, text_ids: int = 0, lm_head: str = "fp16"):
     """text_ids > 0: lm_head rows outside [256, text_ids) are zero, so the model's greedy
     choice is one of the tokenizer's merged tokens (random logits around 0, the rest exactly 0):
     each decodes to text on its own, where a byte token >= 0x80 alone is half a UTF-8 character
@@ -41,10 +42,18 @@ def random_tensors(cfg, seed: int = 0, text_ids: int = 0):
     # lm_head with equal rows makes exact logit ties that no greedy comparison can judge).
     block_u32 = rng.integers(0, 2**32, PRIME, dtype=np.uint32)  # 16 MB of random nibbles
     block_f = rng.standard_normal(PRIME).astype(np.float32)
-    for name, (dtype, shape) in expected_tensors(cfg).items():
+    for name, (dtype, shape) in expected_tensors(cfg, lm_head).items():
         if name.startswith("meta/"):
             continue
-        if dtype == np.uint32:
+        if name == "lm_head.qweight":      # bytes uniform in [-128, 127], std ~74
+            t = np.resize(block_u32, (shape[0], shape[1] // 4)).view(np.int8)
+            if text_ids:
+                t[:256] = 0
+                t[text_ids:] = 0
+            yield name, t
+        elif name == "lm_head.scales":     # the fp16 head's 1/sqrt(H) spread
+            yield name, np.full(shape, 1.0 / (74.0 * np.sqrt(cfg.hidden_size)), np.float32)
+        elif dtype == np.uint32:
             yield name, np.resize(block_u32, shape)
         elif name.endswith(".scales"):
             k = shape[1] * GROUP_SIZE
@@ -72,6 +81,8 @@ def main(argv=None) -> int:
                     help="greedy picks only tokens that decode to text on their own (lm_head "
                          "rows of the others are zero): for timing a text stream "
                          "(scripts/serve_probe.py)")
+    ap.add_argument("--lm-head", choices=["fp16", "int8"], default="fp16",
+                    help="int8: the lm_head as `nq pack --lm-head int8` writes it")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]
     if args.text_ids and cfg.tie_word_embeddings:
@@ -87,7 +98,8 @@ def main(argv=None) -> int:
             "config.json": json.dumps(cfg.to_hf()).encode()}
     t0 = time.perf_counter()
     n_text = min(ids.values()) if args.text_ids else 0  # the regular ids; specials follow them
-    out = write_nanoqwen(args.out, cfg, random_tensors(cfg, args.seed, n_text), meta, "random")
+    out = write_nanoqwen(args.out, cfg, random_tensors(cfg, args.seed, n_text, args.lm_head), meta,
+                         "random", lm_head=args.lm_head)
     print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return 0

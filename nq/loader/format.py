@@ -6,6 +6,12 @@ knows the byte layout.  The writer streams (payloads are written as they arrive,
 after them, the header last, into a temp file renamed into place) so packing a 7B never holds
 the model in memory; the reader maps the file once and hands out np.frombuffer views.
 
+The lm_head is fp16 (`lm_head`, or the embedding when tied) or, with header flag bit 1, int8
+with a per-row fp32 scale (`lm_head.qweight`, `lm_head.scales`; tied models keep their fp16
+embedding for the lookup beside it).  Readers from before that flag refuse such a file at
+the flags check instead of misreading it, so the format version stays 1; the header's
+`needs nq` field names the nq that reads it, for this reader's refusals and later ones'.
+
 Checksums are CRC-32 (zlib, ~4 GB/s here): the header's covers the header (checksum field
 zeroed) and the table and is checked on every open; per-tensor payload CRCs are checked only
 by `verify()`, because reading 4.5 GB on every start would cost seconds.
@@ -28,6 +34,7 @@ from typing import Iterable
 
 import numpy as np
 
+from nq import __version__
 from nq.config import GROUP_SIZE, ConfigError, ModelConfig
 from nq.loader.outfile import check_output, fsync_folder, remove_stale
 
@@ -39,15 +46,24 @@ ALIGN = 128                      # payload alignment: TMA and 128-bit loads want
 CONFIG_TENSOR = "meta/nq_config.json"
 MAX_TABLE = 16 << 20             # a 7B's table is ~40 KB; a larger one is damage, not a model
 VERIFY_CHUNK = 64 << 20          # verify() checksums and unmaps 64 MiB at a time: RSS stays flat
-FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no lm_head tensor)
+FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no fp16 lm_head tensor)
+FLAG_LM_HEAD_INT8 = 2            # bit 1: lm_head.qweight int8 (V, H) + lm_head.scales fp32 (V,)
+# each flag -> the first nq that reads it; a file written with flags beyond v1.0's records the
+# newest of these in its header (`needs nq`), so that a reader that does not know a flag can
+# say which nq it needs
+FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0"}
+KNOWN_FLAGS = sum(FLAG_SINCE)
+LM_HEADS = ("fp16", "int8")      # what `nq pack --lm-head` writes
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # magic, version, layout, group, flags, vocab, hidden, inter, layers, heads, kv_heads, head_dim,
 # tensor count, table offset, table bytes, file size, source revision, header crc32
 _HEADER = struct.Struct("<8s12IQQQ40sI")
 _HEADER_CRC_AT = _HEADER.size - 4
+_NEEDS = struct.Struct("<16s")   # at byte 124, in the reserved area (zero in v1.0 files)
+_NEEDS_AT = 124
 _MIN_ENTRY = 2 + 2 + 20          # a table entry with an empty name and no dimensions
-assert _HEADER.size <= HEADER_SIZE
+assert _HEADER.size <= _NEEDS_AT and _NEEDS_AT + _NEEDS.size <= HEADER_SIZE
 
 DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype("<u2"), 4: np.dtype("<i2"),
           5: np.dtype("<u4"), 6: np.dtype("<i4"), 7: np.dtype("<f2"), 8: np.dtype("<f4")}
@@ -105,35 +121,47 @@ def _layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[np.dtype, tuple[
     return out
 
 
-def _global_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+def _global_tensors(cfg: ModelConfig, lm_head: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     f16 = np.dtype("<f2")
-    out = {"embed_tokens": (f16, (cfg.vocab_size, cfg.hidden_size)), "norm": (f16, (cfg.hidden_size,))}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = (f16, (cfg.vocab_size, cfg.hidden_size))
+    v, h = cfg.vocab_size, cfg.hidden_size
+    out = {"embed_tokens": (f16, (v, h)), "norm": (f16, (h,))}
+    if lm_head == "int8":        # tied or not: the embedding stays fp16 for the lookup
+        out["lm_head.qweight"] = (np.dtype(np.int8), (v, h))
+        out["lm_head.scales"] = (np.dtype("<f4"), (v,))
+    elif not cfg.tie_word_embeddings:
+        out["lm_head"] = (f16, (v, h))
     return out
 
 
-def _iter_expected(cfg: ModelConfig):
-    glob = _global_tensors(cfg)
+def _iter_expected(cfg: ModelConfig, lm_head: str):
+    glob = _global_tensors(cfg, lm_head)
     yield "embed_tokens", glob.pop("embed_tokens")
     for i in range(cfg.num_layers):
         yield from _layer_tensors(cfg, i).items()
     yield from glob.items()
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape, in file order."""
-    return dict(_iter_expected(cfg))
+def _check_lm_head(lm_head: str) -> str:
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head={lm_head!r}: a .nanoqwen lm_head is one of {', '.join(LM_HEADS)}")
+    return lm_head
 
 
-def expected_count(cfg: ModelConfig) -> int:  # len(expected_tensors(cfg)), without building it
-    return len(_global_tensors(cfg)) + cfg.num_layers * len(_layer_tensors(cfg, 0))
+def expected_tensors(cfg: ModelConfig, lm_head: str = "fp16") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape, in file
+    order; lm_head: "fp16" or "int8" (LM_HEADS)."""
+    return dict(_iter_expected(cfg, _check_lm_head(lm_head)))
 
 
-def _expected_lookup(cfg: ModelConfig):
+def expected_count(cfg: ModelConfig, lm_head: str = "fp16") -> int:
+    """len(expected_tensors(cfg, lm_head)), without building it."""
+    return len(_global_tensors(cfg, lm_head)) + cfg.num_layers * len(_layer_tensors(cfg, 0))
+
+
+def _expected_lookup(cfg: ModelConfig, lm_head: str):
     """name -> (dtype, shape) or None, without listing every layer: a damaged config claiming
     10^9 layers is answered by reading the table, not by building 2 * 10^10 names."""
-    glob = _global_tensors(cfg)
+    glob = _global_tensors(cfg, lm_head)
     layer = {n.split(".", 2)[2]: v for n, v in _layer_tensors(cfg, 0).items()}
 
     def lookup(name: str):
@@ -162,8 +190,11 @@ def _check_tensor(where: str, name: str, dtype: np.dtype, shape: tuple, want) ->
 
 def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]],
                    meta: dict[str, bytes] | None = None, source_revision: str = "",
-                   check: bool = True) -> Path:
+                   check: bool = True, lm_head: str = "fp16") -> Path:
     """Stream `tensors` (and `meta/<name>` byte blobs) into a .nanoqwen file at `path`.
+
+    lm_head: "fp16" (an `lm_head` tensor, none when tied) or "int8" (`lm_head.qweight` and
+    `lm_head.scales`, header flag bit 1): expected_tensors(config, lm_head) lists them.
 
     Each array is written as it arrives and may be dropped by the caller right after, so peak
     memory is one tensor.  With `check` (always, outside tests of the reader's refusals) every
@@ -175,7 +206,7 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
     rev = source_revision.encode("ascii")
     if len(rev) > 40:
         raise FormatError(f"{path}: source revision {source_revision!r} is longer than 40 bytes")
-    expect = expected_tensors(config)
+    expect = expected_tensors(config, lm_head)
     remove_stale(path.parent, path.name + ".tmp-*")
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     entries: list[Entry] = []
@@ -216,16 +247,16 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
                                       f"tensors (first: {missing[:3]}); the pack is incomplete")
             table = _encode_table(entries)
             f.write(table)
-            flags = FLAG_TIED if config.tie_word_embeddings else 0
+            flags = (FLAG_TIED if config.tie_word_embeddings else 0) | \
+                (FLAG_LM_HEAD_INT8 if lm_head == "int8" else 0)
             c = config
             fields = [MAGIC, VERSION, LAYOUT_VALUE_SHUFFLE, GROUP_SIZE, flags, c.vocab_size,
                       c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
                       c.num_kv_heads, c.head_dim, len(entries), pos, len(table),
                       pos + len(table), rev]
-            header = _HEADER.pack(*fields, 0).ljust(HEADER_SIZE, b"\0")
-            crc = zlib.crc32(table, zlib.crc32(header))
+            crc = zlib.crc32(table, zlib.crc32(_encode_header(fields, 0, flags)))
             f.seek(0)
-            f.write(_HEADER.pack(*fields, crc).ljust(HEADER_SIZE, b"\0"))
+            f.write(_encode_header(fields, crc, flags))
             # On the disk before the rename: a power cut after it must not leave a complete-
             # looking name over unwritten blocks (ext4/xfs may order the rename first).
             f.flush()
@@ -242,6 +273,21 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _needs_nq(flags: int) -> bytes:
+    """The `needs nq` field: the newest FLAG_SINCE of the flags beyond v1.0's; empty (zero, as
+    in every file from before the field) when every v1 reader reads the file."""
+    if not flags & ~FLAG_TIED:
+        return b""
+    return max((v for f, v in FLAG_SINCE.items() if flags & f),
+               key=lambda v: tuple(map(int, v.split(".")))).encode("ascii")
+
+
+def _encode_header(fields: list, crc: int, flags: int) -> bytes:
+    raw = bytearray(_HEADER.pack(*fields, crc).ljust(HEADER_SIZE, b"\0"))
+    _NEEDS.pack_into(raw, _NEEDS_AT, _needs_nq(flags))
+    return bytes(raw)
 
 
 def _encode_table(entries: list[Entry]) -> bytes:
@@ -368,9 +414,12 @@ class NanoqwenFile:
         h = Header(*fields[1:-2], source_revision=fields[-2].rstrip(b"\0").decode("ascii", "replace"),
                    checksum=fields[-1])
         self.header = h
+        # the nq the writer says this file needs ("" in files every v1 reader reads)
+        self.needs_nq = _NEEDS.unpack_from(raw, _NEEDS_AT)[0].rstrip(b"\0").decode("ascii", "replace")
+        needs = f"this file needs nq >= {self.needs_nq}, " if self.needs_nq else ""
         if h.version != VERSION:
             raise FormatError(f"{where}: format version {h.version}, this nq reads version "
-                              f"{VERSION}; re-pack with this version's `nq pack`")
+                              f"{VERSION}; {needs}re-pack with this version's `nq pack`")
         if h.layout != LAYOUT_VALUE_SHUFFLE:
             raise FormatError(f"{where}: weight layout id {h.layout}, nq's kernels read only "
                               f"{LAYOUT_VALUE_SHUFFLE} (ValueShuffle); re-pack with `nq pack`")
@@ -390,9 +439,11 @@ class NanoqwenFile:
         if crc != h.checksum:
             raise _corrupt(where, f"header/table checksum mismatch (stored {h.checksum:08x}, "
                                   f"computed {crc:08x})")
-        if h.flags & ~FLAG_TIED:
-            raise FormatError(f"{where}: unknown header flags {h.flags:#x} (this nq knows "
-                              f"{FLAG_TIED:#x}); re-pack with this version's `nq pack`")
+        if h.flags & ~KNOWN_FLAGS:
+            raise FormatError(f"{where}: unknown header flags {h.flags & ~KNOWN_FLAGS:#x} (nq "
+                              f"{__version__} knows {KNOWN_FLAGS:#x}); {needs or 'this file needs a newer nq, '}"
+                              "upgrade nq or re-pack with this version's `nq pack`")
+        self.lm_head = "int8" if h.flags & FLAG_LM_HEAD_INT8 else "fp16"
         self._entries = _decode_table(where, table, h.tensor_count)
         _check_entries(where, self._entries, h.table_offset)
         self.config = self._read_config(where)
@@ -412,14 +463,16 @@ class NanoqwenFile:
         if bool(h.flags & FLAG_TIED) != cfg.tie_word_embeddings:
             raise FormatError(f"{where}: header tied-embedding flag contradicts the stored config; "
                               "re-pack with `nq pack`")
-        lookup = _expected_lookup(cfg)
+        lookup = _expected_lookup(cfg, self.lm_head)
         for e in self._entries.values():
             _check_tensor(where, e.name, e.dtype, e.shape, lookup(e.name))
         # every weight entry is now a distinct expected name, so a short count means missing ones
         n_weights = sum(not n.startswith("meta/") for n in self._entries)
-        if n_weights != expected_count(cfg):
-            first = itertools.islice((n for n, _ in _iter_expected(cfg) if n not in self._entries), 3)
-            raise FormatError(f"{where}: missing {expected_count(cfg) - n_weights} required tensors "
+        want = expected_count(cfg, self.lm_head)
+        if n_weights != want:
+            first = itertools.islice((n for n, _ in _iter_expected(cfg, self.lm_head)
+                                      if n not in self._entries), 3)
+            raise FormatError(f"{where}: missing {want - n_weights} required tensors "
                               f"(first: {', '.join(first)}); re-pack with `nq pack`")
         return cfg
 
@@ -431,15 +484,19 @@ class NanoqwenFile:
         return name in self._entries
 
     def entry(self, name: str) -> Entry:
-        if name == "lm_head" and name not in self._entries and self.config.tie_word_embeddings:
+        if name == "lm_head" and name not in self._entries and self.config.tie_word_embeddings \
+                and self.lm_head == "fp16":
             name = "embed_tokens"
         try:
             return self._entries[name]
         except KeyError:
-            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+            int8 = " (its lm_head is int8: lm_head.qweight, lm_head.scales)" \
+                if name == "lm_head" and self.lm_head == "int8" else ""
+            raise KeyError(f"{self.path}: no tensor {name!r}{int8}") from None
 
     def array(self, name: str) -> np.ndarray:
-        """A read-only view into the mapping (no copy); `lm_head` aliases `embed_tokens` when tied."""
+        """A read-only view into the mapping (no copy); `lm_head` aliases `embed_tokens` when
+        tied (and the lm_head is fp16)."""
         e = self.entry(name)
         count = e.nbytes // e.dtype.itemsize
         return np.frombuffer(self._mm, e.dtype, count, e.offset).reshape(e.shape)
@@ -483,12 +540,20 @@ class NanoqwenFile:
                  f"{c.intermediate_size}, layers {c.num_layers}, heads {c.num_heads}/{c.num_kv_heads} "
                  f"(q/kv), head_dim {c.head_dim}, rope_theta {c.rope_theta:g}, eps {c.rms_norm_eps:g}, "
                  f"tied embeddings {c.tie_word_embeddings}",
+                 f"lm_head: {self._lm_head_words()}",
                  f"{'tensor':<40} {'dtype':<8} {'shape':<18} {'offset':>12} {'bytes':>12}  crc32"]
         for e in self._entries.values():
             shape = "x".join(map(str, e.shape))
             lines.append(f"{e.name:<40} {e.dtype.name:<8} {shape:<18} {e.offset:>12} "
                          f"{e.nbytes:>12}  {e.crc32:08x}")
         return "\n".join(lines)
+
+    def _lm_head_words(self) -> str:
+        if self.lm_head == "fp16":
+            return "fp16 (embed_tokens, tied)" if self.config.tie_word_embeddings else "fp16"
+        tied = "; embed_tokens stays fp16 for the lookup" if self.config.tie_word_embeddings else ""
+        needs = f"; needs nq >= {self.needs_nq}" if self.needs_nq else ""
+        return f"int8 (lm_head.qweight, one fp32 scale a row in lm_head.scales{tied}){needs}"
 
     def close(self) -> None:
         try:

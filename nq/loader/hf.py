@@ -2,8 +2,10 @@
 
 `pack` streams one tensor at a time: read the bf16/fp16/fp32 source through an mmap view,
 widen to fp32 (one tensor's worth of temporaries at most), quantise the seven projections per
-layer to INT4 ValueShuffle, convert everything else to fp16, hand each result to the streaming
-writer, and drop the source pages from RSS.  The 7B packs in well under 4 GB of RSS.
+layer to INT4 ValueShuffle, convert everything else to fp16 (the lm_head, with
+`lm_head="int8"`, to int8 rows: quant.quantize_int8_rows, from the source's own precision),
+hand each result to the streaming writer, and drop the source pages from RSS.  The 7B packs
+in well under 4 GB of RSS.
 
 The safetensors reader is ours (the format is an 8-byte length, a JSON header, raw data), so
 packing needs neither torch nor the safetensors package; bf16 is widened by `u16 << 16`.
@@ -23,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from nq.config import ConfigError, ModelConfig
-from nq.loader.format import (HEADER_SIZE, PROJECTIONS, expected_tensors, release_pages,
-                              write_nanoqwen)
+from nq.loader.format import (HEADER_SIZE, LM_HEADS, PROJECTIONS, expected_tensors,
+                              release_pages, write_nanoqwen)
 from nq.loader.outfile import check_output
-from nq.loader.quant import quantize_pack
+from nq.loader.quant import quantize_int8_rows, quantize_pack
 
 # Data only: nothing a download brings can run (no *.py of trust_remote_code models, no pickled
 # *.bin/*.pt/*.pth weights).  tests/loader/test_no_code.py holds each pattern to that.
@@ -192,16 +194,29 @@ class Checkpoint:
         sf.release(name)
         return out
 
-    def f16(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Tensor `name` as fp16, converted CONVERT_ROWS rows at a time (no whole fp32 copy)."""
+    def _f32_rows(self, name: str, shape: tuple[int, ...]):
+        """(first row, fp32 block of CONVERT_ROWS rows) over tensor `name`; each block's source
+        pages leave RSS once the consumer has taken it."""
         sf, raw = self._raw(name, shape)
-        out = np.empty(shape, np.float16)
         for r in range(0, shape[0], CONVERT_ROWS):
             part = raw[r:r + CONVERT_ROWS]
-            out[r:r + CONVERT_ROWS] = _to_f16(bf16_to_f32(part) if sf.is_bf16(name)
-                                              else part.astype(np.float32), name, sf.path)
+            yield r, (bf16_to_f32(part) if sf.is_bf16(name) else part.astype(np.float32))
             sf.release(name, slice(r, r + CONVERT_ROWS))
+
+    def f16(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Tensor `name` as fp16, converted CONVERT_ROWS rows at a time (no whole fp32 copy)."""
+        out = np.empty(shape, np.float16)
+        for r, part in self._f32_rows(name, shape):
+            out[r:r + CONVERT_ROWS] = _to_f16(part, name, self.file_of(name).path)
         return out
+
+    def int8_rows(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Tensor `name` as (q int8 (N, K), scales fp32 (N,)) of quant.quantize_int8_rows,
+        quantised CONVERT_ROWS rows at a time from the source's precision."""
+        q, scales = np.empty(shape, np.int8), np.empty(shape[0], np.float32)
+        for r, part in self._f32_rows(name, shape):
+            q[r:r + CONVERT_ROWS], scales[r:r + CONVERT_ROWS] = quantize_int8_rows(part)
+        return q, scales
 
 
 def _to_f16(x: np.ndarray, name: str, where) -> np.ndarray:
@@ -324,11 +339,12 @@ def read_config(snap: Path) -> ModelConfig:
         raise LoadError(f"{path}: a value nq cannot use ({e}); is this a Qwen2 config.json?") from None
 
 
-def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes]) -> None:
+def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes], lm_head: str = "fp16") -> None:
     """Refuse before quantising when the output's file system lacks the room (a pack that
     runs out of disk half-way would cost minutes and leave nothing)."""
     # payloads, up to 128 bytes of alignment padding and ~100 bytes of table entry each
-    blobs = [math.prod(shape) * dt.itemsize for dt, shape in expected_tensors(cfg).values()]
+    blobs = [math.prod(shape) * dt.itemsize
+             for dt, shape in expected_tensors(cfg, lm_head).values()]
     blobs += [len(b) for b in meta.values()]
     need = HEADER_SIZE + sum(blobs) + 228 * len(blobs)
     folder = out.parent
@@ -342,14 +358,19 @@ def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes]) -> None:
                         f"{folder} has {size(free)} free; free some space or write elsewhere")
 
 
-def pack(src: str, out, revision: str | None = None, progress: bool = True) -> Path:
+def pack(src: str, out, revision: str | None = None, progress: bool = True,
+         lm_head: str = "fp16") -> Path:
     """Quantise the snapshot `src` (directory or repo id) into the .nanoqwen file `out`.
 
+    lm_head: "fp16" (as the checkpoint has it) or "int8" (one fp32 scale a row, half the
+    bytes a decode step reads for it; a tied model keeps its fp16 embedding beside it).
     Everything that can be refused is refused before the first tensor is read: the output
     path, config.json (architecture, rope scaling, dimensions), the tokenizer, every tensor's
     presence, shape and dtype, and the free space."""
     from tqdm import tqdm
 
+    if lm_head not in LM_HEADS:
+        raise LoadError(f"lm_head={lm_head!r}: choose one of {', '.join(LM_HEADS)}")
     out = check_output(out)
     snap = resolve_snapshot(str(src), revision, progress)
     cfg = read_config(snap)
@@ -361,9 +382,15 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True) -> P
     plan = _source_plan(cfg)
     _check_sources(ckpt, plan)
     meta = {fn: (snap / fn).read_bytes() for fn in META_FILES if (snap / fn).exists()}
-    _check_space(out, cfg, meta)
+    _check_space(out, cfg, meta, lm_head)
     out.parent.mkdir(parents=True, exist_ok=True)
-    n_out = len(expected_tensors(cfg))
+    n_out = len(expected_tensors(cfg, lm_head))
+    head_shape = (cfg.vocab_size, cfg.hidden_size)
+
+    def int8_head(hf):
+        q, scales = ckpt.int8_rows(hf, head_shape)
+        yield "lm_head.qweight", q
+        yield "lm_head.scales", scales
 
     def tensors():
         with tqdm(total=n_out, desc=f"pack {out.name}", unit="tensor", file=sys.stderr,
@@ -375,8 +402,14 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True) -> P
                     yield base + ".qweight", qweight
                     yield base + ".scales", scales
                     bar.update(2)
+                elif ours == "lm_head" and lm_head == "int8":
+                    yield from int8_head(hf)
+                    bar.update(2)
                 else:
                     yield ours, ckpt.f16(hf, shape)
                     bar.update(1)
+            if cfg.tie_word_embeddings and lm_head == "int8":   # from the embedding's source
+                yield from int8_head(hf_name("embed_tokens"))
+                bar.update(2)
 
-    return write_nanoqwen(out, cfg, tensors(), meta, snapshot_revision(snap))
+    return write_nanoqwen(out, cfg, tensors(), meta, snapshot_revision(snap), lm_head=lm_head)

@@ -1,6 +1,7 @@
-"""INT4 quantisation (symmetric, group 128) and the ValueShuffle nibble packing.
+"""INT4 quantisation (symmetric, group 128) and the ValueShuffle nibble packing; the int8
+lm_head's per-row quantisation.
 
-The format decision lives here and in docs/FORMAT.md; kernels cite it.
+The format decisions live here and in docs/FORMAT.md; kernels cite them.
 
 Quantisation: for every output row n and every group g of GROUP_SIZE consecutive input
 columns, scale[n, g] = fp16(absmax / 7) and q = clip(rint(w / scale), -7, 7), zero-point 0.
@@ -15,6 +16,12 @@ complement.  Why this order: a kernel that shifts the word right by 0, 4, 8, 12 
 0x000F000F gets (w0, w1), (w2, w3), (w4, w5), (w6, w7) in the low/high 16-bit halves, i.e.
 adjacent pairs already laid out as the two lanes an fp16x2 conversion (the magic-number
 trick, `lop3` + `sub.f16x2`) wants, with one mask per pair and no byte permutes.
+
+int8 lm_head (`nq pack --lm-head int8`): one scale per row (per output token), symmetric,
+scale[n] = fp32(absmax(W[n]) / 127) and q = clip(rint(w / scale), -127, 127), q against the
+stored fp32 scale as above.  Per row, not per group: the kernel applies the scale once to a
+row's finished sum, so the inner loop is integer-to-float and fma only.  fp32, not fp16: the
+scales are 4 bytes a row against the row's 3,584 (0.1 %), and need no rounding story.
 """
 from __future__ import annotations
 
@@ -132,3 +139,43 @@ def quantize_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def fake_quantize_matrix(w: np.ndarray) -> np.ndarray:
     """dequantize(quantize(w)): the fp32 matrix an INT4 engine effectively multiplies by."""
     return dequantize_int4(*quantize_int4(w))
+
+
+# ---- int8 rows (the lm_head) ------------------------------------------------------------------
+INT8_QMAX = 127
+
+
+def quantize_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K) float -> (q int8 (N, K) in [-127, 127], scales fp32 (N,)); chunked over rows.
+
+    scale = fp32(absmax_row / 127), q = clip(rint(w / scale), -127, 127); an all-zero row
+    gets scale 0 and q 0.  |w - q * scale| <= scale / 2 (plus fp32 rounding of w / scale)."""
+    if w.ndim != 2:
+        raise ValueError(f"quantize_int8_rows: expected a 2-D (out, in) matrix, got shape {w.shape}")
+    n, k = w.shape
+    q = np.empty((n, k), np.int8)
+    scales = np.empty(n, np.float32)
+    for r in range(0, n, CHUNK_ROWS):
+        part = np.asarray(w[r:r + CHUNK_ROWS], np.float32)
+        absmax = np.abs(part).max(axis=1)                              # (rows,) fp32
+        if not np.isfinite(absmax).all():
+            raise ValueError("weights contain inf or NaN; the checkpoint is corrupt")
+        s = absmax / np.float32(INT8_QMAX)
+        # dividing by 1 where the scale is 0 keeps a zero row at q = 0 instead of NaN
+        qr = np.rint(part / np.where(s == 0, np.float32(1), s)[:, None])
+        np.clip(qr, -INT8_QMAX, INT8_QMAX, out=qr)
+        q[r:r + CHUNK_ROWS], scales[r:r + CHUNK_ROWS] = qr, s
+    return q, scales
+
+
+def dequantize_int8_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """q int8 (N, K), scales fp32 (N,) -> float32 (N, K): q * scale, the lm_head the int8
+    kernel multiplies by (it applies the scale to the row's sum instead: the same to fp32
+    rounding)."""
+    if q.ndim != 2 or q.dtype != np.int8 or scales.shape != (q.shape[0],):
+        raise ValueError(f"dequantize_int8_rows: q {q.dtype} {q.shape} and scales {scales.shape} "
+                         "are not int8 (N, K) and (N,)")
+    out = np.empty(q.shape, np.float32)
+    for r in range(0, q.shape[0], CHUNK_ROWS):
+        out[r:r + CHUNK_ROWS] = q[r:r + CHUNK_ROWS] * scales[r:r + CHUNK_ROWS, None].astype(np.float32)
+    return out
