@@ -1,6 +1,6 @@
 """What every kernel family shares: the shared-memory limits, launcher argument checks, the
 dynamic shared-memory opt-in, and the device-function bodies (warp butterflies, RMSNorm's
-block tail).
+block tail, the fp16 and int8 lm_heads' row loads: `row_chunk_loads`).
 
 Limits (sm_90):
     STATIC_SMEM_LIMIT  48 KiB: static shared memory numba can give a block (no opt-in exists
@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from nq.ptx import SIMULATOR
+from nq.ptx import SIMULATOR, ld_global_nc_v4_u32
 
 try:  # numba warns on every launch of a grid under 128 blocks, building the message each time;
     # nq's small grids (embed, argmax, attention at short context, a short prompt's GEMMs) are
@@ -120,3 +120,33 @@ def block_rstd(red, nwarps, inv_k, eps):
     for w in range(nwarps):
         tot += red[w]
     return float32(1.0) / math.sqrt(tot * inv_k + eps)
+
+
+def row_chunk_loads(n_chunks: int, unroll: int, per_chunk: int):
+    """The device function load_u(weight, row, lane, c0) of a head whose rows are n_chunks
+    16-byte chunks of per_chunk elements (fp16: 8, int8: 16): the 4-word loads of chunks
+    (c0 + u) * 32 + lane for u < unroll (1..8), zeros past the row's end, as 8 tuples."""
+    CH, U, E = n_chunks, unroll, per_chunk
+    z = np.uint32(0)
+
+    def load1(weight, row, c):
+        if c < CH:
+            return ld_global_nc_v4_u32(weight, (row, c * E))
+        return (z, z, z, z)
+
+    load1 = dev(load1)
+
+    def load_u(weight, row, lane, c0):
+        # written out for literal indices
+        b = c0 * 32 + lane
+        l0 = load1(weight, row, b)
+        l1 = load1(weight, row, b + 32) if U > 1 else l0
+        l2 = load1(weight, row, b + 64) if U > 2 else l0
+        l3 = load1(weight, row, b + 96) if U > 3 else l0
+        l4 = load1(weight, row, b + 128) if U > 4 else l0
+        l5 = load1(weight, row, b + 160) if U > 5 else l0
+        l6 = load1(weight, row, b + 192) if U > 6 else l0
+        l7 = load1(weight, row, b + 224) if U > 7 else l0
+        return l0, l1, l2, l3, l4, l5, l6, l7
+
+    return dev(load_u)

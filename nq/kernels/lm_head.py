@@ -3,6 +3,8 @@
 Public API:
 
     head = make_lm_head(cfg)                   # LmHead; tiling in .unroll/.threads/.grid
+                                               # (make_lm_head(cfg, weight): the int8 head
+                                               # of lm_head_int8.py for an Int8Rows weight)
     head(x, norm_w, weight, logits, stream)    # x fp32 (H,), norm_w fp16 (H,),
                                                # weight fp16 (V, H) (embed_tokens when tied),
                                                # logits fp32 (V,)
@@ -28,10 +30,10 @@ from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, need, sm_count, warp_sum
+from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, need, row_chunk_loads,
+                               sm_count, warp_sum)
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_global_nc_v4_u32, ld_shared_v4_f32,
-                    unpack_f16x2_to_f32)
+                    griddepcontrol_wait, ld_shared_v4_f32, unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm
 
 _ALIGN = None if SIMULATOR else 16
@@ -116,25 +118,7 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
             if lane == 0:
                 logits[row] = acc
 
-    z = np.uint32(0)
-
-    def load1(weight, row, c):
-        if c < CH:
-            return ld_global_nc_v4_u32(weight, (row, c * 8))
-        return (z, z, z, z)
-
-    def load_u(weight, row, lane, c0):
-        # chunk (c0 + u) * 32 + lane for u < U; U in 1..8, written out for literal indices
-        b = c0 * 32 + lane
-        l0 = load1(weight, row, b)
-        l1 = load1(weight, row, b + 32) if U > 1 else l0
-        l2 = load1(weight, row, b + 64) if U > 2 else l0
-        l3 = load1(weight, row, b + 96) if U > 3 else l0
-        l4 = load1(weight, row, b + 128) if U > 4 else l0
-        l5 = load1(weight, row, b + 160) if U > 5 else l0
-        l6 = load1(weight, row, b + 192) if U > 6 else l0
-        l7 = load1(weight, row, b + 224) if U > 7 else l0
-        return l0, l1, l2, l3, l4, l5, l6, l7
+    load_u = row_chunk_loads(CH, U, 8)
 
     def dot1(w, hA, hB, c, acc):
         if c < CH:
@@ -161,7 +145,7 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
             acc = dot1(l7, hA, hB, b + 224, acc)
         return acc
 
-    load1, load_u, dot1, dot_u = (dev(f) for f in (load1, load_u, dot1, dot_u))
+    dot1, dot_u = dev(dot1), dev(dot_u)
     if not 1 <= U <= 8:
         raise ValueError("lm_head: unroll must be 1..8")
     kernel.__name__ = kernel.__qualname__ = lm_head_name(vocab, k, eps, threads, U)
@@ -195,6 +179,11 @@ class LmHead:
         self.kernel[self.grid, self.threads, stream](x, norm_w, weight, logits)
 
 
-def make_lm_head(cfg: ModelConfig, **tiling) -> LmHead:
-    """The lm_head launcher for cfg (threads=256, unroll=7, blocks_per_sm=4 by default)."""
+def make_lm_head(cfg: ModelConfig, weight=None, **tiling):
+    """The lm_head launcher for cfg and the weight it will read: this fp16 one (threads=256,
+    unroll=7, blocks_per_sm=4 by default), or for an int8 lm_head (an Int8Rows pair) the
+    launcher of nq/kernels/lm_head_int8.py, which takes the same call."""
+    from nq.kernels.lm_head_int8 import Int8Rows, make_lm_head_int8
+    if isinstance(weight, Int8Rows):
+        return make_lm_head_int8(cfg, **tiling)
     return LmHead(cfg, **tiling)

@@ -192,7 +192,7 @@ class Engine:
                                                                 L.gu_s, self.a, st)),
                 ("down", lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st)),
             ]
-        head = lm_head.make_lm_head(c)
+        head = lm_head.make_lm_head(c, weights.lm_head)   # fp16, or int8 rows + scales
         steps.append(("lm_head", lambda st: head(self.x, weights.norm, weights.lm_head,
                                                  self.logits, st)))
         steps.append(("sample", argmax.argmax_launcher(self.logits, self.state, self.out_ids,

@@ -38,7 +38,8 @@ class DeviceWeights:
     cfg: ModelConfig
     embed: object           # (vocab, H) fp16
     norm: object            # (H,) fp16
-    lm_head: object         # (vocab, H) fp16 (the embedding itself when tied)
+    lm_head: object         # (vocab, H) fp16 (the embedding itself when tied), or a file's int8
+                            # head: Int8Rows(qweight (vocab, H) int8, scales (vocab,) fp32)
     layers: list
     load_s: float = 0.0     # host->device copy and re-tiling, after the kernels are compiled
     _thread: object = None  # the upload's thread while it runs (upload(background=True))
@@ -229,7 +230,11 @@ def _allocate(nf, g, stream):
             qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=qkv_b, o_w=o_w, o_s=o_s,
             gu_w=gu_w, gu_s=gu_s, down_w=d_w, down_s=d_s))
     embed = buffer("embed_tokens")
-    lm_head = embed if cfg.tie_word_embeddings else buffer("lm_head")
+    if nf.lm_head == "int8":     # `nq pack --lm-head int8`: tied or not, its own tensors
+        from nq.kernels.lm_head_int8 import Int8Rows
+        lm_head = Int8Rows(buffer("lm_head.qweight"), buffer("lm_head.scales"))
+    else:
+        lm_head = embed if cfg.tie_word_embeddings else buffer("lm_head")
     w = DeviceWeights(cfg, embed=embed, norm=buffer("norm"), lm_head=lm_head, layers=layers)
     w._keep = (stage, perms)   # the plan's launches read them until the upload is done
     return w, items
@@ -275,14 +280,18 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
         same(f"layers.{i}.input_layernorm", L.input_norm, nf.array(f"layers.{i}.input_layernorm"))
         same(f"layers.{i}.post_attention_layernorm", L.post_norm,
              nf.array(f"layers.{i}.post_attention_layernorm"))
-    for name, dev in (("embed_tokens", w.embed), ("norm", w.norm), ("lm_head", w.lm_head)):
+    heads = ((("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales))
+             if nf.lm_head == "int8" else (("lm_head", w.lm_head),))
+    for name, dev in (("embed_tokens", w.embed), ("norm", w.norm)) + heads:
         same(name, dev, nf.array(name))
     return bad
 
 
-def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0) -> DeviceWeights:
+def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
+                          lm_head: str = "fp16") -> DeviceWeights:
     """Weights of cfg's shapes, made on the GPU: INT4 nibbles uniform in [-8, 7] with scales
-    that give each projection output unit scale for unit inputs, norms near 1."""
+    that give each projection output unit scale for unit inputs, norms near 1.  lm_head="int8":
+    the head as `nq pack --lm-head int8` stores it (bytes uniform, the fp16 head's spread)."""
     from numba import cuda
 
     from nq.kernels.fill import fill_f16, fill_u32
@@ -314,8 +323,15 @@ def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0) -> DeviceWe
             qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=f16((cfg.qkv_size,), 0.0, 0.1),
             o_w=o_w, o_s=o_s, gu_w=gu_w, gu_s=gu_s, down_w=d_w, down_s=d_s))
     embed = f16((cfg.vocab_size, h), 0.0, 0.17)
-    lm_head = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0, 1.7 / np.sqrt(h))
-    w = DeviceWeights(cfg, embed=embed, norm=f16((h,), 1.0, 0.1), lm_head=lm_head, layers=layers)
+    if lm_head == "int8":        # bytes uniform in [-128, 127] have std ~74
+        from nq.kernels.lm_head_int8 import Int8Rows
+        q = cuda.device_array((cfg.vocab_size, h), np.int8)
+        fill_u32(q.view(np.uint32), next(counter), stream)
+        head = Int8Rows(q, cuda.to_device(np.full(cfg.vocab_size, 0.98 / (74 * np.sqrt(h)),
+                                                  np.float32), stream=stream))
+    else:
+        head = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0, 1.7 / np.sqrt(h))
+    w = DeviceWeights(cfg, embed=embed, norm=f16((h,), 1.0, 0.1), lm_head=head, layers=layers)
     cuda.synchronize()
     w.load_s = time.perf_counter() - t0
     return w

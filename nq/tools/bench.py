@@ -315,6 +315,10 @@ def measure_tests(eng, args, ctxs: list, ceiling: float) -> list[dict]:
 
 def run(args) -> int:
     """`nq bench`: returns the exit code (2 without a GPU)."""
+    if args.lm_head and not args.random:
+        print("nq: error: --lm-head makes random weights (--random); a file's lm_head is the "
+              "one it was packed with (`nq pack --lm-head int8`)", file=sys.stderr)
+        return 2
     try:
         from numba import cuda
         ok, why = cuda.is_available(), ""
@@ -332,7 +336,12 @@ def run(args) -> int:
     p0 = args.p[0]
     max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
-    if args.random:
+    if args.random and args.lm_head == "int8":
+        from nq.runtime.weights import random_device_weights   # Engine.random's, int8 head
+        cfg = PRESETS[args.random]
+        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head="int8"), max_len=max_len)
+        source = f"random {args.random}"
+    elif args.random:
         eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed)
         source = f"random {args.random}"
     else:
@@ -342,7 +351,9 @@ def run(args) -> int:
         eng, source = Engine.from_file(NanoqwenFile(path), max_len=max_len), str(path)
     build_s = time.perf_counter() - t0
     cfg = eng.cfg
-    model = f"{cfg.name} INT4 g128" + (" (random)" if args.random else "")
+    int8_head = hasattr(getattr(eng.w, "lm_head", None), "scales")   # an Int8Rows pair
+    model = (f"{cfg.name} INT4 g128" + (", lm_head int8" if int8_head else "")
+             + (" (random)" if args.random else ""))
     ceiling = copy_ceiling_gbs()
     log(f"nq bench: {model}: engine built in {build_s:.1f} s (weights {eng.w.load_s:.1f} s), "
         f"{eng.w.nbytes_per_token / 1e9:.3f} GB/token of weights; copy ceiling {ceiling:.0f} GB/s")

@@ -75,6 +75,7 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
     from nq.kernels import sampling as argmax
     from nq.kernels import attention
     from nq.kernels.int4.reference import ref_gate_up, ref_o_proj, ref_qkv
+    from nq.loader.weights import host_tensor
     from nq.paged import PAGE, gather_kv, pool_shape
     from nq.runtime.kv_cache import make_state
     from nq.runtime.weights import gemvs
@@ -109,11 +110,13 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
                     rel(out.copy_to_host(stream=s), ref), TOL_INT4))
 
     logits = cuda.device_array(cfg.vocab_size, np.float32)
-    lm_head.make_lm_head(cfg)(cuda.to_device(x), eng.w.norm, eng.w.lm_head, logits, s)
+    lm_head.make_lm_head(cfg, eng.w.lm_head)(cuda.to_device(x), eng.w.norm, eng.w.lm_head, logits, s)
+    # the file's lm_head as the reference engine reads it (int8: dequantised)
     ref = lm_head.ref_lm_head(x, np.asarray(nf.array("norm"), np.float32), eps,
-                              np.asarray(nf.array("lm_head"), np.float32))
+                              host_tensor(nf, "lm_head"))
     host_logits = logits.copy_to_host(stream=s)
-    rows.append(Row("unit", f"lm_head fp16 {cfg.vocab_size}x{cfg.hidden_size}", rel(host_logits, ref), TOL_HEAD))
+    rows.append(Row("unit", f"lm_head {nf.lm_head} {cfg.vocab_size}x{cfg.hidden_size}",
+                    rel(host_logits, ref), TOL_HEAD))
 
     state, ring, ws = make_state(), cuda.device_array(4, np.int32), argmax.argmax_workspace()
     argmax.argmax_launcher(logits, state, ring, ws)(s)
@@ -251,6 +254,9 @@ class TorchReference:
                                                   nf.array(base + ".scales"), device))
             else:
                 dst.copy_(torch.from_numpy(host_tensor(nf, name)))
+        if nf.lm_head == "int8" and cfg.tie_word_embeddings:   # its own head, untied
+            self.model.lm_head.weight = torch.nn.Parameter(
+                torch.from_numpy(host_tensor(nf, "lm_head")).to(device), requires_grad=False)
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"

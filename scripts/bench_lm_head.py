@@ -1,0 +1,106 @@
+"""Time the fp16 and int8 lm_heads alone on the GPU, each launch inside a captured CUDA graph.
+
+    source scripts/h200_env.sh && python3 scripts/bench_lm_head.py [--size 7b] [--json out.json]
+    python3 scripts/bench_lm_head.py --int8 "rows=2,unroll=4" "rows=1,unroll=7" "rows=2,unroll=2"
+
+The fp16 head (nq/kernels/lm_head.py, its default tiling) and the int8 head
+(nq/kernels/lm_head_int8.py) at each tiling given, on random weights made on the device
+(nq/kernels/fill.py): one graph of one launch with programmatic edges off, replayed after a
+warm-up, timed with events.  The 7B's heads are 1.09 GB and 0.55 GB, many times the 60 MB L2,
+so one copy of the weights does not flatter.  Per head: us, bytes (weights + scales + x +
+logits), GB/s and the fraction of a device-to-device copy's read rate (its read+write bytes
+over its time, measured here), as `nq bench` counts it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from numba import cuda  # noqa: E402
+
+from nq.config import PRESETS  # noqa: E402
+from nq.kernels import lm_head, lm_head_int8  # noqa: E402
+from nq.kernels.fill import fill_f16, fill_u32  # noqa: E402
+from nq.runtime.graphs import CapturedGraph  # noqa: E402
+
+
+def time_us(stream, launch, replays: int) -> float:
+    launch(stream)
+    stream.synchronize()
+    g = CapturedGraph(stream, lambda: launch(stream), name="lm_head")
+    for _ in range(5):
+        g.replay()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(stream)
+    for _ in range(replays):
+        g.replay()
+    e1.record(stream)
+    e1.synchronize()
+    return 1e3 * cuda.event_elapsed_time(e0, e1) / replays
+
+
+def copy_gbs(stream, nbytes: int = 1 << 30, replays: int = 20) -> float:
+    """A device-to-device copy's bytes read and written per second (GB/s)."""
+    a, b = cuda.device_array(nbytes, np.uint8), cuda.device_array(nbytes, np.uint8)
+    us = time_us(stream, lambda s: b.copy_to_device(a, stream=s), replays)
+    return 2 * nbytes / us * 1e-3
+
+
+def tiling(text: str) -> dict:
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="7b", choices=sorted(PRESETS))
+    ap.add_argument("--int8", nargs="*", default=["rows=2,unroll=4", "rows=1,unroll=7",
+                                                  "rows=2,unroll=2", "rows=2,unroll=4,blocks_per_sm=2"],
+                    help="int8 tilings, LmHeadInt8 keywords (the default first)")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.size]
+    v, h = cfg.vocab_size, cfg.hidden_size
+    s = cuda.stream()
+    rng = np.random.default_rng(0)
+    x = cuda.to_device((2 * rng.standard_normal(h)).astype(np.float32), stream=s)
+    nw = cuda.to_device((1 + 0.1 * rng.standard_normal(h)).astype(np.float16), stream=s)
+    logits = cuda.device_array(v, np.float32)
+    w16 = cuda.device_array((v, h), np.float16)
+    fill_f16(w16, 3, 0.0, 1.7 / np.sqrt(h), s)
+    q = cuda.device_array((v, h), np.int8)
+    fill_u32(q.view(np.uint32), 4, s)
+    w8 = lm_head_int8.Int8Rows(q, cuda.to_device(np.full(v, 1.0 / (74 * np.sqrt(h)), np.float32)))
+    ceiling = copy_gbs(s)
+    print(f"{cfg.name} lm_head {v} x {h}; copy {ceiling:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    cases = [("fp16", {}, w16, w16.nbytes)] + [("int8", tiling(t), w8, w8.nbytes) for t in args.int8]
+    for kind, kw, w, wbytes in cases:
+        try:
+            head = lm_head.make_lm_head(cfg, w, **kw)
+            us = time_us(s, lambda st: head(x, nw, w, logits, st), args.replays)
+        except Exception as e:  # noqa: BLE001 -- a tiling that does not build: say so, go on
+            print(f"{kind} {kw}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        nbytes = wbytes + 6 * h + 4 * v
+        kern = head.kernel
+        row = {"kind": kind, "tiling": kw, "us": us, "bytes": nbytes, "GBps": nbytes / us * 1e-3,
+               "pct_copy": 100 * nbytes / us * 1e-3 / ceiling, "grid": head.grid,
+               "regs": kern.get_regs_per_thread(), "local": kern.get_local_mem_per_thread()}
+        rows.append(row)
+        print(f"{kind} {str(kw):40s} {us:8.1f} us {row['GBps']:7.0f} GB/s "
+              f"{row['pct_copy']:5.1f} % of copy  grid {head.grid}  regs {row['regs']} "
+              f"local {row['local']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_GBs": ceiling, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
