@@ -28,6 +28,7 @@ from nq.config import PRESETS  # noqa: E402
 from nq.kernels import lm_head, lm_head_int8  # noqa: E402
 from nq.kernels.fill import fill_f16, fill_u32  # noqa: E402
 from nq.runtime.graphs import CapturedGraph  # noqa: E402
+from nq.tools.bench import copy_ceiling_gbs  # noqa: E402
 
 
 def time_us(stream, launch, replays: int) -> float:
@@ -43,13 +44,6 @@ def time_us(stream, launch, replays: int) -> float:
     e1.record(stream)
     e1.synchronize()
     return 1e3 * cuda.event_elapsed_time(e0, e1) / replays
-
-
-def copy_gbs(stream, nbytes: int = 1 << 30, replays: int = 20) -> float:
-    """A device-to-device copy's bytes read and written per second (GB/s)."""
-    a, b = cuda.device_array(nbytes, np.uint8), cuda.device_array(nbytes, np.uint8)
-    us = time_us(stream, lambda s: b.copy_to_device(a, stream=s), replays)
-    return 2 * nbytes / us * 1e-3
 
 
 def tiling(text: str) -> dict:
@@ -77,7 +71,7 @@ def main(argv=None) -> int:
     q = cuda.device_array((v, h), np.int8)
     fill_u32(q.view(np.uint32), 4, s)
     w8 = lm_head_int8.Int8Rows(q, cuda.to_device(np.full(v, 1.0 / (74 * np.sqrt(h)), np.float32)))
-    ceiling = copy_gbs(s)
+    ceiling = copy_ceiling_gbs()   # nq bench's copy ceiling (read + write GB/s)
     print(f"{cfg.name} lm_head {v} x {h}; copy {ceiling:.0f} GB/s (read + write)", flush=True)
     rows = []
     cases = [("fp16", {}, w16, w16.nbytes)] + [("int8", tiling(t), w8, w8.nbytes) for t in args.int8]
