@@ -70,13 +70,18 @@ def test_greedy_64_steps_equal_reference(model):
     model (152064 random logits a step, so near-ties come often) matched 64/64 with the fp32
     attention kernel and diverged at step 43 with the tensor-core one, where the reference's
     top-2 gap was 2.9e-4."""
-    from nq.tools.verify import TIE_TOL
     name, nf, eng, ref = model
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, min(nf.config.vocab_size, 500), 11)]
     want, tops = reference_greedy(ref, prompt, 64)
     eng.reset()
-    got = list(eng.generate_ids(prompt, 64, GREEDY))
+    check_greedy(name, list(eng.generate_ids(prompt, 64, GREEDY)), want, tops)
+
+
+def check_greedy(name, got, want, tops):
+    """got == want, or a first divergence at a near-tie of the reference (within TIE_TOL of the
+    logit spread), accepted for the 7B-width models only (printed)."""
+    from nq.tools.verify import TIE_TOL
     if got != want:
         k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
         _, gap, spread = tops[k]

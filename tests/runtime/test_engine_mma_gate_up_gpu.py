@@ -5,8 +5,8 @@ reference, by test_engine_gpu.py's rules (whose models and helpers these are).""
 import numpy as np
 import pytest
 
-from test_engine_gpu import (CONFIGS, GREEDY, packed_model, prefill_then_decode_match,
-                             reference_greedy)
+from test_engine_gpu import (CONFIGS, GREEDY, check_greedy, packed_model,
+                             prefill_then_decode_match, reference_greedy)
 
 from nq.loader.weights import load_host_weights
 from nq.ref import RefModel
@@ -39,19 +39,12 @@ def test_gate_up_is_on_the_tensor_cores_everywhere(model):
 def test_greedy_steps_equal_reference(model):
     """48 greedy ids after an 11-token prompt; test_engine_gpu's near-tie rule for the
     7B-width model (152064 random logits a step)."""
-    from nq.tools.verify import TIE_TOL
     name, nf, eng, ref = model
     vocab = min(nf.config.vocab_size, 500)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, vocab, 11)]
     want, tops = reference_greedy(ref, prompt, 48)
     eng.reset()
-    got = list(eng.generate_ids(prompt, 48, GREEDY))
-    if got != want:
-        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        _, gap, spread = tops[k]
-        assert name.startswith("7b") and gap <= TIE_TOL * spread, (
-            f"{name}: first divergence at step {k}: gpu {got[k]} vs ref {want[k]}; reference "
-            f"top-2 gap {gap / spread:.2e} of the spread")
+    check_greedy(name, list(eng.generate_ids(prompt, 48, GREEDY)), want, tops)
 
 
 @pytest.mark.parametrize("n", [20, 300])
