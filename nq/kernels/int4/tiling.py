@@ -11,10 +11,12 @@ need not re-run the experiment), `mma_tiling`'s rule for o_proj and down at othe
 a rule for the rest.  A tiling fixes the prepared weights' layout (`layout()`): tilings with
 equal layouts read the same uploaded weights.
 
-NQ_MMA_GATE_UP=1 in the environment (read once, at import: `MMA_GATE_UP`) makes gate_up's
-default the tensor-core tiling too, so that the upload writes gate_up in the mma fragment
-layout, decode runs it on gemv_mma and the prefill GEMMs read that layout (faster there:
-`mma_tiling` has the figures).  Off by default until the H200 has timed it in the step.
+gate_up's default is the tensor-core tiling too (`MMA_GATE_UP`, read once at import;
+NQ_MMA_GATE_UP=0 in the environment turns it off), so the upload writes gate_up in the mma
+fragment layout, decode runs it on gemv_mma and the prefill GEMMs read that layout, which they
+read ~25 % faster: on the H200 (2026-12-01) a 512-token prompt went 22.0 -> 18.9 ms and an 8K
+one 354 -> 314 ms, for +0.036 ms a decode step (1.877 -> 1.914 at 512; `mma_tiling` has the
+figures), and gate_up's decode sums became fp32.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
-MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP") == "1"   # gate_up's default on it (module doc)
+MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -96,14 +98,17 @@ def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
     t384 -0.244 (16 t512 -0.104); 3B o_proj 8 -0.004, down 16 -0.171; 0.5B down 16 -0.097, but
     o_proj (7 groups) 3 warps +0.012.
 
-    gate_up (the default only with MMA_GATE_UP): 2 warps a tile, 256 threads (4 tiles a block),
+    gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, 256 threads (4 tiles a block),
     at every size, 13c221c's best in the 7B step (32d8702, ms a step at 512 against the
     CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
     +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
     read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
     gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at 8192, against 326-359 and 372 in
     the row layout; ~-3.5 ms of a 512-token prompt, ~-32 ms of an 8K one), and fp32 sums in
-    decode.  None where K's activations pass 48 KB of static shared memory (K > 24576)."""
+    decode.  In the whole engine (H200, 2026-12-01, scripts/prefill_timeline.py and
+    step_variants.py "gate_up.mma=1"): pp512 22.04 -> 18.90 ms, pp2048 77.7 -> 67.5, pp8192
+    354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
+    activations pass 48 KB of static shared memory (K > 24576)."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
     if kind == "gate_up":
@@ -152,7 +157,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         ("gate_up", 18944, 3584): Tiling(ks=4, threads=192, span=128, min_blocks=3),
         # gate_up on the tensor cores lost in the step (32d8702): ks2 t256 +0.017 ms (+0.046
         # beside the mma down), ks2 t128 +0.018, ks4 t256 +0.084, ks1 t128 +0.51, ks7 t224 +0.19
-        # (opt-in for the prefill's sake: MMA_GATE_UP, mma_tiling)
+        # (the default all the same, for the prefill's sake: MMA_GATE_UP, mma_tiling)
         ("down", 3584, 18944): Tiling(ks=16, threads=512),  # 18.9 us; every other grid loses
         # Lost in the step graph: blocks sized to one whole wave (qkv t576, o_proj t448,
         # gate_up t576, down t448: 128-132 blocks, one an SM) were faster alone (7.25 / 6.62 /

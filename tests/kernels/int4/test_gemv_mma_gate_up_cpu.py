@@ -1,7 +1,7 @@
-"""gate_up on the tensor cores (gemv_mma kind "gate_up", opt-in: NQ_MMA_GATE_UP=1) without a
+"""gate_up on the tensor cores (gemv_mma kind "gate_up", the default; NQ_MMA_GATE_UP=0 turns it off) without a
 GPU: its tiling and refusals, the switch's wiring (gemvs, the upload's layout, the prefill's
 layout), its sm_90 PTX, and the kernel under the CUDA simulator against an fp64 reference.
-The default (switch off) is proven unchanged by scripts/ptx_hashes.py, not here."""
+The CUDA-core gate_up (switch off) is proven unchanged by scripts/ptx_hashes.py, not here."""
 import os
 import subprocess
 import sys
@@ -37,7 +37,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert default_tiling("down", h, i) == MmaTiling(warps=16, threads=1024)
 
 
-@pytest.mark.parametrize("value,want", [("1", "True"), ("0", "False"), (None, "False")])
+@pytest.mark.parametrize("value,want", [("1", "True"), ("0", "False"), (None, "True")])
 def test_the_switch_is_read_from_the_environment(value, want):
     env = {k: v for k, v in os.environ.items() if k != "NQ_MMA_GATE_UP"}
     if value is not None:
