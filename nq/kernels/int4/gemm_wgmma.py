@@ -259,38 +259,45 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         ot = nb * OUT_TILES + (wgi * HALF + a) * 4 + w
         return min(ot, NT_OUT - 1) + up * NT_OUT, ot
 
-    def copy_plan(nb, m0, m, tid, wsrc, wdst, xsrc, xdst):
+    def copy_plan(nb, tid, wsrc):
+        """The weight copies' sources (the clamped tile makes them irregular) into wsrc; the
+        destinations and the activation copies are affine in the copy index `it` (copy it of a
+        thread is q = it * TPB + tid), so issue_stage recomputes them from a few scalars: eight
+        64-bit addresses held in registers across the main loop cost ptxas more instructions a
+        group (rematerialised after every barrier) than the affine forms do."""
         for it in range(PW):
             q = it * TPB + tid
             if MMA:
-                ti = q >> 6
-                pc = q & 63
-                ln = pc >> 1
-                gt, _ = weight_tile(nb, ti)
-                wdst[it] = ti * 1024 + ln * 32 + 16 * ((pc & 1) ^ ((ln >> 2) & 1))
-                wsrc[it] = gt * G * 256 + pc * 4
+                gt, _ = weight_tile(nb, q >> 6)
+                wsrc[it] = gt * G * 256 + (q & 63) * 4
             else:
                 r = q >> 2
                 gt, _ = weight_tile(nb, r >> 4)
-                wdst[it] = r * 64 + 16 * (q & 3)
                 wsrc[it] = (gt * TILE + (r & 15)) * K8
-        for it in range(PX):
-            q = it * TPB + tid
-            r = q >> 4
-            cc = q & 15
-            xsrc[it] = min(m0 + r, m - 1) * k + 8 * cc
-            xdst[it] = X_OFF + (cc >> 3) * X_HALF + r * 128 + 16 * ((cc & 7) ^ (r & 7))
 
-    def issue_stage(xf, qw, buf, s, tid, wsrc, wdst, xsrc, xdst):
+    def issue_stage(xf, qw, buf, s, tid, wsrc, m0, m):
         if s < G:
-            for it in range(PW):
-                if MMA:
-                    src = wsrc[it] + s * 256
-                else:
-                    src = wsrc[it] + row_piece(s, tid & 3, KS, G)
-                cp_async_cg_shared_global_16(buf + wdst[it], qw, src)
+            if MMA:      # 16-byte piece pc = tid % 64 of tile (it * TPB + tid) // 64
+                ln = (tid & 63) >> 1
+                wd = (tid >> 6) * 1024 + ln * 32 + 16 * ((tid & 1) ^ ((ln >> 2) & 1))
+                for it in range(PW):
+                    cp_async_cg_shared_global_16(buf + wd + it * (TPB >> 6) * 1024, qw,
+                                                 wsrc[it] + s * 256)
+            else:        # piece tid % 4 of row (it * TPB + tid) // 4, at 16 * q
+                piece = row_piece(s, tid & 3, KS, G)
+                for it in range(PW):
+                    cp_async_cg_shared_global_16(buf + 16 * (it * TPB + tid), qw,
+                                                 wsrc[it] + piece)
+            # 16-byte chunk cc = tid % 16 of token r = (it * TPB + tid) // 16; r % 8 is the
+            # same for every it (TPB // 16 is a multiple of 8), so is the swizzle
+            cc = tid & 15
+            r0 = tid >> 4
+            xd = buf + X_OFF + (cc >> 3) * X_HALF + r0 * 128 + 16 * ((cc & 7) ^ (r0 & 7))
+            xs = 8 * cc + s * GROUP_SIZE
             for it in range(PX):
-                cp_async_cg_shared_global_16(buf + xdst[it], xf, xsrc[it] + s * GROUP_SIZE)
+                r = r0 + it * (TPB >> 4)
+                cp_async_cg_shared_global_16(xd + it * (TPB >> 4) * 128, xf,
+                                             min(m0 + r, m - 1) * k + xs)
         cp_async_commit_group()
 
     def load_scales(sc, rows, grp, out):
@@ -368,12 +375,9 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         nb, mb = block_coords(m, band)
         m0 = mb * BT
         wsrc = cuda.local.array(PW, int32)
-        wdst = cuda.local.array(PW, int32)
-        xsrc = cuda.local.array(PX, int32)
-        xdst = cuda.local.array(PX, int32)
-        copy_plan(nb, m0, m, tid, wsrc, wdst, xsrc, xdst)
+        copy_plan(nb, tid, wsrc)
         for s in range(AHEAD):
-            issue_stage(xf, qw, sbase + s * STAGE, s, tid, wsrc, wdst, xsrc, xdst)
+            issue_stage(xf, qw, sbase + s * STAGE, int32(s), tid, wsrc, m0, m)
         la = lane * 32 + 16 * ((lane >> 2) & 1)
         shift = uint32(4 * (lane & 3))
         rows = cuda.local.array(TA, int32)
@@ -389,11 +393,12 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         rd = sbase
         wr = sbase + AHEAD * STAGE
         woff = (wgi * TA * 4 + w) * 1024
-        for s in range(G):
+        for s64 in range(G):
+            s = int32(s64)                    # (numba's range is int64: 64-bit address math)
             cp_async_wait_group(CP_PENDING)     # group s has landed (this thread's copies)
             fence_proxy_async_shared()        # .. visible to wgmma's async proxy
             cuda.syncthreads()                # .. everyone's; group s - 2's buffer is free
-            issue_stage(xf, qw, wr, s + AHEAD, tid, wsrc, wdst, xsrc, xdst)
+            issue_stage(xf, qw, wr, s + AHEAD, tid, wsrc, m0, m)
             for j in range(N_SC):
                 scl[j] = nxt[j] | (nxt[j] << 16)
             if s + 1 < G:
