@@ -53,8 +53,8 @@ def tiling(text: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="7b", choices=sorted(PRESETS))
-    ap.add_argument("--int8", nargs="*", default=["rows=2,unroll=4", "rows=1,unroll=7",
-                                                  "rows=2,unroll=2", "rows=2,unroll=4,blocks_per_sm=2"],
+    ap.add_argument("--int8", nargs="*", default=["rows=2,unroll=2", "rows=1,unroll=7",
+                                                  "rows=2,unroll=4", "rows=2,unroll=2,blocks_per_sm=3"],
                     help="int8 tilings, LmHeadInt8 keywords (the default first)")
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--json", help="write the rows here")
