@@ -150,6 +150,9 @@ def cmd_generate(args) -> int:
     TIMELINE.lap("imports (generate, text)")
     path = resolve_model(args.model, args.revision)
     nf = NanoqwenFile(path)
+    if args.backend == "gpu":
+        from nq.runtime import preload
+        preload.start(nf, TIMELINE)    # the weights' copy, beside numba's import
     TIMELINE.lap("file open")
     tok = Tokenizer.from_nanoqwen(nf)
     TIMELINE.lap("tokenizer")
@@ -287,6 +290,9 @@ def cmd_chat(args) -> int:
     from nq.text import Tokenizer
 
     nf = NanoqwenFile(resolve_model(args.model, args.revision))
+    if args.backend == "gpu":
+        from nq.runtime import preload
+        preload.start(nf)
     tok = Tokenizer.from_nanoqwen(nf)
     resolve_seed(args)
     params = sampling_params(args, tok.generation_defaults)

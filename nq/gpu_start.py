@@ -23,9 +23,13 @@ numba's own initialisation then meets the same failure and make_backend reports 
 The context retained here is never released: numba uses that same context, and a release
 that dropped its count to zero would destroy it under numba (process exit tears it down).
 NQ_DRIVER_THREAD=0 leaves the driver to numba, as before this module: for measuring it.
+
+Once the context is retained, `nq generate` starts the weights' upload on a third thread, before
+numba is in (nq/runtime/preload.py); `LibCuda` is the few driver calls it makes through ctypes.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -42,6 +46,50 @@ ENGINE_MODULES = ("nq.runtime.engine", "nq.runtime.weights", "nq.runtime.prefill
 
 _RETAINED: list = []        # [(libcuda, context handle)] once retained: kept for the process
 _THREADS: list[threading.Thread] = []
+_DRIVER: list[threading.Thread] = []     # the driver's thread, for `retained()` to join
+
+
+def signatures() -> dict:
+    """The C argument types of the calls made through ctypes: ctypes would pass a Python int as
+    a 32-bit int, so a 64-bit pointer must be declared.  The _v2 names are what cuda.h's macros
+    call (`cuMemAlloc` without it is the 32-bit pointer API of CUDA 3.1)."""
+    P, U64, SIZE, ptr = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
+    return {"cuCtxSetCurrent": (P,), "cuMemGetInfo_v2": (ptr(SIZE), ptr(SIZE)),
+            "cuMemAlloc_v2": (ptr(U64), SIZE), "cuMemFree_v2": (U64,),
+            "cuMemHostAlloc": (ptr(P), SIZE, ctypes.c_uint), "cuMemFreeHost": (P,),
+            "cuMemcpyHtoDAsync_v2": (U64, P, SIZE, P),
+            "cuStreamCreate": (ptr(P), ctypes.c_uint), "cuStreamSynchronize": (P,),
+            "cuStreamDestroy_v2": (P,), "cuEventCreate": (ptr(P), ctypes.c_uint),
+            "cuEventRecord": (P, P), "cuEventSynchronize": (P,), "cuEventDestroy_v2": (P,),
+            "cuGetErrorName": (ctypes.c_int, ptr(ctypes.c_char_p))}
+
+
+class LibCuda:
+    """libcuda.so.1's calls by name, through ctypes with their C signatures; a call that does
+    not return CUDA_SUCCESS raises RuntimeError naming the call and the error.  For the work
+    done before numba is imported (nq/runtime/preload.py); numba's own bindings do the rest."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        for name, args in signatures().items():
+            try:
+                getattr(lib, name).argtypes = args
+            except AttributeError:   # a test's fake library: plain Python methods
+                pass
+
+    def __call__(self, name: str, *args) -> None:
+        r = getattr(self.lib, name)(*args)
+        if r != 0:
+            raise RuntimeError(f"{name} failed: {self.error_name(r)} ({r})")
+
+    def error_name(self, r: int) -> str:
+        s = ctypes.c_char_p()
+        try:
+            if self.lib.cuGetErrorName(r, ctypes.byref(s)) == 0 and s.value:
+                return s.value.decode()
+        except Exception:  # noqa: BLE001 -- the number alone still says what failed
+            pass
+        return "CUDA error"
 
 
 def init_driver(load=None) -> float | None:
@@ -50,7 +98,6 @@ def init_driver(load=None) -> float | None:
     libcuda is opened (ctypes.CDLL; tests pass fakes)."""
     t = time.perf_counter()
     try:
-        import ctypes
         lib = (load or ctypes.CDLL)("libcuda.so.1")
         dev, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
         # each returns a CUresult, 0 = CUDA_SUCCESS
@@ -107,7 +154,8 @@ def start(timeline=None) -> None:
             timeline.aside(DRIVER_PART, sec)
 
     if driver_thread_wanted():
-        _THREADS.append(threading.Thread(target=driver, name="nq-cuda-driver", daemon=True))
+        _DRIVER.append(threading.Thread(target=driver, name="nq-cuda-driver", daemon=True))
+        _THREADS.append(_DRIVER[0])
     _THREADS.append(threading.Thread(target=import_numba_and_engine, args=(timeline,),
                                      name="nq-gpu-imports", daemon=True))
     for t in _THREADS:
@@ -119,3 +167,14 @@ def wait() -> bool:
     for t in _THREADS:
         t.join()
     return bool(_THREADS)
+
+
+def retained():
+    """(LibCuda, primary context handle) once the driver's thread has retained the context
+    (it is joined first), or None: no driver thread, no GPU, or its start failed."""
+    for t in _DRIVER:
+        t.join()
+    if not _RETAINED:
+        return None
+    lib, ctx = _RETAINED[0]
+    return LibCuda(lib), ctx

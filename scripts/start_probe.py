@@ -20,9 +20,11 @@ its last lap; "exit" below is what is left: interpreter and CUDA teardown).
     python3 scripts/start_probe.py --warm 3      # ~2 minutes on the H200
 
 Warm starts only: the import times (median of 5 fresh processes), one start of each model to
-fill the kernel cache, then 3 warm starts of the 7B and of the tiny model with the CUDA driver
-started on its own thread (nq/gpu_start.py) and 3 with NQ_DRIVER_THREAD=0 (numba starts it, as
-before), alternated; each part's median, side by side.  `--imports` prints only the import
+fill the kernel cache, then 3 warm starts of the 7B and of the tiny model in each of three
+settings, alternated: as shipped (the CUDA driver started on its own thread, nq/gpu_start.py,
+and the weights copied while numba imports, nq/runtime/preload.py), NQ_PRELOAD=0 (the copy
+waits for numba, as before the preload) and NQ_DRIVER_THREAD=0 (numba starts the driver, and
+nothing is preloaded); each part's median, side by side.  `--imports` prints only the import
 times (it runs on a CPU).
 """
 from __future__ import annotations
@@ -65,7 +67,9 @@ def run(cmd, env) -> dict:
     text = err.decode(errors="replace")
     if rc != 0:
         sys.exit(f"start_probe: {' '.join(map(str, cmd))} failed ({rc}):\n{text[-3000:]}")
-    parts = [(m.group(1).strip(), float(m.group(2)) / 1e3)
+    # a rate in a part's name ("... 12.3 GB/s") varies run to run: named "x GB/s", the parts
+    # of several runs line up (its seconds and the bytes stay)
+    parts = [(re.sub(r"\d+\.\d+ GB/s", "x GB/s", m.group(1).strip()), float(m.group(2)) / 1e3)
              for m in re.finditer(r"^(.+?):\s+([\d.]+) ms$", text, re.M)]
     ttft = re.search(r"TTFT ([\d.]+) ms", text)
     return {"wall": wall, "first": first, "ttft": float(ttft.group(1)) / 1e3 if ttft else None,
@@ -93,7 +97,7 @@ IMPORTS = {   # what a `nq generate` start imports, in fresh processes (wall, me
     "python -c pass": "pass",
     "import nq.cli + its parser": "import nq.cli; nq.cli.build_parser()",
     "generate's main thread": "import nq.cli; nq.cli.build_parser(); import nq.generate, "
-                              "nq.loader.format, nq.text",
+                              "nq.loader.format, nq.text, nq.runtime.preload",
     "from numba import cuda": "from numba import cuda",
     "cuda.bindings.driver": "from cuda.bindings import driver",
     "the start's threads' imports": "from numba import cuda; import nq.kernels.build; "
@@ -114,13 +118,17 @@ def import_times(env, reps: int = 5) -> None:
         print(f"  {name:32s}{statistics.median(ts) * 1e3:7.0f} ms{ok}", flush=True)
 
 
+SETTINGS = {"as shipped": {}, "NQ_PRELOAD=0": {"NQ_PRELOAD": "0"},
+            "NQ_DRIVER_THREAD=0": {"NQ_DRIVER_THREAD": "0"}}
+
+
 def warm_table(label: str, cmd, env, n: int) -> None:
-    """n warm starts with the driver's thread and n without (NQ_DRIVER_THREAD=0), alternated;
-    the median of each part, first byte and exit, side by side."""
-    runs = {"driver thread": [], "NQ_DRIVER_THREAD=0": []}
+    """n warm starts in each of SETTINGS, alternated; the median of each part, first byte and
+    exit, side by side."""
+    runs = {k: [] for k in SETTINGS}
     for _ in range(n):
-        runs["driver thread"].append(run(cmd, env))
-        runs["NQ_DRIVER_THREAD=0"].append(run(cmd, dict(env, NQ_DRIVER_THREAD="0")))
+        for k, extra in SETTINGS.items():
+            runs[k].append(run(cmd, dict(env, **extra)))
     names = []
     for rs in runs.values():
         for r in rs:
@@ -184,7 +192,7 @@ def main() -> int:
     ap.add_argument("--backend", default="gpu", help="numpy: a smoke test of this script on a CPU")
     ap.add_argument("--tiny-only", action="store_true", help="skip the 7B runs")
     ap.add_argument("--warm", type=int, metavar="N", default=0,
-                    help="only warm starts: N with the driver's thread, N without, medians")
+                    help="only warm starts: N in each setting (the module docstring), medians")
     ap.add_argument("--imports", action="store_true", help="only the import times (CPU)")
     ap.add_argument("--sweep", metavar="FILE", help=argparse.SUPPRESS)   # the child of the sweep
     a = ap.parse_args()
@@ -221,7 +229,8 @@ def main() -> int:
 
     cache = Path(tempfile.mkdtemp(prefix="nq-probe-cache-"))
     env = dict(os.environ, NQ_CACHE=str(cache))
-    env.pop("NQ_NO_KERNEL_CACHE", None)
+    for k in ("NQ_NO_KERNEL_CACHE", "NQ_PRELOAD", "NQ_DRIVER_THREAD"):
+        env.pop(k, None)
     long_prompt = cache / "long.txt"
     fib = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
     long_prompt.write_text(fib * 53)   # ~2000 tokens of the test tokenizer

@@ -41,6 +41,7 @@ def fresh(monkeypatch):
     """gpu_start with nothing retained and no threads started in this process."""
     monkeypatch.setattr(gpu_start, "_RETAINED", [])
     monkeypatch.setattr(gpu_start, "_THREADS", [])
+    monkeypatch.setattr(gpu_start, "_DRIVER", [])
     for k in ("NQ_DRIVER_THREAD", "NUMBA_DISABLE_CUDA", "NUMBA_ENABLE_CUDASIM"):
         monkeypatch.delenv(k, raising=False)
 
@@ -113,3 +114,19 @@ def test_a_failed_start_is_silent(fresh, monkeypatch):
     tl = Timeline()
     gpu_start.start(tl)
     assert gpu_start.wait() is True and tl.side == []
+
+
+def test_retained_joins_the_driver_thread_and_hands_out_checked_calls(fresh, monkeypatch):
+    """What nq/runtime/preload.py's thread gets: the context once the driver's thread is done
+    (None without one), and calls that raise with the call's and the error's names."""
+    assert gpu_start.retained() is None
+    lib = FakeCuda()
+    monkeypatch.setattr(gpu_start, "import_numba_and_engine", lambda tl: None)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: lib)
+    gpu_start.start()
+    cu, ctx = gpu_start.retained()
+    assert ctx.value == 0x5000 and cu.lib is lib
+    cu("cuInit", 0)                                       # CUDA_SUCCESS: nothing raised
+    lib.fail = "cuInit"
+    with pytest.raises(RuntimeError, match=r"cuInit failed: CUDA error \(100\)"):
+        cu("cuInit", 0)                                   # (the fake has no cuGetErrorName)

@@ -215,12 +215,15 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_file(cls, nf, max_len: int = 4096, **kw) -> "Engine":
+        from nq.runtime import preload
         from nq.runtime.memory import check_device_memory
         from nq.runtime.prefill import DEFAULT_CHUNK
         from nq.runtime.weights import upload
+        pre = preload.take(nf)   # `nq generate`: the weights' copy began before numba's import
         check_device_memory(nf.config, int(max_len), kw.get("prefill_chunk") or DEFAULT_CHUNK,
-                            weights=True)
-        w = upload(nf, background=True)  # copies on a thread while the engine loads kernels
+                            weights=True, held=pre.nbytes if pre is not None else 0)
+        # copies (or only the re-tiling, when preloaded) on a thread while the engine loads kernels
+        w = upload(nf, background=True, preloaded=pre)
         return cls(nf.config, w, max_len=max_len, **kw)
 
     @classmethod

@@ -73,11 +73,14 @@ def check_fits(cfg, max_len: int, prefill_chunk: int, weights: bool, free: int,
         f"{total / GB:.2f} GB ({held / GB:.2f} GB held by this or other processes); {fix}")
 
 
-def check_device_memory(cfg, max_len: int, prefill_chunk: int, weights: bool) -> None:
-    """check_fits against the current GPU's free memory (nothing is checked in the simulator)."""
+def check_device_memory(cfg, max_len: int, prefill_chunk: int, weights: bool,
+                        held: int = 0) -> None:
+    """check_fits against the current GPU's free memory (nothing is checked in the simulator).
+    held: bytes of the weights this engine has allocated already (nq/runtime/preload.py's
+    arena), counted as free, since `weights` counts them."""
     from numba import cuda
     from numba.core import config
     if config.ENABLE_CUDASIM:
         return
     free, total = cuda.current_context().get_memory_info()
-    check_fits(cfg, max_len, prefill_chunk, weights, int(free), int(total))
+    check_fits(cfg, max_len, prefill_chunk, weights, int(free) + int(held), int(total))

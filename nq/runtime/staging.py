@@ -19,6 +19,8 @@ whose copies run late, which catches a buffer reused too early):
     copy(dst, handle, nbytes)   record(b)   wait(b)    enqueue(fn)    finish()
 
 `enqueue(fn)` runs fn in stream order (the re-tiling kernel launch after its copies).
+`CudaDevice` is numba's stream through cuda.bindings; `DriverDevice` a stream of its own through
+ctypes, for the upload that starts before numba is imported (nq/runtime/preload.py).
 """
 from __future__ import annotations
 
@@ -155,3 +157,51 @@ class CudaDevice:
         for ev in self.events.values():
             self.cu.cuEventDestroy(ev)
         self.events.clear()
+
+
+class DriverDevice:
+    """The ring's device through libcuda by ctypes (nq/gpu_start.LibCuda), on a stream of its
+    own: the upload that runs while numba imports (nq/runtime/preload.py).  The stream is
+    non-blocking, so the main thread's work on the legacy default stream never waits for these
+    copies.  The context must be current on the calling thread (cuCtxSetCurrent)."""
+
+    def __init__(self, cu):
+        import ctypes
+        self.cu, self.c = cu, ctypes
+        self.h = ctypes.c_void_p()
+        cu("cuStreamCreate", ctypes.byref(self.h), 1)      # 1: CU_STREAM_NON_BLOCKING
+        self.events = {}
+
+    def alloc(self, nbytes: int):
+        c = self.c
+        p = c.c_void_p()
+        self.cu("cuMemHostAlloc", c.byref(p), nbytes, 0)
+        return memoryview((c.c_char * nbytes).from_address(p.value)).cast("B"), p.value
+
+    def free(self, ptr: int) -> None:
+        self.cu.lib.cuMemFreeHost(self.c.c_void_p(ptr))    # unchecked, as CudaDevice.free
+
+    def copy(self, dst: int, ptr: int, nbytes: int) -> None:
+        self.cu("cuMemcpyHtoDAsync_v2", dst, ptr, nbytes, self.h)
+
+    def record(self, b: int) -> None:
+        if b not in self.events:
+            ev = self.c.c_void_p()
+            self.cu("cuEventCreate", self.c.byref(ev), 2)  # 2: CU_EVENT_DISABLE_TIMING
+            self.events[b] = ev
+        self.cu("cuEventRecord", self.events[b], self.h)
+
+    def wait(self, b: int) -> None:
+        self.cu("cuEventSynchronize", self.events[b])
+
+    def enqueue(self, fn) -> None:
+        fn()
+
+    def finish(self) -> None:
+        self.cu("cuStreamSynchronize", self.h)
+        for ev in self.events.values():
+            self.cu.lib.cuEventDestroy_v2(ev)
+        self.events.clear()
+
+    def close(self) -> None:
+        self.cu.lib.cuStreamDestroy_v2(self.h)

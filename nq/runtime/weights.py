@@ -97,19 +97,23 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     return out
 
 
-def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
+def upload(nf, stream=None, background: bool = False, preloaded=None) -> DeviceWeights:
     """Copy a NanoqwenFile's tensors to the device; the projections are re-tiled on the GPU.
 
-    Every device buffer is allocated first (here, on the calling thread); then the file's
-    bytes go to them through nq/runtime/staging.py's pinned ring (the simulator: plain
-    copies).  Each projection group (q|k|v, o, gate|up, down) is copied as stored into one
-    staging buffer, its parts stacked along the output rows, then permuted into the GEMV's
-    layout by nq/kernels/int4/retile.py (the host path, a launcher's `prepare`, is the
-    reference; it costs ~17 s of NumPy for the 7B on a small CPU, the GPU a few ms).
+    Every device buffer is allocated first (here, on the calling thread; nq/runtime/preload.py's
+    `buffers` lists them); then the file's tensors go to them as stored, through
+    nq/runtime/staging.py's pinned ring (the simulator: plain copies), and each projection group
+    (q|k|v, o, gate|up, down, stacked along the output rows) is permuted in place into the
+    GEMV's layout by nq/kernels/int4/retile.py, through one staging buffer (the host path, a
+    launcher's `prepare`, is the reference; it costs ~17 s of NumPy for the 7B on a small CPU,
+    the GPU a few ms).
 
     background=True returns at once with the copies running on a thread of their own, on a
     stream of their own (the engine loads its kernels meanwhile); `DeviceWeights.wait()`
-    joins it and re-raises its error.  The bytes are the same either way.
+    joins it and re-raises its error.  preloaded: nq/runtime/preload.py's Preload of nf, whose
+    arena holds the buffers and whose thread has copied (or is copying) the file into them;
+    only the re-tiling is then left (or, if its copies failed, everything).  The bytes are the
+    same every way.
     """
     from numba import cuda
 
@@ -125,7 +129,7 @@ def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
     laps = {"upload kernels": TIMELINE.lap("upload kernels")}
     t0 = time.perf_counter()
     stream = stream if stream is not None else cuda.stream()
-    w, items = _allocate(nf, g, stream)
+    w, items = _allocate(nf, g, stream, preloaded)
     w.startup = dict(laps, **{"weight buffers": TIMELINE.lap("weight buffers")})
     if SIMULATOR:
         _copy_plain(nf, items)
@@ -137,20 +141,19 @@ def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
         from nq.runtime import staging
         t = time.perf_counter()
         cuda.current_context()      # this thread's CUDA context (numba pushes the primary one)
+        copied = preloaded is not None and preloaded.wait()
         plan = []
         for it in items:
             if callable(it):
                 plan.append(it)
-                continue
-            name, dst = it
-            e = nf.entry(name)
-            if e.nbytes != dst.nbytes:
-                raise ValueError(f"{nf.path}: {name} has {e.nbytes} bytes, its device buffer "
-                                 f"{dst.nbytes}; re-pack with `nq pack`")
-            plan.append(staging.Copy(e.offset, e.nbytes, dst.__cuda_array_interface__["data"][0]))
+            elif not copied:
+                name, dst = it
+                plan.append(staging.Copy(nf.entry(name).offset, dst.nbytes,
+                                         dst.__cuda_array_interface__["data"][0]))
         nbytes = staging.run(nf.path, plan, staging.CudaDevice(stream))
         w.load_s = time.perf_counter() - t
-        TIMELINE.aside(f"weights upload ({nbytes / 1e9:.2f} GB, "
+        TIMELINE.aside("weights re-tiled (copied before numba)" if copied else
+                       f"weights upload ({nbytes / 1e9:.2f} GB, "
                        f"{nbytes / 1e9 / max(w.load_s, 1e-9):.1f} GB/s)", w.load_s)
 
     if not background:
@@ -161,82 +164,75 @@ def upload(nf, stream=None, background: bool = False) -> DeviceWeights:
     return w
 
 
-def _allocate(nf, g, stream):
+def _allocate(nf, g, stream, preloaded=None):
     """(DeviceWeights with every buffer allocated and nothing copied, the copy plan): the plan is
-    (tensor name, device view of its bytes) pairs and re-tiling launches, in stream order."""
+    (tensor name, device view of its bytes) pairs, then the re-tiling launches, in stream
+    order.  preloaded: the buffers are views of its arena instead of allocations of their own."""
     from numba import cuda
 
     from nq.kernels.int4.layout import chunk_permutation
     from nq.kernels.int4.retile import retile, retile_mma
+    from nq.runtime.preload import GROUPS, buffers
 
     cfg = nf.config
+    arrays, items = {}, []
+    for b in buffers(nf):
+        d = preloaded.array(b) if preloaded is not None else cuda.device_array(b.shape, b.dtype)
+        arrays[b.name] = d
+        row = 0
+        for part in b.parts:
+            rows = nf.entry(part).shape[0]
+            items.append((part, d[row: row + rows]))
+            row += rows
     stage_words = max(gm.n_rows * gm.k // 8 for gm in g.values())
     stage = cuda.device_array(stage_words, np.uint32)  # (largest group's rows * K/8,) uint32
     perms = {}
-    items: list = []
-
-    def buffer(name):
-        e = nf.entry(name)
-        d = cuda.device_array(e.shape, e.dtype)
-        items.append((name, d))
-        return d
 
     def proj(kind, i, names):
         gm = g[kind]
         k8 = gm.k // 8
+        qw, sc = arrays[f"layers.{i}.{kind}.qweight"], arrays[f"layers.{i}.{kind}.scales"]
+        if qw.shape != (gm.n_rows, k8) or sc.shape != (gm.n_rows, gm.k // GROUP_SIZE):
+            raise ValueError(f"{nf.path}: layer {i} {names} stack to {qw.shape} words and "
+                             f"{sc.shape} scales, the {gm.name} kernel expects ({gm.n_rows}, "
+                             f"{k8}) and ({gm.n_rows}, {gm.k // GROUP_SIZE}); re-pack with "
+                             "`nq pack`")
         layout, ks = gm.tiling.layout()   # ("mma", 16) or ("rows", ks): what the kernel reads
-        mma = layout == "mma"
-        key = None if mma else (gm.k, ks)
-        if not mma and key not in perms:
+        src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
+        # the rows arrived as stored: copied aside, then permuted back into place
+        if layout.startswith("mma"):      # ("mma_rope", head_dim): qkv's rope-ordered rows
+            rope = {"rope": ks} if layout == "mma_rope" else {}
+            items.append(lambda: (src.copy_to_device(qw, stream=stream),
+                                  retile_mma(src, qw, stream, **rope)))
+            return
+        key = (gm.k, ks)
+        if key not in perms:
             perms[key] = cuda.to_device(chunk_permutation(gm.k, ks).astype(np.int32),
                                         stream=stream)
-        src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
-        qw = cuda.device_array((gm.n_rows, k8), np.uint32)
-        sc = cuda.device_array((gm.n_rows, gm.k // GROUP_SIZE), np.float16)
-        row = 0
-        for n in names:
-            e = nf.entry(f"layers.{i}.{n}.qweight")
-            rows = e.shape[0]
-            if row + rows > gm.n_rows or e.shape[1] != k8:
-                raise ValueError(f"{nf.path}: layers.{i}.{n} is {e.shape}, the "
-                                 f"{gm.name} kernel expects rows of {k8} words")
-            items.append((f"layers.{i}.{n}.qweight", src[row: row + rows]))
-            items.append((f"layers.{i}.{n}.scales", sc[row: row + rows]))
-            row += rows
-        if row != gm.n_rows:
-            raise ValueError(f"{nf.path}: layer {i} {names} have {row} rows, {gm.name} expects "
-                             f"{gm.n_rows}")
-        if mma:
-            items.append(lambda: retile_mma(src, qw, stream))
-        else:
-            items.append(lambda: retile(src, qw, perms[key], stream))
-        return qw, sc
+        items.append(lambda: (src.copy_to_device(qw, stream=stream),
+                              retile(src, qw, perms[key], stream)))
 
     layers = []
     for i in range(cfg.num_layers):
-        qkv_w, qkv_s = proj("qkv", i, ("q_proj", "k_proj", "v_proj"))
-        o_w, o_s = proj("o_proj", i, ("o_proj",))
-        gu_w, gu_s = proj("gate_up", i, ("gate_proj", "up_proj"))
-        d_w, d_s = proj("down", i, ("down_proj",))
-        qkv_b = cuda.device_array(cfg.qkv_size, np.float16)
-        at = 0
-        for n in ("q_proj", "k_proj", "v_proj"):
-            rows = nf.entry(f"layers.{i}.{n}.bias").shape[0]
-            items.append((f"layers.{i}.{n}.bias", qkv_b[at: at + rows]))
-            at += rows
+        for kind, names in GROUPS:
+            proj(kind, i, names)
+        at = f"layers.{i}."
         layers.append(DeviceLayer(
-            input_norm=buffer(f"layers.{i}.input_layernorm"),
-            post_norm=buffer(f"layers.{i}.post_attention_layernorm"),
-            qkv_w=qkv_w, qkv_s=qkv_s, qkv_b=qkv_b, o_w=o_w, o_s=o_s,
-            gu_w=gu_w, gu_s=gu_s, down_w=d_w, down_s=d_s))
-    embed = buffer("embed_tokens")
+            input_norm=arrays[at + "input_layernorm"],
+            post_norm=arrays[at + "post_attention_layernorm"],
+            qkv_w=arrays[at + "qkv.qweight"], qkv_s=arrays[at + "qkv.scales"],
+            qkv_b=arrays[at + "qkv.bias"],
+            o_w=arrays[at + "o_proj.qweight"], o_s=arrays[at + "o_proj.scales"],
+            gu_w=arrays[at + "gate_up.qweight"], gu_s=arrays[at + "gate_up.scales"],
+            down_w=arrays[at + "down.qweight"], down_s=arrays[at + "down.scales"]))
+    embed = arrays["embed_tokens"]
     if nf.lm_head == "int8":     # `nq pack --lm-head int8`: tied or not, its own tensors
         from nq.kernels.lm_head_int8 import Int8Rows
-        lm_head = Int8Rows(buffer("lm_head.qweight"), buffer("lm_head.scales"))
+        lm_head = Int8Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
     else:
-        lm_head = embed if cfg.tie_word_embeddings else buffer("lm_head")
-    w = DeviceWeights(cfg, embed=embed, norm=buffer("norm"), lm_head=lm_head, layers=layers)
-    w._keep = (stage, perms)   # the plan's launches read them until the upload is done
+        lm_head = embed if cfg.tie_word_embeddings else arrays["lm_head"]
+    w = DeviceWeights(cfg, embed=embed, norm=arrays["norm"], lm_head=lm_head, layers=layers)
+    w._keep = (stage, perms, preloaded)   # the plan's launches read them until it is done
     return w, items
 
 
