@@ -10,10 +10,14 @@ compute-bound (~18 KB of K/V per 126 rows of a CTA a tile), so L2 reuse across r
 flatters nothing much; pages are scattered as a real cache's are.
 
     python3 scripts/bench_prefill_attn.py [--cases 512:0,2048:0,2048:6144,2048:30000,16:30000]
-        [--variants 8:3,8:2,4:2] [--reps 10] [--json]
+        [--variants 8:3,8:2,4:2] [--wgmma [--wgmma-variants 2:128:3,2:64:4]] [--reps 10]
+        [--json]
 
---variants is a sweep of warps:nstage.  Results go to stderr; --json adds one JSON line on
-stdout.
+--variants is a sweep of warps:nstage of the mma.sync kernel (prefill.py); --wgmma also times
+the wgmma kernel (prefill_wgmma.py, sm_90a) at the same cases, over --wgmma-variants
+(warpgroups:bn:nstage), and checks each case's output against the first mma.sync variant's
+(max |difference| printed; the two round differently, so ~1e-3 is agreement).  Results go to
+stderr; --json adds one JSON line on stdout.
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="512:0,2048:0,2048:6144,2048:30000,16:30000")
     ap.add_argument("--variants", default="8:3,8:2,4:2", help="warps:nstage, comma-separated")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also time nq/kernels/attention/prefill_wgmma.py (sm_90a)")
+    ap.add_argument("--wgmma-variants", default="2:128:3,2:64:4",
+                    help="warpgroups:bn:nstage of the wgmma kernel, comma-separated")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one JSON line on stdout")
@@ -71,29 +79,52 @@ def main():
     o = cuda.device_array((m_max, cfg.q_size), np.float16)
     stream.synchronize()
 
+    def timed(launch, m, start):
+        for _ in range(args.warmup):
+            launch(m, start, stream)
+        times = []
+        for _ in range(args.reps):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            launch(m, start, stream)
+            e1.record(stream)
+            e1.synchronize()
+            times.append(cuda.event_elapsed_time(e0, e1))
+        return statistics.median(times), min(times)
+
+    def report(label, m, start, ms, ms_min, **key):
+        tflops = causal_flops(cfg, m, start) / (ms * 1e-3) / 1e12
+        log(f"{label}  m {m:5d} start {start:6d}: {ms:8.3f} ms/layer (min {ms_min:.3f}), "
+            f"{tflops:6.1f} TFLOP/s, x{cfg.num_layers} layers {ms * cfg.num_layers:8.1f} ms")
+        results["cases"].append(dict(key, m=m, start=start, ms=ms, ms_min=ms_min, tflops=tflops,
+                                     ms_all_layers=ms * cfg.num_layers))
+
     results = {"shape": "7b", "cases": []}
+    baseline = {}                  # (m, start) -> o[:m] of the first mma.sync variant
     for warps, nstage in variants:
         launch = prefill.prefill_attention_launcher(cfg, q, pool, table, o, warps=warps,
                                                     nstage=nstage)
         for m, start in cases:
-            for _ in range(args.warmup):
-                launch(m, start, stream)
-            times = []
-            for _ in range(args.reps):
-                e0, e1 = cuda.event(), cuda.event()
-                e0.record(stream)
-                launch(m, start, stream)
-                e1.record(stream)
-                e1.synchronize()
-                times.append(cuda.event_elapsed_time(e0, e1))
-            ms = statistics.median(times)
-            tflops = causal_flops(cfg, m, start) / (ms * 1e-3) / 1e12
-            log(f"warps {warps} stages {nstage}  m {m:5d} start {start:6d}: {ms:8.3f} ms/layer "
-                f"(min {min(times):.3f}), {tflops:6.1f} TFLOP/s, x{cfg.num_layers} layers "
-                f"{ms * cfg.num_layers:8.1f} ms")
-            results["cases"].append(dict(warps=warps, nstage=nstage, m=m, start=start,
-                                         ms=ms, ms_min=min(times), tflops=tflops,
-                                         ms_all_layers=ms * cfg.num_layers))
+            ms, ms_min = timed(launch, m, start)
+            report(f"warps {warps} stages {nstage}", m, start, ms, ms_min, warps=warps,
+                   nstage=nstage)
+            if args.wgmma and (m, start) not in baseline:
+                baseline[m, start] = o[:m].copy_to_host().astype(np.float32)
+    if args.wgmma:
+        from nq.kernels.attention import prefill_wgmma
+        wvariants = [tuple(int(v) for v in c.split(":")) for c in args.wgmma_variants.split(",")]
+        for wg, bn, nstage in wvariants:
+            launch = prefill_wgmma.prefill_attention_launcher(cfg, q, pool, table, o,
+                                                              warpgroups=wg, bn=bn,
+                                                              nstage=nstage)
+            for m, start in cases:
+                ms, ms_min = timed(launch, m, start)
+                report(f"wgmma wg {wg} bn {bn} st {nstage}", m, start, ms, ms_min,
+                       kernel="wgmma", warpgroups=wg, bn=bn, nstage=nstage)
+                if (m, start) in baseline:
+                    diff = np.abs(o[:m].copy_to_host().astype(np.float32) - baseline[m, start])
+                    log(f"    max |o - o(mma.sync)| = {float(np.nanmax(diff)):.3g}"
+                        + ("  NaN!" if np.isnan(diff).any() else ""))
     if args.json:
         print(json.dumps(results))
 

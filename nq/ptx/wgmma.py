@@ -37,6 +37,9 @@ Shared-memory layout of a K-major operand (B: N rows x 16 k, each row's k contig
         XORed with bits [7, 7+b) (b = 3 / 2 / 1), i.e. the pattern repeats every 1024 / 512 /
         256 bytes of *absolute* shared address (align the buffer to that).  The k16 step j of
         a row starts 32 j bytes in (advance the descriptor's start by 32 j; LBO is unused).
+A B operand whose N is contiguous instead ("MN-major", V of attention as the cache holds it)
+takes `wgmma_rs_tb` (trans-b = 1) and the layout `smem_offset_mn` models: with the 128B
+swizzle it is the same 128-byte rows, each holding 64 consecutive n of one k.
 
 Descriptor (`desc_hi` + `desc_lo`; the PTX ISA's "matrix descriptor"): bits 0-13 start address
 >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset (0: atoms aligned), 62-63 swizzle
@@ -123,6 +126,43 @@ def read_operand(desc, rows: int) -> np.ndarray:
     vals = window[flat].astype(np.uint16) | (window[flat + 1].astype(np.uint16) << 8)
     out[:] = vals.view(np.float16).astype(np.float64).reshape(rows, 16)
     return out
+
+
+def smem_offset_mn(n, k, lbo: int, sbo: int, swizzle: int, start: int = 0):
+    """Shared byte address of element (n, k) (k < 16) of an MN-major fp16 B operand (the
+    wgmma's trans-b = 1: along N contiguous, as V sits in the cache, [key][dim] = [k][n]):
+
+        swizzle NONE: 8 x 8 core matrices of 128 contiguous bytes, each 8 k rows of 16 bytes
+            (8 n); n's 8-element blocks SBO apart, k's 8-row blocks LBO apart.
+        swizzle 128B / 64B / 32B: k rows of W = 128 / 64 / 32 bytes (W/2 consecutive n), 8 k
+            rows to an atom (k at (k % 8) W), atoms along k SBO apart and along n LBO apart,
+            XOR-swizzled on absolute addresses as the K-major layout.
+
+    (The PTX ISA's "MN-major" strides: for swizzled layouts LBO steps (swizzle bytes / 16)
+    16-byte units of N, SBO steps 8 of K.)  So V's tile stored as K's -- 128-byte key rows of
+    64 dims, swizzled -- is already this layout: SBO = 1024 (8 keys), LBO = the distance to
+    the next 64 dims."""
+    n = np.asarray(n, np.int64)
+    k = np.asarray(k, np.int64)
+    if swizzle == SWIZZLE_NONE:
+        return start + (n // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 + (n % 8) * 2
+    width, bits = SWIZZLE_ROW_BYTES[swizzle], SWIZZLE_BITS[swizzle]
+    per_row = width // 2
+    u = start + (n // per_row) * lbo + (k // 8) * sbo + (k % 8) * width + (n % per_row) * 2
+    return u ^ (((u >> 7) & ((1 << bits) - 1)) << 4)
+
+
+def read_operand_mn(desc, n: int) -> np.ndarray:
+    """(n, 16) float64: the MN-major fp16 B operand (N x 16, transposed into the K-major
+    model's rows) a descriptor names, read from simulated shared memory."""
+    start, lbo, sbo, sw = desc_fields(desc)
+    nn, k = np.meshgrid(np.arange(n), np.arange(16), indexing="ij")
+    addrs = smem_offset_mn(nn, k, lbo, sbo, sw, start)
+    lo, hi = int(addrs.min()), int(addrs.max()) + 2
+    window = _sim.shared_bytes(lo, hi - lo)
+    flat = (addrs - lo).reshape(-1)
+    vals = window[flat].astype(np.uint16) | (window[flat + 1].astype(np.uint16) << 8)
+    return vals.view(np.float16).astype(np.float64).reshape(n, 16)
 
 
 # ---- fence, commit, wait ---------------------------------------------------------------------------
@@ -339,7 +379,7 @@ def wgmma_group_model(n: int, a, b, d, scale_d) -> np.ndarray:
                     np.float32)
 
 
-def _mma_twin(n, from_regs, off):
+def _mma_twin(n, from_regs, off, trans_b=False):
     def twin(acc, *args):
         if from_regs:
             a0, a1, a2, a3, desc_b, scale_d = args
@@ -363,7 +403,7 @@ def _mma_twin(n, from_regs, off):
         else:
             assert len({o[1] for o in ops}) == 1, "wgmma: threads disagree on the A descriptor"
             a = read_operand(mine[1], 64)
-        b = read_operand(mine[2], n)
+        b = (read_operand_mn if trans_b else read_operand)(mine[2], n)
         out = wgmma_group_model(n, a, b, [e[1] for e in everyone], mine[3])[th]
         for j in range(n // 2):
             acc[off + j] = out[j]
@@ -374,33 +414,36 @@ def threading_thread_id() -> int:
     return threading.current_thread().thread_id
 
 
-def _make_mma(n, from_regs, off):
+def _make_mma(n, from_regs, off, trans_b=False):
     nacc = n // 2
     acc = "{" + _acc_list(nacc) + "}"
     if from_regs:
         a = f"{{%{nacc}, %{nacc + 1}, %{nacc + 2}, %{nacc + 3}}}"
         b, sd = f"%{nacc + 4}", f"%{nacc + 5}"
         kinds = ("u32",) * 4 + ("u64", "s32")
-        tail = "1, 1, 0"          # scale-a, scale-b, trans-b (B K-major)
+        tail = "1, 1, 1" if trans_b else "1, 1, 0"   # scale-a, scale-b, trans-b
         form, call = "rs", "(acc, a0, a1, a2, a3, desc_b, scale_d)"
     else:
         a = f"%{nacc}"
         b, sd = f"%{nacc + 1}", f"%{nacc + 2}"
         kinds = ("u64", "u64", "s32")
-        tail = "1, 1, 0, 0"       # scale-a, scale-b, trans-a, trans-b (both K-major)
+        tail = "1, 1, 0, 1" if trans_b else "1, 1, 0, 0"   # .., trans-a, trans-b
         form, call = "ss", "(acc, desc_a, desc_b, scale_d)"
     template = ("{\n.reg .pred p;\nsetp.ne.b32 p, " + sd + ", 0;\n"
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {acc}, {a}, {b}, p, "
                 f"{tail};\n}}")
-    name = f"wgmma_m64n{n}k16_f32_f16_{form}" + (f"_acc{off}" if off else "")
+    name = (f"wgmma_m64n{n}k16_f32_f16_{form}" + ("_tb" if trans_b else "")
+            + (f"_acc{off}" if off else ""))
     doc = (f"`wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16` {call}: "
            f"acc[{off}:{off + nacc}] = A . B (+ acc when scale_d != 0), A 64 x 16 fp16 "
            + ("from registers (a0..a3: this thread's mma.m16n8k16-style fragment of its warp's "
               "16 rows)" if from_regs else "from shared memory (descriptor desc_a, K-major)")
-           + f", B {n} x 16 K-major in shared memory (descriptor desc_b).  Asynchronous: "
+           + f", B {n} x 16 {'MN-major (trans-b = 1)' if trans_b else 'K-major'} in shared "
+           f"memory (descriptor desc_b).  Asynchronous: "
            f"wgmma_fence before, commit and wait before reading acc (module doc).  "
            f"Warpgroup-collective.  Twin: computes at once (not the asynchrony).")
-    return _acc_intrinsic(name, nacc, template, kinds, doc, _mma_twin(n, from_regs, off), off)
+    return _acc_intrinsic(name, nacc, template, kinds, doc,
+                          _mma_twin(n, from_regs, off, trans_b), off)
 
 
 def wgmma_rs(n: int, acc_offset: int = 0):
@@ -415,6 +458,16 @@ def wgmma_ss(n: int, acc_offset: int = 0):
     acc[acc_offset : acc_offset + N/2]."""
     _check_n(n)
     return _make_cached(("ss", n, acc_offset), lambda: _make_mma(n, False, acc_offset))
+
+
+def wgmma_rs_tb(n: int, acc_offset: int = 0):
+    """The register-A wgmma of width N with B MN-major (`imm-trans-b` = 1; fp16/bf16 only):
+    B[k, n] with n contiguous, in the layout `smem_offset_mn` models.  Prefill attention's
+    O += P V takes V this way, as the cache stores it ([key][dim]), so no transpose is staged.
+    Emits `wgmma.mma_async.sync.aligned.m64n{N}k16.f32.f16.f16 {d..}, {a0..a3}, desc_b, p,
+    1, 1, 1;`."""
+    _check_n(n)
+    return _make_cached(("rs_tb", n, acc_offset), lambda: _make_mma(n, True, acc_offset, True))
 
 
 def _check_n(n):

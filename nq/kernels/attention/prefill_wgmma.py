@@ -1,0 +1,441 @@
+"""Causal prefill attention on wgmma (sm_90a): prefill.py's kernel with each warpgroup's
+S = Q K^T and O += P V issued as asynchronous m64nNk16 wgmmas instead of per-warp mma.sync.
+
+Same launch and semantics as nq/kernels/attention/prefill.py (read its docstring first): a CTA
+is (kv head h, T query tokens) with the GQA group stacked into rows -- row r is token r // G,
+query head h*G + r % G -- so every K/V tile staged in shared memory serves all G heads; q
+fp32 rounded once to fp16(q * log2(e)/sqrt(D)), online softmax in the log2 domain, fp16 P,
+fp32 S and O, rows past start + M of the cache zero filled by the copies (stale slots may
+hold NaN), padding rows with q = 0 never stored.  Its NumPy reference and tolerance hold here.
+
+Why wgmma.  prefill.py's mma.sync kernel runs at ~210-220 TFLOP/s, ~47 % of the ~450 TFLOP/s
+that mma.sync reaches through numba; wgmma reaches 634+ (cuBLAS) and nq's own wgmma GEMM
+330-460 (nq/kernels/int4/gemm_wgmma.py).  A wgmma also needs no ldmatrix: K and V are read by
+the tensor core from shared memory through a descriptor, which frees the issue slots the
+mma.sync kernel spent on 64 ldmatrix.x4 a warp a tile.
+
+The CTA: `warpgroups` (default 2) x 64 rows = 128 rows, T = 18 tokens at G = 7 (126 rows), the
+same stacking and grid (Hkv, ceil(M/T)) as prefill.py, longest rows first.  Warpgroup j holds
+rows 64j..64j+63; its warp w rows 16w..16w+15, so a thread's rows, Q fragments, S and O
+fragments are exactly the mma.sync kernel's (the wgmma "rs" A fragment and D layouts are
+mma.m16n8k16's, nq/ptx/wgmma.py).
+
+Shared memory: a ring of `nstage` stages (default 3), each a tile of BN = 128 keys of K then
+of V, both in the 128B-swizzled layout: 64-dim halves of BN x 128-byte key rows (chunk c of
+key r at 16 (c ^ r % 8)), the ring 1024-aligned because the hardware swizzles absolute
+addresses.  That one layout is both operands' (nq/ptx/wgmma.py):
+    K as S's B, K-major (N = keys, k = dims): k16 step c at half c // 4, + 32 (c % 4) bytes;
+        SBO = 1024 (8 keys), LBO unused -- gemm_wgmma's activations, GPU-tested.
+    V as O's B, MN-major (k = keys, N = dims; trans-b = 1, `wgmma_rs_tb`): k16 step kk at
+        + 2048 kk (16 keys); SBO = 1024 (8 keys), LBO = the 64-dim half's offset (BN x 128).
+So V needs no transpose (prefill.py's ldmatrix.trans), and one copy plan fills both tiles:
+16-byte cp.async.cg by every thread (16 a tile at d128 BN 128, 256 threads), zero filled
+past start + M.  64 KiB a stage at d128: 3 stages + 1 KiB of alignment = 193 KiB.
+
+The pipeline, a warpgroup's view (FlashAttention-3's intra-warpgroup overlap, without its
+producer warps):
+
+    tile 0:  wait + barrier; S0 = Q K0; refill; wait 0; softmax S0 -> P0
+    tile j:  cp.async.wait_group(nstage - 3); fence.proxy.async; bar.sync
+             fence; S_j = Q K_j (D/16 wgmmas, commit); O += P_{j-1} V_{j-1} (BN/16, commit)
+             refill the stage of tile j - 2 with tile j + nstage - 2 (issued behind the
+             wgmmas, which do not read that stage)
+             wait_group 1     -- S_j is done, P V still running on the tensor core
+             mask, row max, exp2, row sums of S_j (the softmax overlaps the P V)
+             wait_group 0     -- now O may be rescaled and P_{j-1}'s registers rewritten
+             O *= exp2(m_old - m_new); P_j = fp16(S_j)
+    after:   O += P_last V_last; wait 0; O / l to o
+
+and the other warpgroup's softmax fills the tensor core while this one's exp2 run.  A tile j
+reads K_j and V_{j-1}: two stages, so the refill goes to the stage of tile j - 2, which every
+warpgroup has retired (wait 0 ended tile j - 1) by the barrier -- hence nstage >= 3 and
+nstage - 2 tiles in flight.  The copies are cp.async, not bulk copies: a page's bulk copy
+keeps the pool's 256-byte rows, which no wgmma layout reads; a TMA tensor copy could swizzle
+but needs a host-built tensor map per layer.
+
+Every warpgroup runs every tile of its CTA (no per-warp skipping as in prefill.py: a wgmma is
+warpgroup-collective, and the rows of a CTA's two warpgroups are 9 tokens apart, one tile at
+most); keys past a row are masked to NEG_BIG, and every row sees key 0 in tile 0, so m is a
+real score from then on and a fully masked tile adds p = 0.
+
+Registers (ptxas sm_90a, numba-cuda 0.30 / CUDA 13.0; test_prefill_attn_wgmma_cpu.py prints
+them): 252 at d128, 234 at d64 -- 64 O + 64 S + 32 Q + 32 P (P_{j-1} is live while S_j is in
+softmax) + the copy addresses, which the refill behind the wgmmas keeps live (234 at d128
+with the refill before them); no spills, no local memory, no serialised wgmma (each a test).
+Accumulators and fragments are local arrays indexed only by unrolled constants (nq/ptx/
+wgmma.py's rule).  256 threads at up to 255 registers is one CTA an SM, as 193 KiB asks.
+
+Prediction (written before the H200 ran it).  A CTA's tile is 2 x 16 m64n128k16 = 2048
+tensor cycles at the 990 TFLOP/s peak; its softmax 2 x 128 x 64 ex2 = 1024 MUFU cycles (16 a
+clock) and ~800 FP32 issue cycles, hidden only where the other warpgroup's wgmmas or this
+one's P V run under them, and the barrier a tile re-aligns the warpgroups.  So ~400-480
+TFLOP/s at m 2048 from depth 6144 on (2x prefill.py; L2 -> SM ~3.5 TB/s at 450, under the
+~5.5 available), ~300 at 2048 from 0 (the diagonal's masked half, 3.5 waves of 456 CTAs),
+and the short-chunk gap unchanged (16 tokens at 30000 is still a grid of 4 CTAs).  28 layers:
+an 8K prompt's attention ~63 -> ~30-35 ms, a 32K prompt's ~1 s -> ~0.5 s.  Past that: FA3's
+producer warp (setmaxnreg, mbarriers) instead of the barrier a tile, and two consumer
+warpgroups ping-ponged by named barriers.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda  # a module global: the simulator swaps it for its fake module
+from numba.cuda.types import float32, int32, uint32, uint64
+
+from nq.kernels.attention.prefill import (LOG2E, NEG_BIG, SIG, prefill_attention_reference,
+                                          rounded_q, tokens_per_cta)
+from nq.kernels.build import compile_kernel, kernel_name
+from nq.kernels.fastlaunch import FastLaunch
+from nq.paged import PAGE, check_paged_args
+
+__all__ = ["prefill_attention_launcher", "prefill_attention_reference", "rounded_q",
+           "smem_bytes", "tile_offset"]
+
+WARPGROUPS = 2     # 64 rows each: 128 rows (18 tokens at G = 7) share every K/V tile
+BN = 128           # keys a tile: S is 64 x 128 a warpgroup (64 fp32 a thread)
+NSTAGE = 3         # stages of the ring; a tile reads two (K_j, V_{j-1}), nstage - 2 in flight
+ALIGN = 1024       # the 128B swizzle repeats every 1024 bytes of absolute shared address
+ROW = 128          # bytes of a key row of one 64-dim half
+
+
+def tile_offset(key: int, chunk: int, bn: int = BN) -> int:
+    """Byte offset in a K or V tile of 16-byte chunk `chunk` (dims 8c..8c+7) of key row `key`:
+    the 64-dim half c // 8 (bn x 128 bytes each), the key's 128-byte row, chunk c % 8 at
+    (c % 8) ^ (key % 8) -- the 128B swizzle of nq/ptx/wgmma.py with the tile 1024-aligned."""
+    return (chunk // 8) * bn * ROW + key * ROW + (((chunk % 8) ^ (key % 8)) * 16)
+
+
+def smem_bytes(head_dim: int, bn: int = BN, nstage: int = NSTAGE) -> int:
+    """Dynamic shared memory: nstage x (K tile + V tile) + the 1024-alignment slack."""
+    return nstage * 2 * bn * 2 * head_dim + ALIGN
+
+
+def _name(gqa, head_dim, num_kv, warpgroups, bn, nstage):
+    return kernel_name("prefill_attn_wgmma", g=gqa, d=head_dim, kv=num_kv, wg=warpgroups,
+                       bn=bn, st=nstage)
+
+
+@functools.cache
+def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: int,
+                    nstage: int):
+    """The kernel body for one head shape; see the module doc."""
+    from nq.kernels.common import dev
+    from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group,
+                        cp_async_wait_group, cvta_to_shared_u32_at, fence_proxy_async_shared,
+                        griddepcontrol_wait, pack_f16x2_from_f32)
+    from nq.ptx.wgmma import (SWIZZLE_128B, desc_hi, wgmma_commit_group, wgmma_fence_acc,
+                              wgmma_rs, wgmma_rs_tb, wgmma_wait_group_acc, wgmma_zero_acc)
+
+    G, D, NWG, NST = gqa, head_dim, warpgroups, nstage   # num_kv: in the name (the grid x)
+    NW = 4 * NWG                       # warps
+    T = tokens_per_cta(G, NW)          # query tokens a CTA
+    assert T >= 1 and D in (64, 128) and bn in (64, 128) and NST >= 3
+    NTH = 32 * NW
+    KS = D // 16                       # k16 steps of S = Q K^T
+    KB = bn // 16                      # k16 steps of O += P V (16 keys each)
+    NTS = bn // 8                      # key n-tiles of S in a thread's fragment
+    NTO = D // 8                       # dim n-tiles of O
+    NS, NO = bn // 2, D // 2           # fp32 accumulators a thread: S, O
+    QW, PW = 4 * KS, 4 * KB            # fp16x2 A-fragment registers: Q, P
+    CPR = D // 8                       # 16-byte chunks of a key row
+    RPP = NTH // CPR                   # key rows one copy pass covers
+    PASSES = bn // RPP
+    assert NTH % CPR == 0 and bn % RPP == 0 and RPP % 8 == 0
+    KH = bn * ROW                      # a 64-dim half of a tile
+    VOFF = (D // 64) * KH              # V's tile after K's
+    STAGE = 2 * VOFF
+    PENDING = NST - 3                  # copy groups left in flight when a tile is consumed
+    K_HI = desc_hi(16, 1024, SWIZZLE_128B)        # K-major: SBO 8 keys, LBO unused
+    V_HI = desc_hi(KH, 1024, SWIZZLE_128B)        # MN-major: LBO next 64 dims, SBO 8 keys
+    mma_s = wgmma_rs(bn)               # S (64 x bn) += Q (64 x 16) . K^T
+    mma_o = wgmma_rs_tb(D)             # O (64 x D) += P (64 x 16) . V (16 keys x D)
+    fence_s, fence_o = wgmma_fence_acc(NS), wgmma_fence_acc(NO)
+    wait_s, wait_o = wgmma_wait_group_acc(NS), wgmma_wait_group_acc(NO)
+    zero_s, zero_o = wgmma_zero_acc(NS), wgmma_zero_acc(NO)
+    QSCALE = float32(LOG2E / math.sqrt(D))
+    NEG = float32(NEG_BIG)
+    ZERO = float32(0.0)
+    Z = uint32(0)
+    FULL = 0xFFFFFFFF
+    PG = PAGE
+
+    def load_tile(kv, table, kvh, sbase, pos0, kv_len, last_pg, tid):
+        """This thread's cp.async copies of the K and V tile of keys pos0..pos0+bn-1 into the
+        stage at shared address sbase (tile_offset's layout); keys at or past kv_len are zero
+        filled and read nothing."""
+        c = tid % CPR
+        rr = tid // CPR
+        coff = (c // 8) * KH + (((c % 8) ^ (rr % 8)) * 16)   # row % 8 == rr % 8 every pass
+        for i in range(PASSES):
+            row = rr + RPP * i
+            p = pos0 + row
+            pid = table[min(p // PG, last_pg)]
+            nbytes = uint32(16) if p < kv_len else Z
+            dst = sbase + coff + row * ROW
+            cp_async_cg_shared_global_16_zfill(dst, kv, (pid, kvh, 0, p % PG, 8 * c), nbytes)
+            cp_async_cg_shared_global_16_zfill(dst + VOFF, kv, (pid, kvh, 1, p % PG, 8 * c),
+                                               nbytes)
+        cp_async_commit_group()
+
+    def tile_landed():
+        """Every thread's copies of the next tile have landed and are visible to the wgmmas;
+        and every warpgroup has retired its reads of the stage the next refill overwrites."""
+        cp_async_wait_group(PENDING)
+        fence_proxy_async_shared()     # cp.async's writes -> wgmma's async proxy
+        cuda.syncthreads()
+
+    def refill(kv, table, kvh, wbase, jn, n_tiles, kv_len, last_pg, tid):
+        """The copies of tile jn into the stage at wbase (an empty group past the end keeps
+        wait_group's count a count of tiles)."""
+        if jn < n_tiles:
+            load_tile(kv, table, kvh, wbase, jn * bn, kv_len, last_pg, tid)
+        else:
+            cp_async_commit_group()
+
+    def issue_s(sacc, qf, kbase):
+        """S = Q K^T of the tile whose K starts at shared address kbase: D/16 wgmmas."""
+        kd = uint64(K_HI) | uint64((kbase >> 4) & 0x3FFF)
+        for ks in range(KS):
+            mma_s(sacc, qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3],
+                  kd + uint64((ks // 4) * (KH >> 4) + 2 * (ks % 4)), 1 if ks else 0)
+        wgmma_commit_group()
+
+    def issue_o(oacc, pf, vbase):
+        """O += P V of the tile whose V starts at shared address vbase: bn/16 wgmmas."""
+        vd = uint64(V_HI) | uint64((vbase >> 4) & 0x3FFF)
+        for kk in range(KB):
+            mma_o(oacc, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2], pf[4 * kk + 3],
+                  vd + uint64(kk * (16 * ROW >> 4)), 1)
+        wgmma_commit_group()
+
+    def softmax(sacc, pos0, qp0, qp1, t, m0, m1):
+        """Mask S (keys past a row's position -> NEG_BIG), the row max over the lane quad, p =
+        exp2(s - m_new) in place, this lane's share of the row sums.  Returns (m0, m1, alpha0,
+        alpha1, sum0, sum1); alpha = exp2(m_old - m_new) rescales O and l."""
+        lim0 = int32(qp0 - pos0 - 2 * t)   # key pos0 + 8 nt + 2t + e visible iff 8 nt + e <= lim
+        lim1 = int32(qp1 - pos0 - 2 * t)
+        mx0 = NEG
+        mx1 = NEG
+        for nt in range(NTS):
+            for e in range(2):
+                i = 4 * nt + e
+                col = int32(8 * nt + e)
+                v0 = sacc[i] if col <= lim0 else NEG
+                v1 = sacc[i + 2] if col <= lim1 else NEG
+                sacc[i] = v0
+                sacc[i + 2] = v1
+                mx0 = max(mx0, v0)
+                mx1 = max(mx1, v1)
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+        mn0 = max(m0, mx0)
+        mn1 = max(m1, mx1)
+        ps0 = ZERO
+        ps1 = ZERO
+        for nt in range(NTS):
+            for e in range(2):
+                i = 4 * nt + e
+                p0 = math.exp2(sacc[i] - mn0)
+                p1 = math.exp2(sacc[i + 2] - mn1)
+                sacc[i] = p0
+                sacc[i + 2] = p1
+                ps0 += p0
+                ps1 += p1
+        return mn0, mn1, math.exp2(m0 - mn0), math.exp2(m1 - mn1), ps0, ps1
+
+    def rescale_and_pack(oacc, sacc, pf, al0, al1):
+        """O *= alpha by row; P's A fragments from S's C fragments (key n-tiles 2kk, 2kk+1 are
+        k16 step kk), fp16 as prefill.py's."""
+        for jd in range(NTO):
+            oacc[4 * jd] *= al0
+            oacc[4 * jd + 1] *= al0
+            oacc[4 * jd + 2] *= al1
+            oacc[4 * jd + 3] *= al1
+        for kk in range(KB):
+            i = 8 * kk
+            pf[4 * kk] = pack_f16x2_from_f32(sacc[i], sacc[i + 1])
+            pf[4 * kk + 1] = pack_f16x2_from_f32(sacc[i + 2], sacc[i + 3])
+            pf[4 * kk + 2] = pack_f16x2_from_f32(sacc[i + 4], sacc[i + 5])
+            pf[4 * kk + 3] = pack_f16x2_from_f32(sacc[i + 6], sacc[i + 7])
+
+    load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale_and_pack = (
+        dev(f) for f in (load_tile, tile_landed, refill, issue_s, issue_o, softmax,
+                         rescale_and_pack))
+
+    def prefill_attn_wgmma(q, kv, table, o, start, m):
+        # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
+        # o (M_max, HQ*D/2) uint32 = fp16 pairs; start, m: the chunk (keys 0..start+m-1 cached)
+        smu = cuda.shared.array(0, uint32)     # NST stages of [K tile | V tile], 128B-swizzled
+        qf = cuda.local.array(QW, uint32)      # Q's A fragments (fp16, pre-scaled), per k16
+        pf = cuda.local.array(PW, uint32)      # P's A fragments, per 16 keys
+        sacc = cuda.local.array(NS, float32)   # S's D fragments: [key n-tile][c0..c3]
+        oacc = cuda.local.array(NO, float32)   # O's D fragments: [dim n-tile][c0..c3]
+        griddepcontrol_wait()   # PDL (nq/ptx/griddep.py): q and the chunk's K/V come from upstream
+        tid = int32(cuda.threadIdx.x)
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        kvh = cuda.blockIdx.x
+        t0 = (cuda.gridDim.y - 1 - cuda.blockIdx.y) * T   # the longest rows start first
+        n_tok = min(T, m - t0)
+        kv_len = start + m
+        n_tiles = (start + t0 + n_tok + bn - 1) // bn
+        last_pg = (kv_len - 1) // PG
+        sm0 = cvta_to_shared_u32_at(smu, 0)
+        ring = sm0 + (ALIGN - sm0 % ALIGN) % ALIGN
+        last = ring + (NST - 1) * STAGE
+
+        # This lane's rows g and g + 8 of its warp's 16, as prefill.py: padding rows (past the
+        # CTA's tokens) get q = 0 and see every cached key, finite and never stored.
+        r0 = 16 * warp + g
+        r1 = r0 + 8
+        ok0 = r0 // G < n_tok
+        ok1 = r1 // G < n_tok
+        tk0 = t0 + min(r0 // G, n_tok - 1)
+        tk1 = t0 + min(r1 // G, n_tok - 1)
+        h0 = kvh * G + r0 % G
+        h1 = kvh * G + r1 % G
+        qp0 = start + tk0 if ok0 else kv_len - 1   # row 0 sees keys 0..qp0
+        qp1 = start + tk1 if ok1 else kv_len - 1
+        for ks in range(KS):
+            for half in range(2):                 # a0/a1 (dims 2t..), a2/a3 (dims 8+2t..)
+                d = 16 * ks + 8 * half + 2 * t
+                x0 = pack_f16x2_from_f32(q[tk0, h0, d] * QSCALE, q[tk0, h0, d + 1] * QSCALE)
+                x1 = pack_f16x2_from_f32(q[tk1, h1, d] * QSCALE, q[tk1, h1, d + 1] * QSCALE)
+                qf[4 * ks + 2 * half] = x0 if ok0 else Z
+                qf[4 * ks + 2 * half + 1] = x1 if ok1 else Z
+        zero_s(sacc)
+        zero_o(oacc)
+        m0 = NEG
+        m1 = NEG
+        l0 = ZERO
+        l1 = ZERO
+
+        for s in range(NST - 2):                  # tiles 0 .. NST-3 in flight
+            if s < n_tiles:
+                load_tile(kv, table, kvh, ring + s * STAGE, s * bn, kv_len, last_pg, tid)
+            else:
+                cp_async_commit_group()
+        wr = ring + (NST - 2) * STAGE             # where tile j + NST - 2 goes
+        tile_landed()
+        fence_s(sacc)
+        issue_s(sacc, qf, ring)
+        refill(kv, table, kvh, wr, NST - 2, n_tiles, kv_len, last_pg, tid)
+        wr = wr + STAGE if wr != last else ring
+        wait_s(sacc, 0)
+        m0, m1, al0, al1, ps0, ps1 = softmax(sacc, 0, qp0, qp1, t, m0, m1)
+        l0 = ps0                                  # al = exp2(NEG - m) = 0: O and l were 0
+        l1 = ps1
+        rescale_and_pack(oacc, sacc, pf, al0, al1)
+        rd = ring                                 # the stage of tile j - 1 (its V)
+        for j in range(1, n_tiles):
+            tile_landed()
+            cur = rd + STAGE if rd != last else ring
+            fence_s(sacc)
+            fence_o(oacc)
+            issue_s(sacc, qf, cur)
+            issue_o(oacc, pf, rd + VOFF)
+            # the copies are issued behind the wgmmas, which they do not touch (the stage of
+            # tile j - 2)
+            refill(kv, table, kvh, wr, j + NST - 2, n_tiles, kv_len, last_pg, tid)
+            wr = wr + STAGE if wr != last else ring
+            wait_s(sacc, 1)                       # S_j done; P_{j-1} V_{j-1} in flight
+            m0, m1, al0, al1, ps0, ps1 = softmax(sacc, j * bn, qp0, qp1, t, m0, m1)
+            l0 = l0 * al0 + ps0                   # this lane's share; the quad summed at the end
+            l1 = l1 * al1 + ps1
+            wait_o(oacc, 0)                       # P V retired: O and pf may be rewritten
+            rescale_and_pack(oacc, sacc, pf, al0, al1)
+            rd = cur
+        fence_o(oacc)
+        issue_o(oacc, pf, rd + VOFF)
+        wait_o(oacc, 0)
+        cp_async_wait_group(0)                    # the empty tail groups: nothing in flight
+
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        inv0 = float32(1.0) / l0
+        inv1 = float32(1.0) / l1
+        c0 = h0 * (D // 2) + t
+        c1 = h1 * (D // 2) + t
+        for jd in range(NTO):
+            if ok0:
+                o[tk0, c0 + 4 * jd] = pack_f16x2_from_f32(oacc[4 * jd] * inv0,
+                                                         oacc[4 * jd + 1] * inv0)
+            if ok1:
+                o[tk1, c1 + 4 * jd] = pack_f16x2_from_f32(oacc[4 * jd + 2] * inv1,
+                                                         oacc[4 * jd + 3] * inv1)
+
+    return prefill_attn_wgmma
+
+
+@functools.cache
+def _jit(gqa, head_dim, num_kv, warpgroups, bn, nstage):
+    body = _prefill_kernel(gqa, head_dim, num_kv, warpgroups, bn, nstage)
+    # fastmath: 1/l becomes div.approx (an IEEE division is a call, and ptxas serialises every
+    # wgmma of a kernel that holds one), exp2 ex2.approx
+    return compile_kernel(body, SIG, _name(gqa, head_dim, num_kv, warpgroups, bn, nstage),
+                          launch_bounds=(128 * warpgroups,), fastmath=True)
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+
+def check_shape(cfg, warpgroups: int, bn: int, nstage: int) -> None:
+    """Refuse a configuration the kernel does not build (ValueError, 'prefill attention')."""
+    from nq.kernels.common import SMEM_OPTIN_LIMIT
+    d = cfg.head_dim
+    if d not in (64, 128) or bn not in (64, 128) or warpgroups not in (1, 2) or nstage < 3:
+        raise ValueError(f"prefill attention (wgmma): unsupported head_dim={d}, bn={bn}, "
+                         f"warpgroups={warpgroups}, nstage={nstage} (want d 64 or 128, bn 64 "
+                         f"or 128, 1 or 2 warpgroups, nstage >= 3)")
+    if tokens_per_cta(cfg.gqa_ratio, 4 * warpgroups) < 1:
+        raise ValueError(f"prefill attention (wgmma): {cfg.gqa_ratio} query heads a kv head "
+                         f"need more than {warpgroups} warpgroups (64 rows each)")
+    if smem_bytes(d, bn, nstage) > SMEM_OPTIN_LIMIT:
+        raise ValueError(f"prefill attention (wgmma): {nstage} stages of {bn} keys at d {d} "
+                         f"need {smem_bytes(d, bn, nstage)} bytes of shared memory, over "
+                         f"{SMEM_OPTIN_LIMIT}")
+
+
+def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warpgroups: int = WARPGROUPS,
+                               bn: int = BN, nstage: int = NSTAGE):
+    """prefill.prefill_attention_launcher's contract on the wgmma kernel: check the arrays once;
+    return `launch(m, start, stream=0)`, which attends the m query rows q[:m] (positions
+    start..start+m-1, rotated; their K/V already in the cache) to keys 0..start+i and writes
+    o[:m].
+
+    q (M_max, num_heads, head_dim) float32; o (M_max, num_heads*head_dim) float16 (o_proj's
+    input); kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) float16; table int32 block table
+    (positions 0..start+m-1 must be mapped).  One compiled kernel serves every m and start.
+    Needs sm_90a (wgmma)."""
+    from nq.kernels.common import allow_smem, need
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m_max = q.shape[0]
+    need(q, "prefill attention: q", np.float32, (m_max, hq, d))
+    need(o, "prefill attention: o", np.float16, (m_max, hq * d))
+    check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
+    check_shape(cfg, warpgroups, bn, nstage)
+    kern = _jit(cfg.gqa_ratio, d, hkv, warpgroups, bn, nstage)
+    nbytes = smem_bytes(d, bn, nstage)
+    allow_smem(kern, nbytes)
+    o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims
+    tpc = tokens_per_cta(cfg.gqa_ratio, 4 * warpgroups)
+    max_pos = table.shape[0] * PAGE
+
+    fast = FastLaunch(kern, q, kv_layer, table, o32, 0, 0)
+
+    def launch(m, start, stream=0):
+        m, start = int(m), int(start)
+        if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
+            raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
+                             f"and start + m <= {max_pos} (the block table's reach)")
+        fast((hkv, -(-m // tpc)), 128 * warpgroups, stream, nbytes, start, m)
+
+    return launch
