@@ -32,6 +32,8 @@ work once a chunk has more than a few hundred tokens (docs/PERF.md has the measu
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 DEFAULT_CHUNK = 2048
@@ -40,6 +42,11 @@ DEFAULT_CHUNK = 2048
 # the 7B's projections (scripts/bench_gemm.py --quick --wgmma): 19.98 ms at M = 512 against
 # 28.53 on mma.sync, 276.6 ms at 8192 against 408.8 (cuBLAS fp16: 9.41 / 161.1).
 GEMM_BACKEND = "wgmma"
+# The causal attention: "mma" (mma.sync, nq/kernels/attention/prefill.py) or "wgmma" (sm_90a,
+# nq/kernels/attention/prefill_wgmma.py: the same CTA rows on warpgroup MMAs with 128-key
+# tiles); NQ_PREFILL_ATTN picks it for a process.
+ATTN_BACKEND = os.environ.get("NQ_PREFILL_ATTN", "mma")
+ATTN_BACKENDS = ("mma", "wgmma")
 
 
 def layout_of(gemv) -> object:
@@ -59,11 +66,18 @@ def workspace_bytes(cfg, chunk: int) -> int:
 class Prefill:
     """The prefill of one engine: its chunk workspaces and launchers, built once."""
 
-    def __init__(self, eng, chunk: int = DEFAULT_CHUNK, gemm_backend: str = GEMM_BACKEND):
+    def __init__(self, eng, chunk: int = DEFAULT_CHUNK, gemm_backend: str = GEMM_BACKEND,
+                 attn_backend: str = ATTN_BACKEND):
         from numba import cuda
 
         from nq.kernels import rows
-        from nq.kernels.attention.prefill import prefill_attention_launcher
+        if attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"prefill attention backend {attn_backend!r} (NQ_PREFILL_ATTN): "
+                             f"use one of {', '.join(ATTN_BACKENDS)}")
+        if attn_backend == "wgmma":
+            from nq.kernels.attention.prefill_wgmma import prefill_attention_launcher
+        else:
+            from nq.kernels.attention.prefill import prefill_attention_launcher
         from nq.kernels.int4.gemm import make_gemm
         from nq.runtime.weights import gemvs
 
