@@ -54,12 +54,17 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     """The kernel body named lm_head_name(...) and its signature."""
     if k % 8 or threads % 32:
         raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
-    if k * 4 + 64 > STATIC_SMEM_LIMIT:
-        raise ValueError(f"lm_head: hidden={k} needs {k * 4} bytes of shared memory")
     CH = k // 8                  # 16-byte chunks per row
     NCL = -(-CH // 32)           # chunks per lane
     U = unroll
-    SH = CH * 4                  # floats in each of hA, hB
+    # floats in each of hA, hB: every chunk a lane's loop can name, (c0 + u) * 32 + lane, not
+    # only the CH real ones, because the compiler may hoist the skipped chunks' shared loads
+    # above their branch (lm_head_int8.py: the H200 faulted there); the 7B's 448 chunks are
+    # 14 x 32 with unroll 7, so its kernel is unchanged
+    SH = -(-NCL // U) * U * 32 * 4
+    if 2 * SH * 4 + 64 > STATIC_SMEM_LIMIT:
+        raise ValueError(f"lm_head: hidden={k} needs {2 * SH * 4} bytes of shared memory at "
+                         f"unroll {unroll}; use a smaller unroll")
     WARPS = threads // 32
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)

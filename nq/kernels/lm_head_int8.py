@@ -101,15 +101,21 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     """The kernel body named lm_head_int8_name(...) and its signature."""
     if k % 16 or threads % 32:
         raise ValueError(f"lm_head_int8: hidden={k} must be a multiple of 16, threads of 32")
-    if k * 4 + 64 > STATIC_SMEM_LIMIT:
-        raise ValueError(f"lm_head_int8: hidden={k} needs {k * 4} bytes of shared memory")
     if not 1 <= unroll <= 8 or rows not in (1, 2):
         raise ValueError(f"lm_head_int8: unroll {unroll} (1..8), rows {rows} (1 or 2)")
     CH = k // 16                 # 16-byte chunks per row
     NCL = -(-CH // 32)           # chunks per lane
     U, R = unroll, rows
-    SH = CH * 4                  # floats in each of the four parts of h
-    H_LEN = 4 * SH               # = k
+    # floats in each of the four parts of h: every chunk a lane's loop can name, (c0 + u) * 32
+    # + lane, not only the CH real ones.  The chunks past CH are skipped by a branch, but the
+    # compiler may hoist their shared loads above it (they are loop-invariant: the H200 faulted
+    # on a 656-wide head with unroll 8, whose part 3 then read past the array); their values
+    # are never used, so the padding needs no zeros, only room.
+    SH = -(-NCL // U) * U * 32 * 4
+    H_LEN = 4 * SH               # >= k
+    if H_LEN * 4 + 64 > STATIC_SMEM_LIMIT:
+        raise ValueError(f"lm_head_int8: hidden={k} needs {H_LEN * 4} bytes of shared memory "
+                         f"at unroll {unroll}; use a smaller unroll")
     WARPS = threads // 32
     N_ITEMS = -(-vocab // R)     # row pairs (or rows)
     EPS = np.float32(eps)
@@ -165,7 +171,7 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     wsum, rstd_of = dev(warp_sum), dev(block_rstd)
 
     def kernel(x, norm_w, qweight, scales, logits):
-        h = cuda.shared.array(H_LEN, float32, alignment=_ALIGN)   # (4, CH, 4): see module doc
+        h = cuda.shared.array(H_LEN, float32, alignment=_ALIGN)   # (4, SH/4, 4): module doc
         red = cuda.shared.array(WARPS, float32)
         tid = cuda.threadIdx.x
         lane = tid & 31
