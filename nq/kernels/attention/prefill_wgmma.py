@@ -72,9 +72,17 @@ one's P V run under them, and the barrier a tile re-aligns the warpgroups.  So ~
 TFLOP/s at m 2048 from depth 6144 on (2x prefill.py; L2 -> SM ~3.5 TB/s at 450, under the
 ~5.5 available), ~300 at 2048 from 0 (the diagonal's masked half, 3.5 waves of 456 CTAs),
 and the short-chunk gap unchanged (16 tokens at 30000 is still a grid of 4 CTAs).  28 layers:
-an 8K prompt's attention ~63 -> ~30-35 ms, a 32K prompt's ~1 s -> ~0.5 s.  Past that: FA3's
-producer warp (setmaxnreg, mbarriers) instead of the barrier a tile, and two consumer
-warpgroups ping-ponged by named barriers.
+an 8K prompt's attention ~63 -> ~30-35 ms, a 32K prompt's ~1 s -> ~0.5 s.
+
+Measured (H200, 2026-12-01; its 27 GPU tests passed first): 28 layers of a 7B prompt's
+attention (scripts/prefill_timeline.py --random 7b) **63.1 -> 46.1 ms at 8K** (~290 TFLOP/s of
+the causal work) and **964 -> 683 ms at 32K** (~315 TFLOP/s); one layer, m 2048
+(scripts/bench_prefill_attn.py --wgmma): 2 warpgroups x 64-key tiles x 4 stages 291 TFLOP/s
+at start 6144 and 314 at 30000; one warpgroup 179 / 188 (worse than mma.sync's 207 / 218).
+So ~1.4x, not the predicted 2x: the per-tile barrier and the softmax between the two wgmma
+groups are not hidden.  Next: FA3's producer warp (setmaxnreg, mbarriers) instead of the
+barrier a tile, and two consumer warpgroups ping-ponged by named barriers so one's softmax
+runs under the other's wgmmas.
 """
 from __future__ import annotations
 
