@@ -44,7 +44,7 @@ H, I, QKV = CFG.hidden_size, CFG.intermediate_size, CFG.qkv_size
 PROJECTIONS = {  # kind: (N out, K, layout as decode uploads it, weight rows)
     "qkv": (QKV, H, ("rows", 14), QKV),
     "o_proj": (H, CFG.q_size, "mma", H),
-    "gate_up": (I, H, ("rows", 4), 2 * I),
+    "gate_up": (I, H, "mma", 2 * I),           # the tensor-core GEMV's layout since d292fd2
     "down": (H, I, "mma", H),
 }
 CANDIDATES = [M.SMALL, M.MEDIUM, M.LARGE,
@@ -197,7 +197,8 @@ def main():
     ap.add_argument("--layout", default="",
                     help="KIND=LAYOUT,...: time a kind's weights in another upload layout "
                          "('mma' or rows:KS), e.g. gate_up=mma: what a decode upload change "
-                         "would buy the prefill")
+                         "would buy the prefill; qkv=mma is qkv's rope-ordered mma layout, "
+                         "as NQ_MMA_QKV=1 uploads it")
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--reps", type=int, default=12, help="timed replays (>= 10)")
     ap.add_argument("--wgmma", action="store_true",
@@ -209,8 +210,11 @@ def main():
     for item in filter(None, args.layout.split(",")):
         kind, lay = item.split("=")
         n, k, _, rows = PROJECTIONS[kind]
-        PROJECTIONS[kind] = (n, k, "mma" if lay == "mma" else ("rows", int(lay.split(":")[1])),
-                             rows)
+        if lay == "mma":   # qkv's mma layout is the rope-ordered one (NQ_MMA_QKV=1 uploads it)
+            layout = ("mma_rope", CFG.head_dim) if kind == "qkv" else "mma"
+        else:
+            layout = ("rows", int(lay.split(":")[1]))
+        PROJECTIONS[kind] = (n, k, layout, rows)
     rng = np.random.default_rng(0)
     dev = cuda.get_current_device()
     name = getattr(dev, "name", b"simulator")

@@ -126,6 +126,8 @@ def upload(nf, stream=None, background: bool = False, preloaded=None) -> DeviceW
         g = gemvs(cfg)   # their tilings fix the layouts; compiled or loaded here, not in the thread
         compile_retile_rows()
         compile_retile_mma()
+        for rope in {getattr(gm.tiling, "rope", 0) for gm in g.values()} - {0}:
+            compile_retile_mma(rope)          # qkv's rope-ordered rows (NQ_MMA_QKV=1)
     laps = {"upload kernels": TIMELINE.lap("upload kernels")}
     t0 = time.perf_counter()
     stream = stream if stream is not None else cuda.stream()

@@ -269,10 +269,11 @@ def test_ncu_gemv_parses_tilings():
     ng = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ng)
     assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512)  # the default's type
-    gate_up = default_tiling("gate_up", 18944, 3584)
-    t = ng.parse_tiling("gate_up", "4,256,prefetch=0")
-    assert (t.ks, t.threads, t.prefetch) == (4, 256, 0) and t.span == gate_up.span
-    assert ng.parse_tiling("gate_up", "4") == gate_up
+    assert ng.parse_tiling("gate_up", "2,256") == MmaTiling(warps=2, threads=256)
+    qkv = default_tiling("qkv", 4608, 3584)                       # a CUDA-core default
+    t = ng.parse_tiling("qkv", "7,128,prefetch=0")
+    assert (t.ks, t.threads, t.prefetch) == (7, 128, 0) and t.span == qkv.span
+    assert ng.parse_tiling("qkv", "14") == qkv
     with pytest.raises(TypeError):
         ng.parse_tiling("down", "16,512,nonsense=1")
 

@@ -1,5 +1,6 @@
-"""The INT4 GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16; and,
-opt-in, gate_up, out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w).
+"""The INT4 GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16; gate_up,
+out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w); and, opt-in, qkv and qkv_rope
+(gemv.py's contracts, fp32 sums).
 
 Why: ncu read the CUDA-core GEMV (gemv.py) for down as issue-bound, not memory-bound (0.61
 instructions issued a cycle per scheduler, DRAM at 38 % of peak; docs/KERNELS_GEMV.md).  Per 8
@@ -16,6 +17,19 @@ gate_up here lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows): +0.
 the H200 in this form): the prefill GEMMs read gate_up ~1.3x faster in this layout than in the
 row layout (bench_gemm.py: 430-490 against 326-372 TFLOP/s), -3.5 ms of a 512-token prompt
 and -32 ms of an 8K one, predicted against +0.02..0.05 ms a decode step, and its sums are fp32.
+
+qkv and qkv_rope (opt-in, NQ_MMA_QKV=1: tiling.MMA_QKV; not yet measured on the H200): gemv.py's
+qkv_rope wants one thread to own a RoPE pair, rows i and i + D/2 of a head, and a lane holds
+tile rows g and g + 8; so qkv's mma layout reorders each head's rows (layout.rope_row: tile j
+of a head holds rows 8j..8j+7 and their partners 8j+D/2..), the tiling carries the head_dim
+(`MmaTiling.rope`), and scales stay in file order (a lane reads rows r0 and r0 + D/2).  The
+activations are staged as gate_up's (stage_norm: x * norm_w * f_g, rstd), the warps' partials
+meet in shared memory as o_proj's, and one thread a pair (threads < 8 * tiles) sums rows g and
+g + 8 and runs rope_epilogue.py's epilogue unchanged: q_out in natural order, the K/V slot, v
+as it is -- qkv_rope's outputs with fp32 sums instead of fp16 partials; kind "qkv" writes the
+pair's two natural rows + bias.  One tile a block is possible (a pair never leaves its tile):
+the 7B's qkv runs o_proj's 14 warps a tile, 288 blocks.  The prefill GEMMs read this layout
+("mma_rope", D) and put their output columns back in order in the epilogue.
 
 Retired, each after it lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows):
     prefetch=2 (two groups' loads in flight): down +0.039 / +0.037 ms a step at 512 / 8K; code at 13c221c
@@ -69,7 +83,9 @@ from nq.kernels.common import (SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, block_rstd, 
                                warp_sum)
 from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
 from nq.kernels.int4.layout import CHUNK
-from nq.kernels.int4.tiling import MMA_KINDS, TILE, MmaTiling
+from nq.kernels.int4.rope_epilogue import put_rope_body
+from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling
+from nq.paged import PAGE, STATE_POS
 from nq.ptx import (SIMULATOR, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
@@ -94,10 +110,20 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if k * 2 + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
-    if kind == "gate_up" and dynamic_smem(k):
-        raise ValueError(f"gemv_mma: gate_up's K={k} (the hidden size) needs {k * 2} bytes of "
+    if kind in NORM_KINDS and dynamic_smem(k):
+        raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
                          f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
-                         f"shared memory it stages in; use the CUDA-core gate_up (a Tiling)")
+                         f"shared memory it stages in; use the CUDA-core {kind} (a Tiling)")
+    if (kind in ROPE_KINDS) != bool(t.rope):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
+                         f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
+                         f"which need it (mma_tiling(kind, n, k, head_dim))")
+    if t.rope and (t.rope % TILE or n_out % t.rope):
+        raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
+                         f"dividing N={n_out}")
+
+
+NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 
 
 def dynamic_smem(k: int) -> int:
@@ -107,29 +133,51 @@ def dynamic_smem(k: int) -> int:
     return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
 
 
-def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None) -> str:
+def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
+                  heads=None) -> str:
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
-    (gate_up: RMSNorm's eps too)."""
+    (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
+    fields = dataclasses.asdict(t)
+    if not t.rope:
+        del fields["rope"]                 # the names of the kernels before it stand
     extra = {} if eps is None else {"eps": eps}
-    return kernel_name(f"gemv_mma_{kind}", n=n_out, k=k, **dataclasses.asdict(t), **extra)
+    if heads is not None:
+        extra.update(zip(("heads", "kv_heads"), heads[:2]))
+    return kernel_name(f"gemv_mma_{kind}", n=n_out, k=k, **fields, **extra)
 
 
 @functools.cache
-def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
+def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
+                     heads=None):
     """The compiled kernel (or the simulator's), once per process for each set of constants."""
-    body, sig = build_kernel(kind, n_out, k, t, eps)
+    body, sig = build_kernel(kind, n_out, k, t, eps, heads)
     bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
-    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t, eps), launch_bounds=bounds)
+    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t, eps, heads),
+                          launch_bounds=bounds)
 
 
 @functools.cache
-def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
+def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
+                 heads=None):
     """The kernel body and its signature: o_proj / down, x (N,) fp32 += W . a, a (K,) fp16;
     gate_up (eps: RMSNorm's), out (N,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w),
-    the weights [gate; up] stacked (2N rows)."""
+    the weights [gate; up] stacked (2N rows); qkv (eps), out (N,) fp32 = W . h + bias;
+    qkv_rope (eps, heads = (num_heads, num_kv_heads, head_dim)): qkv, then gemv.py's RoPE
+    epilogue (q_out, the K/V page slot).  qkv's weights in the rope-ordered layout (t.rope)."""
     check_tiling(kind, n_out, k, t)
-    if (kind == "gate_up") != (eps is not None):
-        raise ValueError(f"gemv_mma: eps is RMSNorm's, for gate_up only (kind {kind!r}, eps {eps})")
+    if (kind in NORM_KINDS) != (eps is not None):
+        raise ValueError(f"gemv_mma: eps is RMSNorm's, for {NORM_KINDS} only (kind {kind!r}, "
+                         f"eps {eps})")
+    if (kind == "qkv_rope") != (heads is not None):
+        raise ValueError(f"gemv_mma: heads=(num_heads, num_kv_heads, head_dim) is for qkv_rope "
+                         f"only, which needs it (kind {kind!r}, heads {heads})")
+    HQ = HKV = 1
+    if heads is not None:
+        HQ, HKV, hd = (int(h) for h in heads)
+        if hd != t.rope or n_out != (HQ + 2 * HKV) * hd:
+            raise ValueError(f"gemv_mma: qkv_rope N={n_out}, heads {heads}: N must be "
+                             f"(num_heads + 2*num_kv_heads)*head_dim and head_dim the tiling's "
+                             f"rope ({t.rope})")
     # The constants the body closes over (numba freezes them):
     #   TILE_WARPS   warps a tile's groups are split over (MmaTiling.warps)
     #   THREADS, WARPS, TILES      a block's threads, warps and 16-row tiles
@@ -138,7 +186,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   PAIRS        two-group iterations of a warp's loop (the last may be short)
     #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
     #   PARTIALS     the warps' row partials in shared memory
-    #   NORM_ITERS   gate_up: groups a warp stages (warp w: w, w + WARPS, ...)
+    #   NORM_ITERS   gate_up, qkv: groups a warp stages (warp w: w, w + WARPS, ...)
+    #   D, HALF, TPH qkv: head_dim (t.rope; 0 elsewhere), D / 2, a head's tiles (D / 16)
+    #   PARTNER      the file row of a tile's row g + 8, from row g's: 8, or qkv's D / 2
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
@@ -154,6 +204,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     NORM_ITERS = -(-GROUPS // WARPS)
     EPS = np.float32(eps or 0.0)
     INV_K = np.float32(1.0 / k)
+    NORM = kind in NORM_KINDS
+    ROPE = kind == "qkv_rope"
+    D = t.rope
+    HALF = max(D // 2, 1)
+    TPH = max(D // TILE, 1)
+    PARTNER = HALF if D else 8
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -164,7 +220,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     def load_scales(sc, sbase, grp):
         # the scale bits of the lane's rows g (scales from sbase) and g + 8 (8 rows further)
         return (uint32(ld_global_nc_u16(sc, sbase + grp)),
-                uint32(ld_global_nc_u16(sc, sbase + 8 * GROUPS + grp)))
+                uint32(ld_global_nc_u16(sc, sbase + PARTNER * GROUPS + grp)))
 
     def load_group(qw, sc, wbase, sbase, grp):
         # group grp of the lane's tile (words from wbase, 256 a group): 8 words, 2 scales' bits
@@ -266,11 +322,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return rstd_of(ssum, WARPS, INV_K, EPS)
 
     def add_group(acc, ca, cb, abase, grp, t4, invf):
-        # acc + group grp's sums (none past the last group; gate_up's undo f_g)
+        # acc + group grp's sums (none past the last group; gate_up's and qkv's undo f_g)
         a0, a1, a2, a3 = acc
         if grp < GROUPS:
             v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
-            if MATS == 2:
+            if NORM:
                 fi = invf[grp]
                 v0, v1, v2, v3 = v0 * fi, v1 * fi, v2 * fi, v3 * fi
             a0 += v0
@@ -311,10 +367,23 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tile = min(cuda.blockIdx.x * TILES + tl, N_TILES - 1)
         return lane, lane >> 2, lane & 3, tl, warp - tl * TILE_WARPS, tile
 
+    def file_row(tile, g):
+        # the file row of a tile's row g (qkv: rope-ordered, layout.rope_row; its row g + 8 is
+        # PARTNER rows further)
+        r = tile * TILE + g
+        if D:
+            r = tile // TPH * D + tile % TPH * 8 + g
+        return r
+
     def tile_bases(tile, lane, g):
         # where the lane's words of a tile start (256 a group) and its row g's scales; then
         # the same of its up tile (gate_up: the same rows, N_TILES tiles on; else repeated)
-        wa, sa = (tile * GROUPS * 32 + lane) * 8, (tile * TILE + g) * GROUPS
+        # (file_row, written out: one more device function changes o_proj's and down's PTX)
+        wa = (tile * GROUPS * 32 + lane) * 8
+        r = tile * TILE + g
+        if D:
+            r = tile // TPH * D + tile % TPH * 8 + g
+        sa = r * GROUPS
         wb, sb = wa, sa
         if MATS == 2:
             up = tile + N_TILES
@@ -329,6 +398,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         r = tid % TILE
         row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
         return tl2, r, row if tid < TILES * TILE and row < n_out else -1
+
+    def pair_row(tid):
+        # qkv's epilogue thread (one a RoPE pair, tid < TILES * 8): (tile in the block, row g
+        # of the tile, the file row of g: its pair is PARTNER rows further; -1 past the matrix)
+        tl2 = tid >> 3
+        g = tid & 7
+        tile = cuda.blockIdx.x * TILES + tl2
+        r0 = file_row(tile, g)
+        return tl2, g, r0 if tid < TILES * 8 and tile < N_TILES else -1
 
     def put_partials(red, tl, kw, g, t4, acc):
         # lane t = 0 of each row pair: the warp's sums of rows g and g+8 (and the up tile's)
@@ -368,6 +446,44 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r
 
+    def qkv_sums(x, norm_w, qw, sc, act, red, invf, ssum, state, inv_freq, table):
+        """qkv up to the warps' partials in `red`: (rstd, pos, page, fr), the RoPE position,
+        its page and the frequency of the thread's pair (qkv_rope's; qkv: zeros).  gemv.py's
+        qkv_rope order: the position and frequency right after the wait (the previous step's
+        argmax advances it), the page after the prologue, so the epilogue waits on no L2."""
+        lane, g, t4, tl, kw, tile = roles()
+        bases = tile_bases(tile, lane, g)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        pos = 0
+        fr = float32(0.0)
+        if ROPE:
+            pos = state[STATE_POS]
+            fr = inv_freq[pair_i(cuda.threadIdx.x)]
+        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        page = 0
+        if ROPE:
+            page = table[pos // PAGE]
+        abase = uint64(cvta_to_shared_u32(act))
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        put_partials(red, tl, kw, g, t4, acc)
+        cuda.syncthreads()
+        return rstd, pos, page, fr
+
+    def pair_i(tid):
+        # the pair's index i in its head (rows i, i + D/2; < D/2 for every thread)
+        return (cuda.blockIdx.x * TILES + (tid >> 3)) % TPH * 8 + (tid & 7)
+
+    def weight_row(row0, m):
+        # rope_epilogue's view of a pair (gemv.py's qkv_rope): row0 = 2p for pair p, rows i and
+        # i + D/2 of head p // (D/2), i = p % (D/2)
+        p = row0 >> 1
+        return (p // HALF) * D + p % HALF + m * HALF
+
+    def put_qkv(out, bias, row, v):
+        out[row] = v + cvt_f32_f16(ld_global_nc_u16(bias, row))
+
     def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
         """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
         row_sum(red, tl2, r, 0 / 1), the thread's output row; row -1 for threads without one."""
@@ -387,12 +503,54 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, add_group, mainloop, roles, tile_bases, out_row, put_partials, row_sum, \
-        block_sums, gate_up_sums = (
+        stage_norm, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
+        put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
+        gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, stage, stage_norm, add_group, mainloop, roles,
-                             tile_bases, out_row, put_partials, row_sum, block_sums,
-                             gate_up_sums))
+                             file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
+                             block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
+    put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)
+
+    if kind in ROPE_KINDS:
+        def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
+                     invf, ssum):
+            # a thread a RoPE pair: rows g, g + 8 of a tile = file rows r0, r0 + D/2.
+            # qkv: q_out is its output (N,), state, inv_freq, table and kv stand-ins never read
+            rstd, pos, page, fr = qkv_sums(x, norm_w, qw, sc, act, red, invf, ssum, state,
+                                           inv_freq, table)
+            tl2, g, r0 = pair_row(cuda.threadIdx.x)
+            if r0 >= 0:
+                v0 = row_sum(red, tl2, g, 0) * rstd
+                v1 = row_sum(red, tl2, g + 8, 0) * rstd
+                if ROPE:   # row0 = 2p, p the pair's index (weight_row's convention)
+                    put_rope(bias, kv, q_out, 2 * (r0 // D * HALF + r0 % D), v0, v1, pos,
+                             page, fr)
+                else:
+                    put_qkv(q_out, bias, r0, v0)
+                    put_qkv(q_out, bias, r0 + HALF, v1)
+
+        qkv_body = dev(qkv_body)
+        if ROPE:
+            def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+                red = cuda.shared.array(PARTIALS, float32)
+                invf = cuda.shared.array(GROUPS, float32)
+                ssum = cuda.shared.array(WARPS, float32)
+                qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
+                         invf, ssum)
+            return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
+                            "float16[::1], int32[::1], float32[::1], int32[::1], "
+                            "float16[:, :, :, :, ::1], float32[::1])")
+
+        def kernel(x, norm_w, qw, sc, bias, out):
+            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(PARTIALS, float32)
+            invf = cuda.shared.array(GROUPS, float32)
+            ssum = cuda.shared.array(WARPS, float32)
+            qkv_body(x, norm_w, qw, sc, bias, out, out, out, out, out, act, red, invf, ssum)
+        return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
+                        "float16[::1], float32[::1])")
 
     if kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):

@@ -10,7 +10,8 @@ kernel (CUDA cores, gemv.py, or tensor cores, gemv_mma.py) from the tiling.
 
 `prepare` takes the file's (N, K/8) ValueShuffle qweights and (N, K/128) fp16 scales,
 concatenates the parts along N and lays the words out as the kernel reads them
-(layout.tile_rows or layout.mma_layout; scales keep the file's layout).  Upload its outputs as
+(layout.tile_rows or layout.mma_layout, qkv's with its rows in RoPE-pair order; scales keep the
+file's layout).  Upload its outputs as
 they are (nq/runtime/weights.py re-tiles on the GPU instead: retile.py).  A launcher compiles
 its kernel once, at construction; a call checks its arguments, takes numba device arrays and
 a numba stream, allocates nothing, touches no host memory and is safe to capture in a CUDA
@@ -143,14 +144,14 @@ class _MmaGemv:
     `retile.retile_mma`), launch grid, weight preparation and checks."""
 
     def __init__(self, kind: str, n_out: int, k: int, n_rows: int, tiling: MmaTiling,
-                 eps: float | None = None):
+                 eps: float | None = None, heads=None):
         check_tiling(kind, n_out, k, tiling)
         self.kind, self.n_out, self.k, self.tiling = kind, n_out, k, tiling
         self.n_rows = n_rows   # weight rows (gate_up: 2N, [gate; up])
-        self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps)
+        self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps, heads)
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
-        self.name = gemv_mma_name(kind, n_out, k, tiling, eps)
+        self.name = gemv_mma_name(kind, n_out, k, tiling, eps, heads)
         self.smem = dynamic_smem(k)  # 0 up to the 14B; the 32B's down stages 55 KB
         if self.smem:
             allow_smem(self.kernel, self.smem)
@@ -169,7 +170,7 @@ class _MmaGemv:
         q, s = np.concatenate(qs), np.concatenate(ss)
         if q.shape[0] != self.n_rows:
             raise ValueError(f"{self.name}: {q.shape[0]} weight rows, expected {self.n_rows}")
-        return mma_layout(q), np.ascontiguousarray(s)
+        return mma_layout(q, self.tiling.rope), np.ascontiguousarray(s)
 
     def _weights(self, qw, sc):
         # the checked weights, flat (the kernel's signature)
@@ -208,14 +209,71 @@ class GateUpMmaGemv(_MmaGemv):
         self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
 
 
-def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
-    """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv)."""
+class QkvMmaGemv(_MmaGemv):
+    """qkv on the tensor cores (opt-in: tiling.MMA_QKV): QkvGemv's call, `g(x, norm_w, qw, sc,
+    bias, out, stream)`, out fp32 (N,) = Wqkv . rmsnorm(x, norm_w) + bias, in natural order;
+    the weights in the rope-ordered mma layout (tiling.rope = head_dim), as qkv_rope's."""
+
+    def __init__(self, cfg: ModelConfig, tiling: MmaTiling):
+        super().__init__("qkv", cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling,
+                         float(cfg.rms_norm_eps))
+
+    def __call__(self, x, norm_w, qw, sc, bias, out, stream=0):
+        qw, sc = self._weights(qw, sc)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
+        need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
+
+
+class QkvRopeMmaGemv(_MmaGemv):
+    """qkv_rope on the tensor cores (opt-in: tiling.MMA_QKV): QkvRopeGemv's call and outputs
+    (fp32 sums instead of fp16 partials); reads QkvMmaGemv's prepared weights."""
+
+    def __init__(self, cfg: ModelConfig, tiling: MmaTiling):
+        self.cfg = cfg
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        super().__init__("qkv_rope", cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling,
+                         float(cfg.rms_norm_eps), self.heads)
+
+    def __call__(self, x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out,
+                 stream=0):
+        """As QkvRopeGemv.__call__."""
+        hq, _, d = self.heads
+        qw, sc = self._weights(qw, sc)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
+        need(state, f"{self.name} state", np.int32, (STATE_LEN,), 4)
+        need(inv_freq, f"{self.name} inv_freq", np.float32, (d // 2,), 4)
+        need(q_out, f"{self.name} q_out", np.float32, (hq * d,), 4)
+        check_paged_args(self.name, self.cfg, kv_layer, table, state)
+        if len(table.shape) != 1:
+            raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
+                                                      table, kv_layer, q_out)
+
+
+def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
+    """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv).
+    The tensor cores' kernel where the tiling is an MmaTiling (the default only with
+    NQ_MMA_QKV=1: tiling.MMA_QKV)."""
+    tiling = tiling or default_tiling("qkv", cfg.qkv_size, cfg.hidden_size,
+                                      head_dim=cfg.head_dim)
+    if isinstance(tiling, MmaTiling):
+        return QkvMmaGemv(cfg, tiling)
     return QkvGemv(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
 
 
-def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvRopeGemv:
+def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """qkv_rope: prepare as qkv's (the same uploaded weights serve both); call (x, norm_w, qw,
-    sc, bias, state, inv_freq, table, kv_layer, q_out, stream)."""
+    sc, bias, state, inv_freq, table, kv_layer, q_out, stream).  On the tensor cores as
+    make_qkv_gemv's."""
+    tiling = tiling or default_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size,
+                                      head_dim=cfg.head_dim)
+    if isinstance(tiling, MmaTiling):
+        return QkvRopeMmaGemv(cfg, tiling)
     return QkvRopeGemv(cfg, tiling)
 
 

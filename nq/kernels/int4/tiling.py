@@ -17,6 +17,10 @@ fragment layout, decode runs it on gemv_mma and the prefill GEMMs read that layo
 read ~25 % faster: on the H200 (2026-12-01) a 512-token prompt went 22.0 -> 18.9 ms and an 8K
 one 354 -> 314 ms, for +0.036 ms a decode step (1.877 -> 1.914 at 512; `mma_tiling` has the
 figures), and gate_up's decode sums became fp32.
+
+qkv (and qkv_rope) on the tensor cores is opt-in (`MMA_QKV`, NQ_MMA_QKV=1): its mma layout
+reorders each head's rows so that a tile's rows g and g + 8 are a RoPE pair (layout.rope_row;
+`MmaTiling.rope` = head_dim), which the prefill GEMMs read un-permuting in their epilogue.
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
-MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
+MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
+MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # qkv, qkv_rope on it (opt-in)
+ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -71,20 +77,25 @@ class MmaTiling:
     warps: int           # warps a 16-row tile's groups are split over
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+    rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
 
     def layout(self) -> tuple:
-        """What fixes the prepared weights: the mma fragment layout (layout.mma_layout)."""
-        return ("mma", TILE)
+        """What fixes the prepared weights: the mma fragment layout (layout.mma_layout), for
+        qkv with its rows in RoPE-pair order."""
+        return ("mma_rope", self.rope) if self.rope else ("mma", TILE)
 
     def tag(self) -> str:
-        return f"mma_w{self.warps}_t{self.threads}" + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+        return (f"mma_w{self.warps}_t{self.threads}"
+                + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+                + (f"_rope{self.rope}" if self.rope else ""))
 
 
-def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
-    """The tensor-core tiling for o_proj, down or gate_up, or None where gemv_mma cannot take
+def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:
+    """The tensor-core tiling for o_proj, down, gate_up, qkv or qkv_rope (these two need the
+    head_dim, their layout's `rope`), or None where gemv_mma cannot take
     the shape (N not a multiple of 16, or K's staged activations over half a block's 227 KB;
     the 32B's down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).
     o_proj and down: one 16-row tile a block, its groups split over `warps` warps: half the
@@ -108,31 +119,45 @@ def mma_tiling(kind: str, n_out: int, k: int) -> MmaTiling | None:
     decode.  In the whole engine (H200, 2026-12-01, scripts/prefill_timeline.py and
     step_variants.py "gate_up.mma=1"): pp512 22.04 -> 18.90 ms, pp2048 77.7 -> 67.5, pp8192
     354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
-    activations pass 48 KB of static shared memory (K > 24576)."""
+    activations pass 48 KB of static shared memory (K > 24576).
+
+    qkv and qkv_rope (opt-in, NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every
+    size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since a RoPE
+    pair is inside a tile, one tile a block is possible; not yet measured on the H200."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
     if kind == "gate_up":
         return MmaTiling(warps=2, threads=256) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE
-    if groups < 16:
+    rope = 0
+    if kind in ROPE_KINDS:
+        if head_dim <= 0 or head_dim % TILE or n_out % head_dim or 2 * k > STATIC_SMEM_LIMIT:
+            return None
+        rope = head_dim
+    elif groups < 16:
         return None
     if groups < 32:
         warps = max(1, groups // 2)
     else:
         warps = max((d for d in range(8, 17) if groups % d == 0), default=16)
-    return MmaTiling(warps=warps, threads=32 * warps)
+    return MmaTiling(warps=warps, threads=32 * warps, rope=rope)
 
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
-                   mma: bool = True) -> Tiling | MmaTiling:
+                   mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
 
     mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
-    every size measured, and gate_up where MMA_GATE_UP is on; mma=False gives the CUDA-core
+    every size measured, gate_up where MMA_GATE_UP is on, and qkv / qkv_rope where MMA_QKV is
+    on and head_dim is given (their layout pairs RoPE rows); mma=False gives the CUDA-core
     tiling for the shape.  The CUDA-core
     rule: a single wave whose threads each own >= 1 whole group; spread a row over as many
     lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
     """
+    if kind in ROPE_KINDS and mma and MMA_QKV:
+        t = mma_tiling(kind, n_out, k, head_dim)
+        if t is not None:
+            return t
     if kind == "qkv_rope":
         # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
         # Same threads and span too: rstd's summation order and the fp16 partials then match
@@ -142,7 +167,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # graph (scripts/step_variants.py) the uncapped kernel beat min_blocks=2 at 32K (+0.025
         # against +0.21 ms over qkv + rope_kv); at 512 it saves 0.05 ms.  Alone, graph, no PDL:
         # 9.26 us against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
-        return dataclasses.replace(default_tiling("qkv", n_out, k, sms), rows=2)
+        return dataclasses.replace(default_tiling("qkv", n_out, k, sms, mma=False), rows=2)
     groups = k // GROUP_SIZE
     # (kind, n_out, k) -> Tiling, chosen inside the whole decode step on the H200
     # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step
@@ -174,7 +199,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61
         ("down", 3584, 18944): MmaTiling(warps=16, threads=1024),
     }
-    if mma and (kind != "gate_up" or MMA_GATE_UP):
+    if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
         if t is not None:
             return t

@@ -157,7 +157,8 @@ SIM_SCRIPT = textwrap.dedent('''
         sc = rng.uniform(0.002, 0.02, size=(nw, k // 128)).astype(np.float16)
         x = rng.standard_normal((m + 3, k)).astype(np.float16)   # allocated for more than m
         x[0, 5] = 300.0                                          # a "massive activation"
-        up = mma_layout(qw) if layout == "mma" else tile_rows(qw, layout[1])
+        up = (mma_layout(qw) if layout == "mma" else mma_layout(qw, layout[1])
+              if layout[0] == "mma_rope" else tile_rows(qw, layout[1]))
         M.L2_BAND_BYTES = band_bytes
         g = M.Gemm(kind, n, k, layout, configs=((None, tiles),))
         out0 = rng.standard_normal((m + 2, n)).astype(np.float16 if kind == "gate_up" else np.float32)
@@ -182,6 +183,8 @@ SIM_SCRIPT = textwrap.dedent('''
     case("mma_down_m16", "down", 32, 640, "mma", T(1, 2, 2, 1, 2, 3), 16)
     case("mma_qkv_m33", "qkv", 32, 256, "mma", T(2, 4, 1, 1, 1, 2), 33)
     case("mma_gateup_m7", "gate_up", 16, 256, "mma", T(2, 2, 1, 1, 1, 2), 7)
+    # qkv's rope-ordered mma layout (NQ_MMA_QKV=1): two heads of 64, the output un-permuted
+    case("rope_qkv_m9", "qkv", 128, 256, ("mma_rope", 64), T(2, 2, 2, 1, 1, 2), 9)
     # row layout (qkv, gate_up's): 3 groups in steps of 2 and 1 (ks 2); wk = 2 and 2 warps
     # along the rows; 2 warps along the tokens; 3 token blocks in bands of 2 (the last short)
     case("rows_plain_m33", "plain", 32, 384, ("rows", 2), T(2, 2, 1, 2, 1, 2), 33)
@@ -200,7 +203,7 @@ def test_gemm_under_the_simulator():
     products summed in fp32, so a dot product of random signs is off by ~2^-11/sqrt(3) ~ 3e-4
     of its terms' norm at worst; gate_up's fp16 output adds 2^-11 an element."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=1200)
-    assert len(errs) == 10, stdout
+    assert len(errs) == 11, stdout
     for name, e in errs.items():
         assert e < (1e-3 if "gateup" in name else 5e-4), (name, e)
 
