@@ -10,12 +10,12 @@ compute-bound (~18 KB of K/V per 126 rows of a CTA a tile), so L2 reuse across r
 flatters nothing much; pages are scattered as a real cache's are.
 
     python3 scripts/bench_prefill_attn.py [--cases 512:0,2048:0,2048:6144,2048:30000,16:30000]
-        [--variants 8:3,8:2,4:2] [--wgmma [--wgmma-variants 2:128:3,2:64:4]] [--reps 10]
+        [--variants 8:3,8:2,4:2] [--wgmma [--wgmma-variants 2:128:3,2:128:3:ov]] [--reps 10]
         [--json]
 
 --variants is a sweep of warps:nstage of the mma.sync kernel (prefill.py); --wgmma also times
 the wgmma kernel (prefill_wgmma.py, sm_90a) at the same cases, over --wgmma-variants
-(warpgroups:bn:nstage), and checks each case's output against the first mma.sync variant's
+(warpgroups:bn:nstage, and a 4th field `ov` for overlap=True), and checks each case's output against the first mma.sync variant's
 (max |difference| printed; the two round differently, so ~1e-3 is agreement).  Results go to
 stderr; --json adds one JSON line on stdout.
 """
@@ -45,8 +45,9 @@ def main():
     ap.add_argument("--variants", default="8:3,8:2,4:2", help="warps:nstage, comma-separated")
     ap.add_argument("--wgmma", action="store_true",
                     help="also time nq/kernels/attention/prefill_wgmma.py (sm_90a)")
-    ap.add_argument("--wgmma-variants", default="2:128:3,2:64:4",
-                    help="warpgroups:bn:nstage of the wgmma kernel, comma-separated")
+    ap.add_argument("--wgmma-variants", default="2:128:3,2:128:3:ov",
+                    help="warpgroups:bn:nstage[:ov] of the wgmma kernel, comma-separated "
+                         "(ov: overlap=True)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one JSON line on stdout")
@@ -112,15 +113,18 @@ def main():
                 baseline[m, start] = o[:m].copy_to_host().astype(np.float32)
     if args.wgmma:
         from nq.kernels.attention import prefill_wgmma
-        wvariants = [tuple(int(v) for v in c.split(":")) for c in args.wgmma_variants.split(",")]
-        for wg, bn, nstage in wvariants:
+        for spec in args.wgmma_variants.split(","):
+            fields = spec.split(":")
+            wg, bn, nstage = (int(v) for v in fields[:3])
+            overlap = fields[3:] == ["ov"]
             launch = prefill_wgmma.prefill_attention_launcher(cfg, q, pool, table, o,
                                                               warpgroups=wg, bn=bn,
-                                                              nstage=nstage)
+                                                              nstage=nstage, overlap=overlap)
             for m, start in cases:
                 ms, ms_min = timed(launch, m, start)
-                report(f"wgmma wg {wg} bn {bn} st {nstage}", m, start, ms, ms_min,
-                       kernel="wgmma", warpgroups=wg, bn=bn, nstage=nstage)
+                report(f"wgmma wg {wg} bn {bn} st {nstage}{' ov' if overlap else ''}", m, start,
+                       ms, ms_min, kernel="wgmma", warpgroups=wg, bn=bn, nstage=nstage,
+                       overlap=overlap)
                 if (m, start) in baseline:
                     diff = np.abs(o[:m].copy_to_host().astype(np.float32) - baseline[m, start])
                     log(f"    max |o - o(mma.sync)| = {float(np.nanmax(diff)):.3g}"

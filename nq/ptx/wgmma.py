@@ -289,6 +289,77 @@ def wgmma_wait_group_acc(nacc: int):
         lambda acc, n: None))
 
 
+def wgmma_wait_group_acc_a(nacc: int, na: int):
+    """`wgmma.wait_group.sync.aligned n;` tying acc[0:nacc] (float32) AND a[0:na] (uint32: the
+    register A fragments of the wgmmas the wait retires) as in/out operands.  Call as
+    wait(acc, a, n), n a compile-time constant.
+
+    Why: after an "rs" wgmma is issued its A registers are dead to the compiler until they are
+    next written, but the tensor core reads them until the group retires.  ptxas resolves that
+    by retiring the group (a `WARPGROUP.DEPBAR` to 0) before the first instruction that reuses
+    one of those registers -- at the top of whatever was meant to overlap the wgmma (prefill
+    attention's softmax under P V: its wait 1 and wait 0 came out adjacent in the SASS).  Tying
+    the fragments here keeps them allocated, untouched, until this wait.  Twin: nothing."""
+    return _make_cached(("wait_a", nacc, na), lambda: _acc_a_intrinsic(nacc, na))
+
+
+def _acc_a_intrinsic(nacc, na):
+    name = f"wgmma_wait_group_acc{nacc}_a{na}"
+
+    def twin(acc, a, n):
+        return None
+    twin.__name__ = twin.__qualname__ = name
+    twin.__doc__ = wgmma_wait_group_acc_a.__doc__
+    twin.twin = twin
+    twin.ptx_template = "wgmma.wait_group.sync.aligned %n;"
+    if SIMULATOR:
+        return twin
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def typer(typingctx, acc, a, n):
+        if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+            raise TypingError(f"{name}: acc must be a 1-d float32 array, got {acc}")
+        if not (isinstance(a, types.Array) and a.dtype == types.uint32 and a.ndim == 1):
+            raise TypingError(f"{name}: a must be a 1-d uint32 array, got {a}")
+        if not isinstance(n, types.IntegerLiteral):
+            raise TypingError(f"{name}: n must be a compile-time integer constant, got {n}")
+        return types.void(acc, a, n), codegen
+
+    def codegen(context, builder, sig, llargs):
+        f32, u32 = ir.FloatType(), ir.IntType(32)
+        acc = context.make_array(sig.args[0])(context, builder, value=llargs[0])
+        frag = context.make_array(sig.args[1])(context, builder, value=llargs[1])
+        ptrs = ([cgutils.gep_inbounds(builder, acc.data, j) for j in range(nacc)]
+                + [cgutils.gep_inbounds(builder, frag.data, j) for j in range(na)])
+        operands = [builder.load(p) for p in ptrs]
+        nout = nacc + na
+        constraints = ["=f"] * nacc + ["=r"] * na + [str(j) for j in range(nout)]
+        constraints.append("~{memory}")
+        body = f"wgmma.wait_group.sync.aligned {int(sig.args[2].literal_value)};"
+        outty = ir.LiteralStructType([f32] * nacc + [u32] * na)
+        asm = ir.InlineAsm(ir.FunctionType(outty, [v.type for v in operands]), body,
+                           ",".join(constraints), side_effect=True)
+        res = builder.call(asm, operands, attrs=("nounwind", "convergent"))
+        for j, p in enumerate(ptrs):
+            builder.store(builder.extract_value(res, j), p)
+        return context.get_dummy_value()
+
+    params = [inspect.Parameter(x, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for x in ("typingctx", "acc", "a", "n")]
+    typer.__signature__ = inspect.Signature(params)
+    typer.__name__ = typer.__qualname__ = name
+    typer.__module__ = __name__
+    intr = intrinsic(typer)
+    try:
+        intr.__qualname__ = name      # the kernel cache names closure values by qualname
+    except AttributeError:
+        pass
+    intr.twin = twin
+    intr.ptx_template = twin.ptx_template
+    return intr
+
+
 def wgmma_fence_acc(nacc: int):
     """`wgmma.fence.sync.aligned;` tying acc[0:nacc] (the accumulator's initial values are
     then written before the fence, as the PTX ISA asks)."""

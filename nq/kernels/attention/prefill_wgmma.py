@@ -80,9 +80,36 @@ the causal work) and **964 -> 683 ms at 32K** (~315 TFLOP/s); one layer, m 2048
 (scripts/bench_prefill_attn.py --wgmma): 2 warpgroups x 64-key tiles x 4 stages 291 TFLOP/s
 at start 6144 and 314 at 30000; one warpgroup 179 / 188 (worse than mma.sync's 207 / 218).
 So ~1.4x, not the predicted 2x: the per-tile barrier and the softmax between the two wgmma
-groups are not hidden.  Next: FA3's producer warp (setmaxnreg, mbarriers) instead of the
-barrier a tile, and two consumer warpgroups ping-ponged by named barriers so one's softmax
-runs under the other's wgmmas.
+groups are not hidden.
+
+Why not hidden (found in the SASS, ptxas 13.0 + nvdisasm): the default loop's `wait_group 1`
+and `wait_group 0` come out ADJACENT (`WARPGROUP.DEPBAR.LE gsb0, 0x1; ... 0x0`), so the
+softmax never overlaps P V: the whole tensor work of a tile, then the whole softmax, then the
+barrier.  ptxas retires the P V group early when a branch (the refill's `jn < n_tiles`) sits
+between the commits and the wait, and placing the copies anywhere between the commit and
+wait 1 unconditionally spills (255 registers, 28-40 bytes).  Tying the P fragments to the
+wait, or moving the O rescale, alone changes nothing.
+
+overlap=True (launcher option; the loop below, tile j):
+    barrier; fence; S_j = Q K_j (commit); O *= alpha_{j-1} (under S_j, FA3's order);
+    fence; O += P_{j-1} V_{j-1} (commit); wait_group 1; softmax S_j;
+    refill the stage of tile j - 2 with tile j + nstage - 2, UNCONDITIONALLY (past the end a
+        zero-filled copy of a clamped page: reads nothing, writes a retired stage);
+    wait_group 0 tying O and P (nq/ptx/wgmma.wgmma_wait_group_acc_a: P_{j-1}'s registers
+        stay allocated until the group that reads them retires); P_j = fp16(S_j)
+and the SASS keeps the softmax between the two waits (252 registers at d128, 254 at d64, no
+spill).  Hazards, as before: the refill writes the stage of tile j - 2 (K_{j-2} read by S_{j-2},
+V_{j-2} by P V issued in tile j - 1 and retired by its wait 0), and every warpgroup has passed
+tile j's barrier, so has finished tile j - 1; tile j + 1 (nstage 3) lands at tile j + 1's
+cp.async.wait_group 0 + fence.proxy.async + barrier.  The O rescale before the P V issue is
+ordered by the wgmma.fence after it; S_j's wgmmas read only Q and K_j.  The cost: the copies
+have only the rest of tile j (P V's tail, the pack, the barrier) to land instead of a whole
+tile, and the refill's ~470 instructions now sit under P V instead of under S_j.
+Prediction (before the H200 ran it): per tile the tensor core had ~2048 cycles of work and
+the softmax + pack ~1200 issue cycles an SM sub-partition, serial today; overlapped, ~2600-
+3000 cycles a tile if the copies land in time: ~380-450 TFLOP/s at m 2048 from 6144 (~290
+now).  Next: skip the mask on tiles wholly below the diagonal (a quarter of the softmax's
+instructions), then FA3's ping-pong, which needs the per-tile barrier replaced by mbarriers.
 """
 from __future__ import annotations
 
@@ -107,6 +134,7 @@ BN = 128           # keys a tile: S is 64 x 128 a warpgroup (64 fp32 a thread)
 NSTAGE = 3         # stages of the ring; a tile reads two (K_j, V_{j-1}), nstage - 2 in flight
 ALIGN = 1024       # the 128B swizzle repeats every 1024 bytes of absolute shared address
 ROW = 128          # bytes of a key row of one 64-dim half
+OVERLAP = False    # the launcher's default loop (module doc, "overlap=True")
 
 
 def tile_offset(key: int, chunk: int, bn: int = BN) -> int:
@@ -121,21 +149,22 @@ def smem_bytes(head_dim: int, bn: int = BN, nstage: int = NSTAGE) -> int:
     return nstage * 2 * bn * 2 * head_dim + ALIGN
 
 
-def _name(gqa, head_dim, num_kv, warpgroups, bn, nstage):
-    return kernel_name("prefill_attn_wgmma", g=gqa, d=head_dim, kv=num_kv, wg=warpgroups,
-                       bn=bn, st=nstage)
+def _name(gqa, head_dim, num_kv, warpgroups, bn, nstage, overlap=False):
+    return kernel_name("prefill_attn_wgmma" + ("_ov" if overlap else ""), g=gqa, d=head_dim,
+                       kv=num_kv, wg=warpgroups, bn=bn, st=nstage)
 
 
 @functools.cache
 def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: int,
-                    nstage: int):
+                    nstage: int, overlap: bool = False):
     """The kernel body for one head shape; see the module doc."""
     from nq.kernels.common import dev
     from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group,
                         cp_async_wait_group, cvta_to_shared_u32_at, fence_proxy_async_shared,
                         griddepcontrol_wait, pack_f16x2_from_f32)
     from nq.ptx.wgmma import (SWIZZLE_128B, desc_hi, wgmma_commit_group, wgmma_fence_acc,
-                              wgmma_rs, wgmma_rs_tb, wgmma_wait_group_acc, wgmma_zero_acc)
+                              wgmma_rs, wgmma_rs_tb, wgmma_wait_group_acc,
+                              wgmma_wait_group_acc_a, wgmma_zero_acc)
 
     G, D, NWG, NST = gqa, head_dim, warpgroups, nstage   # num_kv: in the name (the grid x)
     NW = 4 * NWG                       # warps
@@ -162,6 +191,8 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
     mma_o = wgmma_rs_tb(D)             # O (64 x D) += P (64 x 16) . V (16 keys x D)
     fence_s, fence_o = wgmma_fence_acc(NS), wgmma_fence_acc(NO)
     wait_s, wait_o = wgmma_wait_group_acc(NS), wgmma_wait_group_acc(NO)
+    wait_op = wgmma_wait_group_acc_a(NO, PW)
+    OVERLAP = bool(overlap)
     zero_s, zero_o = wgmma_zero_acc(NS), wgmma_zero_acc(NO)
     QSCALE = float32(LOG2E / math.sqrt(D))
     NEG = float32(NEG_BIG)
@@ -256,14 +287,17 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
                 ps1 += p1
         return mn0, mn1, math.exp2(m0 - mn0), math.exp2(m1 - mn1), ps0, ps1
 
-    def rescale_and_pack(oacc, sacc, pf, al0, al1):
-        """O *= alpha by row; P's A fragments from S's C fragments (key n-tiles 2kk, 2kk+1 are
-        k16 step kk), fp16 as prefill.py's."""
+    def rescale(oacc, al0, al1):
+        """O *= alpha by row."""
         for jd in range(NTO):
             oacc[4 * jd] *= al0
             oacc[4 * jd + 1] *= al0
             oacc[4 * jd + 2] *= al1
             oacc[4 * jd + 3] *= al1
+
+    def pack(sacc, pf):
+        """P's A fragments from S's C fragments (key n-tiles 2kk, 2kk+1 are k16 step kk), fp16
+        as prefill.py's."""
         for kk in range(KB):
             i = 8 * kk
             pf[4 * kk] = pack_f16x2_from_f32(sacc[i], sacc[i + 1])
@@ -271,9 +305,9 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
             pf[4 * kk + 2] = pack_f16x2_from_f32(sacc[i + 4], sacc[i + 5])
             pf[4 * kk + 3] = pack_f16x2_from_f32(sacc[i + 6], sacc[i + 7])
 
-    load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale_and_pack = (
-        dev(f) for f in (load_tile, tile_landed, refill, issue_s, issue_o, softmax,
-                         rescale_and_pack))
+    load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale, pack = (
+        dev(f) for f in (load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale,
+                         pack))
 
     def prefill_attn_wgmma(q, kv, table, o, start, m):
         # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
@@ -340,26 +374,39 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         m0, m1, al0, al1, ps0, ps1 = softmax(sacc, 0, qp0, qp1, t, m0, m1)
         l0 = ps0                                  # al = exp2(NEG - m) = 0: O and l were 0
         l1 = ps1
-        rescale_and_pack(oacc, sacc, pf, al0, al1)
+        pack(sacc, pf)                            # O is 0: no rescale
         rd = ring                                 # the stage of tile j - 1 (its V)
         for j in range(1, n_tiles):
             tile_landed()
             cur = rd + STAGE if rd != last else ring
             fence_s(sacc)
-            fence_o(oacc)
             issue_s(sacc, qf, cur)
+            if OVERLAP:
+                rescale(oacc, al0, al1)           # tile j - 1's alpha, under S_j
+            fence_o(oacc)
             issue_o(oacc, pf, rd + VOFF)
-            # the copies are issued behind the wgmmas, which they do not touch (the stage of
-            # tile j - 2)
-            refill(kv, table, kvh, wr, j + NST - 2, n_tiles, kv_len, last_pg, tid)
-            wr = wr + STAGE if wr != last else ring
+            if not OVERLAP:
+                # the copies are issued behind the wgmmas, which they do not touch (the stage of
+                # tile j - 2)
+                refill(kv, table, kvh, wr, j + NST - 2, n_tiles, kv_len, last_pg, tid)
+                wr = wr + STAGE if wr != last else ring
             wait_s(sacc, 1)                       # S_j done; P_{j-1} V_{j-1} in flight
             m0, m1, al0, al1, ps0, ps1 = softmax(sacc, j * bn, qp0, qp1, t, m0, m1)
             l0 = l0 * al0 + ps0                   # this lane's share; the quad summed at the end
             l1 = l1 * al1 + ps1
-            wait_o(oacc, 0)                       # P V retired: O and pf may be rewritten
-            rescale_and_pack(oacc, sacc, pf, al0, al1)
+            if OVERLAP:
+                # unconditional (zero filled past the end): no branch between the commits and
+                # wait 0, and the copies' registers are not live in the softmax
+                load_tile(kv, table, kvh, wr, (j + NST - 2) * bn, kv_len, last_pg, tid)
+                wr = wr + STAGE if wr != last else ring
+                wait_op(oacc, pf, 0)              # P V retired; pf held in its registers till now
+            else:
+                wait_o(oacc, 0)                   # P V retired: O and pf may be rewritten
+                rescale(oacc, al0, al1)
+            pack(sacc, pf)
             rd = cur
+        if OVERLAP:
+            rescale(oacc, al0, al1)
         fence_o(oacc)
         issue_o(oacc, pf, rd + VOFF)
         wait_o(oacc, 0)
@@ -385,11 +432,12 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
 
 
 @functools.cache
-def _jit(gqa, head_dim, num_kv, warpgroups, bn, nstage):
-    body = _prefill_kernel(gqa, head_dim, num_kv, warpgroups, bn, nstage)
+def _jit(gqa, head_dim, num_kv, warpgroups, bn, nstage, overlap=False):
+    body = _prefill_kernel(gqa, head_dim, num_kv, warpgroups, bn, nstage, overlap)
     # fastmath: 1/l becomes div.approx (an IEEE division is a call, and ptxas serialises every
     # wgmma of a kernel that holds one), exp2 ex2.approx
-    return compile_kernel(body, SIG, _name(gqa, head_dim, num_kv, warpgroups, bn, nstage),
+    return compile_kernel(body, SIG, _name(gqa, head_dim, num_kv, warpgroups, bn, nstage,
+                                           overlap),
                           launch_bounds=(128 * warpgroups,), fastmath=True)
 
 
@@ -413,7 +461,7 @@ def check_shape(cfg, warpgroups: int, bn: int, nstage: int) -> None:
 
 
 def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warpgroups: int = WARPGROUPS,
-                               bn: int = BN, nstage: int = NSTAGE):
+                               bn: int = BN, nstage: int = NSTAGE, overlap: bool = OVERLAP):
     """prefill.prefill_attention_launcher's contract on the wgmma kernel: check the arrays once;
     return `launch(m, start, stream=0)`, which attends the m query rows q[:m] (positions
     start..start+m-1, rotated; their K/V already in the cache) to keys 0..start+i and writes
@@ -422,7 +470,8 @@ def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warpgroups: int = 
     q (M_max, num_heads, head_dim) float32; o (M_max, num_heads*head_dim) float16 (o_proj's
     input); kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) float16; table int32 block table
     (positions 0..start+m-1 must be mapped).  One compiled kernel serves every m and start.
-    Needs sm_90a (wgmma)."""
+    Needs sm_90a (wgmma).  overlap=True: the loop order that lets the softmax run under P V
+    (module doc, "overlap")."""
     from nq.kernels.common import allow_smem, need
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     m_max = q.shape[0]
@@ -430,7 +479,7 @@ def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warpgroups: int = 
     need(o, "prefill attention: o", np.float16, (m_max, hq * d))
     check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
     check_shape(cfg, warpgroups, bn, nstage)
-    kern = _jit(cfg.gqa_ratio, d, hkv, warpgroups, bn, nstage)
+    kern = _jit(cfg.gqa_ratio, d, hkv, warpgroups, bn, nstage, bool(overlap))
     nbytes = smem_bytes(d, bn, nstage)
     allow_smem(kern, nbytes)
     o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims

@@ -13,6 +13,9 @@ from test_prefill_attn_gpu import CFGS, checked_rows, reference, tolerance
 
 pytestmark = pytest.mark.gpu
 
+# every case runs on the default loop and on overlap=True (the module doc's "overlap")
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["base", "ov"])
+
 
 class Context:
     """A sequence's pages in a scattered pool, with q and o buffers of m_max rows (as
@@ -56,47 +59,56 @@ class Context:
                                     f"{tol[worst]:.3g} at (row, col) {worst}")
 
 
+@OVERLAP
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 255, 4097])
-def test_7b_prompt_from_start_0(length):
-    Context(CFGS["7b"], length, length + 2, seed=length).run_and_check(length, 0)
+def test_7b_prompt_from_start_0(length, overlap):
+    Context(CFGS["7b"], length, length + 2, seed=length,
+            overlap=overlap).run_and_check(length, 0)
 
 
-def test_7b_continued_context():
-    ctx = Context(CFGS["7b"], 500, 300, seed=5)
+@OVERLAP
+def test_7b_continued_context(overlap):
+    ctx = Context(CFGS["7b"], 500, 300, seed=5, overlap=overlap)
     ctx.run_and_check(300, 0)
     ctx.run_and_check(200, 300)
 
 
+@OVERLAP
 @pytest.mark.parametrize("m,start", [(3, 2000), (40, 77), (16, 30000)])
-def test_7b_short_chunk_at_depth(m, start):
-    Context(CFGS["7b"], start + m, m, seed=m).run_and_check(m, start)
+def test_7b_short_chunk_at_depth(m, start, overlap):
+    Context(CFGS["7b"], start + m, m, seed=m, overlap=overlap).run_and_check(m, start)
 
 
+@OVERLAP
 @pytest.mark.parametrize("m,start", [(2048, 6144), (2048, 30000)])
-def test_7b_long_chunk_at_depth(m, start):
+def test_7b_long_chunk_at_depth(m, start, overlap):
     """The 8K and 32K prompts' last chunks: ~50 and ~250 tiles a CTA through the ring.  Rows:
     the first, middle and last 36 (the first, a middle and the last CTAs; the reference of
     all 2048 rows over 32K keys would take minutes)."""
     rows = [range(36), range(m // 2 - 18, m // 2 + 18), range(m - 36, m)]
-    Context(CFGS["7b"], start + m, m, seed=start).run_and_check(m, start, rows)
+    Context(CFGS["7b"], start + m, m, seed=start, overlap=overlap).run_and_check(m, start, rows)
 
 
+@OVERLAP
 @pytest.mark.parametrize("stale", [np.inf, 6e4], ids=["inf", "big"])
-def test_stale_slots_are_never_read(stale):
-    Context(CFGS["7b"], 49, 49, seed=9, stale=stale).run_and_check(49, 0)
+def test_stale_slots_are_never_read(stale, overlap):
+    Context(CFGS["7b"], 49, 49, seed=9, stale=stale, overlap=overlap).run_and_check(49, 0)
 
 
+@OVERLAP
 @pytest.mark.parametrize("name", ["0.5b-heads", "tiny", "g8", "g1"])
 @pytest.mark.parametrize("m,start", [(17, 0), (70, 130)])
-def test_gqa_shapes(name, m, start):
-    Context(CFGS[name], start + m, m, seed=len(name) + m).run_and_check(m, start)
+def test_gqa_shapes(name, m, start, overlap):
+    Context(CFGS[name], start + m, m, seed=len(name) + m,
+            overlap=overlap).run_and_check(m, start)
 
 
+@OVERLAP
 @pytest.mark.parametrize("shape", [dict(warpgroups=1), dict(bn=64), dict(bn=64, nstage=4),
                                    dict(warpgroups=1, bn=64, nstage=5)],
                          ids=["wg1", "bn64", "bn64-st4", "wg1-bn64-st5"])
-def test_other_shapes(shape):
-    ctx = Context(CFGS["7b"], 700, 400, seed=3, **shape)
+def test_other_shapes(shape, overlap):
+    ctx = Context(CFGS["7b"], 700, 400, seed=3, overlap=overlap, **shape)
     ctx.run_and_check(400, 300)
 
 
