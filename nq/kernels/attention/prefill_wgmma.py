@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
@@ -134,7 +135,8 @@ BN = 128           # keys a tile: S is 64 x 128 a warpgroup (64 fp32 a thread)
 NSTAGE = 3         # stages of the ring; a tile reads two (K_j, V_{j-1}), nstage - 2 in flight
 ALIGN = 1024       # the 128B swizzle repeats every 1024 bytes of absolute shared address
 ROW = 128          # bytes of a key row of one 64-dim half
-OVERLAP = False    # the launcher's default loop (module doc, "overlap=True")
+# the launcher's default loop (module doc, "overlap=True"); NQ_ATTN_OVERLAP=1 sets it for a process
+OVERLAP = os.environ.get("NQ_ATTN_OVERLAP") == "1"
 
 
 def tile_offset(key: int, chunk: int, bn: int = BN) -> int:
