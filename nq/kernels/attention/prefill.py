@@ -380,6 +380,36 @@ def _jit(gqa, head_dim, num_kv, warps, nstage):
 
 # ---- launcher ------------------------------------------------------------------------------------
 
+def check_arrays(cfg, q, kv_layer, table, o) -> None:
+    """The arrays every prefill attention launcher takes (their contract is below)."""
+    from nq.kernels.common import need
+    hq, d = cfg.num_heads, cfg.head_dim
+    need(q, "prefill attention: q", np.float32, (q.shape[0], hq, d))
+    need(o, "prefill attention: o", np.float16, (q.shape[0], hq * d))
+    check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
+
+
+def paged_launch(cfg, q, kv_layer, table, o, kern, nbytes: int, tpc: int, threads: int):
+    """`launch(m, start, stream=0)` of a compiled prefill attention kernel: a grid of (kv heads,
+    ceil(m / tpc)) CTAs of `threads`, `nbytes` of dynamic shared memory, its parameters built
+    once (FastLaunch); m and start are checked against q's rows and the block table's reach."""
+    from nq.kernels.common import allow_smem
+    allow_smem(kern, nbytes)
+    m_max, hkv = q.shape[0], cfg.num_kv_heads
+    max_pos = table.shape[0] * PAGE
+    o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims
+    fast = FastLaunch(kern, q, kv_layer, table, o32, 0, 0)
+
+    def launch(m, start, stream=0):
+        m, start = int(m), int(start)
+        if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
+            raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
+                             f"and start + m <= {max_pos} (the block table's reach)")
+        fast((hkv, -(-m // tpc)), threads, stream, nbytes, start, m)
+
+    return launch
+
+
 def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warps: int = WARPS,
                                nstage: int = NSTAGE):
     """Check the arrays once; return `launch(m, start, stream=0)`, which attends the m query
@@ -389,31 +419,12 @@ def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warps: int = WARPS
     q (M_max, num_heads, head_dim) float32; o (M_max, num_heads*head_dim) float16 (o_proj's
     input); kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) float16; table int32 block table
     (positions 0..start+m-1 must be mapped).  One compiled kernel serves every m and start."""
-    from nq.kernels.common import allow_smem, need
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    m_max = q.shape[0]
-    need(q, "prefill attention: q", np.float32, (m_max, hq, d))
-    need(o, "prefill attention: o", np.float16, (m_max, hq * d))
-    check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
+    check_arrays(cfg, q, kv_layer, table, o)
     if warps not in (2, 4, 8) or not 2 <= nstage <= 6:
         raise ValueError(f"prefill attention: unsupported warps={warps}, nstage={nstage}")
     if tokens_per_cta(cfg.gqa_ratio, warps) < 1:
         raise ValueError(f"prefill attention: {cfg.gqa_ratio} query heads a kv head need more "
                          f"than {warps} warps (16 rows each)")
-    kern = _jit(cfg.gqa_ratio, d, hkv, warps, nstage)
-    nbytes = smem_bytes(d, nstage)
-    allow_smem(kern, nbytes)
-    o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims
-    tpc = tokens_per_cta(cfg.gqa_ratio, warps)
-    max_pos = table.shape[0] * PAGE
-
-    fast = FastLaunch(kern, q, kv_layer, table, o32, 0, 0)
-
-    def launch(m, start, stream=0):
-        m, start = int(m), int(start)
-        if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
-            raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
-                             f"and start + m <= {max_pos} (the block table's reach)")
-        fast((hkv, -(-m // tpc)), 32 * warps, stream, nbytes, start, m)
-
-    return launch
+    kern = _jit(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads, warps, nstage)
+    return paged_launch(cfg, q, kv_layer, table, o, kern, smem_bytes(cfg.head_dim, nstage),
+                        tokens_per_cta(cfg.gqa_ratio, warps), 32 * warps)

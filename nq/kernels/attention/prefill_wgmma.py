@@ -117,15 +117,14 @@ import functools
 import math
 import os
 
-import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float32, int32, uint32, uint64
 
-from nq.kernels.attention.prefill import (LOG2E, NEG_BIG, SIG, prefill_attention_reference,
-                                          rounded_q, tokens_per_cta)
+from nq.kernels.attention.prefill import (LOG2E, NEG_BIG, SIG, check_arrays, paged_launch,
+                                          prefill_attention_reference, rounded_q,
+                                          tokens_per_cta)
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.fastlaunch import FastLaunch
-from nq.paged import PAGE, check_paged_args
+from nq.paged import PAGE
 
 __all__ = ["prefill_attention_launcher", "prefill_attention_reference", "rounded_q",
            "smem_bytes", "tile_offset"]
@@ -474,27 +473,9 @@ def prefill_attention_launcher(cfg, q, kv_layer, table, o, *, warpgroups: int = 
     (positions 0..start+m-1 must be mapped).  One compiled kernel serves every m and start.
     Needs sm_90a (wgmma).  overlap=True: the loop order that lets the softmax run under P V
     (module doc, "overlap")."""
-    from nq.kernels.common import allow_smem, need
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    m_max = q.shape[0]
-    need(q, "prefill attention: q", np.float32, (m_max, hq, d))
-    need(o, "prefill attention: o", np.float16, (m_max, hq * d))
-    check_paged_args("prefill attention", cfg, kv_layer, table, table)  # no state here
+    check_arrays(cfg, q, kv_layer, table, o)
     check_shape(cfg, warpgroups, bn, nstage)
-    kern = _jit(cfg.gqa_ratio, d, hkv, warpgroups, bn, nstage, bool(overlap))
-    nbytes = smem_bytes(d, bn, nstage)
-    allow_smem(kern, nbytes)
-    o32 = o.view(np.uint32)        # fp16 pairs: one 4-byte store per two dims
-    tpc = tokens_per_cta(cfg.gqa_ratio, 4 * warpgroups)
-    max_pos = table.shape[0] * PAGE
-
-    fast = FastLaunch(kern, q, kv_layer, table, o32, 0, 0)
-
-    def launch(m, start, stream=0):
-        m, start = int(m), int(start)
-        if not 1 <= m <= m_max or start < 0 or start + m > max_pos:
-            raise ValueError(f"prefill attention: m={m}, start={start}: want 1 <= m <= {m_max} "
-                             f"and start + m <= {max_pos} (the block table's reach)")
-        fast((hkv, -(-m // tpc)), 128 * warpgroups, stream, nbytes, start, m)
-
-    return launch
+    d = cfg.head_dim
+    kern = _jit(cfg.gqa_ratio, d, cfg.num_kv_heads, warpgroups, bn, nstage, bool(overlap))
+    return paged_launch(cfg, q, kv_layer, table, o, kern, smem_bytes(d, bn, nstage),
+                        tokens_per_cta(cfg.gqa_ratio, 4 * warpgroups), 128 * warpgroups)
