@@ -81,6 +81,20 @@ class QkvGemv(_Gemv):
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
 
 
+def _check_rope_args(g, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out) -> None:
+    """The arguments of a qkv_rope launcher's call (QkvRopeGemv's doc), but its weights."""
+    hq, _, d = g.heads
+    need(x, f"{g.name} x", np.float32, (g.k,))
+    need(norm_w, f"{g.name} norm_w", np.float16, (g.k,), 8)
+    need(bias, f"{g.name} bias", np.float16, (g.n_out,), 2)
+    need(state, f"{g.name} state", np.int32, (STATE_LEN,), 4)
+    need(inv_freq, f"{g.name} inv_freq", np.float32, (d // 2,), 4)
+    need(q_out, f"{g.name} q_out", np.float32, (hq * d,), 4)
+    check_paged_args(g.name, g.cfg, kv_layer, table, state)
+    if len(table.shape) != 1:
+        raise ValueError(f"{g.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
+
+
 class QkvRopeGemv(_Gemv):
     """qkv's GEMV with rope_kv's job as its epilogue; reads qkv's prepared weights as they are
     (the same `prepare`, and the default tiling keeps qkv's ks)."""
@@ -98,17 +112,8 @@ class QkvRopeGemv(_Gemv):
         / v, pos = state[STATE_POS], where [q|k|v] = Wqkv . rmsnorm(x, norm_w) + bias (fp32).
         x fp32 (K,), norm_w/bias fp16, inv_freq fp32 (D/2,) (rope_kv.rope_inv_freq), state and
         table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/runtime/kv_cache.py)."""
-        hq, _, d = self.heads
         self._check_weights(qw, sc)
-        need(x, f"{self.name} x", np.float32, (self.k,))
-        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
-        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
-        need(state, f"{self.name} state", np.int32, (STATE_LEN,), 4)
-        need(inv_freq, f"{self.name} inv_freq", np.float32, (d // 2,), 4)
-        need(q_out, f"{self.name} q_out", np.float32, (hq * d,), 4)
-        check_paged_args(self.name, self.cfg, kv_layer, table, state)
-        if len(table.shape) != 1:
-            raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
+        _check_rope_args(self, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out)
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
                                                       table, kv_layer, q_out)
 
@@ -240,17 +245,8 @@ class QkvRopeMmaGemv(_MmaGemv):
     def __call__(self, x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out,
                  stream=0):
         """As QkvRopeGemv.__call__."""
-        hq, _, d = self.heads
         qw, sc = self._weights(qw, sc)
-        need(x, f"{self.name} x", np.float32, (self.k,))
-        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
-        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
-        need(state, f"{self.name} state", np.int32, (STATE_LEN,), 4)
-        need(inv_freq, f"{self.name} inv_freq", np.float32, (d // 2,), 4)
-        need(q_out, f"{self.name} q_out", np.float32, (hq * d,), 4)
-        check_paged_args(self.name, self.cfg, kv_layer, table, state)
-        if len(table.shape) != 1:
-            raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
+        _check_rope_args(self, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out)
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
                                                       table, kv_layer, q_out)
 
