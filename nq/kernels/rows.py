@@ -1,5 +1,5 @@
-"""The small kernels of prefill, over a chunk of M token rows: embed_rows, rmsnorm_rows,
-rope_kv_rows and last_row.
+"""The small kernels of prefill, over a chunk of M token rows: embed_rows, rmsnorm_rows and
+rope_kv_rows.
 
 Decode's versions (embed.py, rope_kv.py) take one token whose id and position come from the
 device `state`, so one captured graph serves every step.  Prefill runs a chunk of M prompt
@@ -15,8 +15,6 @@ decode agree on what lands in the cache:
     rope_kv_rows  qkv fp32 (M, qkv_size) = [q | k | v] per row -> q_out fp32 (M, Hq, D)
                   rotated, and k rotated / v as fp16 into the paged cache at positions
                   start + i: rope_kv's arithmetic bit for bit (below)
-    last_row      x fp32 (M, H) -> out fp32 (H,): the last token's residual, for the final
-                  norm and lm_head of the decode path, which read one fixed (H,) buffer
 
 rope_kv_rows keeps rope_kv's fp32 angle pos*inv_freq[i] and precise cosf/sinf (no fastmath:
 see rope_kv.py), and writes the rotation as the fmas that rope_kv's `x1*c - x2*s` and
@@ -36,7 +34,7 @@ from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.fastlaunch import FastLaunch
 from nq.paged import PAGE, check_paged_args
 
-THREADS = 256    # embed_rows and last_row: a row of H fp32 in coalesced 1 KiB blocks
+THREADS = 256    # embed_rows: a row of H fp32 in coalesced 1 KiB blocks
 # rope_kv_rows: one block a token (it was a block of D/2 threads a (head, token): 36 x M tiny
 # blocks, each paying precise cosf/sinf for its pairs -- 90 us a 2048-token chunk of the 7B on
 # the H200 for ~70 MB moved, 2026-12-01); D/2 must divide it
@@ -145,23 +143,6 @@ def _rope_kv_rows(num_heads: int, num_kv: int, head_dim: int):
 
 
 @functools.cache
-def _last_row(hidden: int):
-    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
-
-    H = hidden
-
-    def last_row(x, out, m):
-        # x (M_max, H) f32; out (H,) f32; grid ceil(H/256)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        i = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
-        if i < H:
-            out[i] = x[m - 1, i]
-
-    return last_row, "void(float32[:, ::1], float32[::1], int32)", kernel_name("last_row", h=H)
-
-
-@functools.cache
 def _jit(factory, *key):
     """factory(*key) -> (body, signature, name), compiled once.  No fastmath for any of them:
     rope_kv_rows needs precise cosf/sinf (rope_kv.py's module doc), the others do no math."""
@@ -239,21 +220,5 @@ def rope_kv_rows_launcher(cfg, qkv, inv_freq, table, kv_layer, q_out):
             raise ValueError(f"rope_kv_rows: positions {start}..{start + m - 1} are past the "
                              f"block table's {max_pos}")
         fast(m, ROPE_THREADS, stream, 0, start, m)
-
-    return launch
-
-
-def last_row_launcher(x, out):
-    """Check once; return `launch(m, stream=0)`: out = x[m - 1].  x (M_max, H) fp32, out (H,)
-    fp32 (decode's residual buffer, so its final norm and lm_head run as they are)."""
-    from nq.kernels.common import need
-    m_max, hid = x.shape
-    need(x, "last_row: x", np.float32, (m_max, hid), align=4)
-    need(out, "last_row: out", np.float32, (hid,), align=4)
-    kern = _jit(_last_row, hid)
-    blocks = -(-hid // THREADS)
-
-    def launch(m, stream=0):
-        kern[blocks, THREADS, stream](x, out, _rows("last_row", m, m_max))
 
     return launch
