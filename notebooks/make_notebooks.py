@@ -101,7 +101,8 @@ from nq.kernels.int4 import gemv
 from nq.config import PRESETS
 
 cfg = PRESETS["7b"]
-t = int4.default_tiling("gate_up", cfg.intermediate_size, cfg.hidden_size)
+# the CUDA-core tiling: gate_up's default is now the tensor-core GEMV (gemv_mma.py)
+t = int4.default_tiling("gate_up", cfg.intermediate_size, cfg.hidden_size, mma=False)
 pyfunc, sig = gemv.build_kernel("gate_up", cfg.intermediate_size, cfg.hidden_size, t, cfg.rms_norm_eps)
 ptx = compile_ptx_sm90(pyfunc, sig)
 print(gemv.gemv_name("gate_up", cfg.intermediate_size, cfg.hidden_size, t, cfg.rms_norm_eps))

@@ -39,12 +39,12 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
     # waves over 132 SMs (288 blocks of qkv's 16 rows put 3 blocks on some SMs, 2 on others)
     "qkv": [default_tiling("qkv", QKV, H), T(14, threads=576), T(14, threads=288),
             T(7, threads=288)],
-    # o_proj and down default to the tensor cores; the CUDA-core default second
+    # o_proj, down and gate_up default to the tensor cores; the CUDA-core default second
     "o_proj": [default_tiling("o_proj", H, H), default_tiling("o_proj", H, H, mma=False),
                T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448)],
-    "gate_up": [default_tiling("gate_up", I, H), T(4, threads=128, span=128),
-                T(4, threads=256, span=128),
-                MmaTiling(warps=2, threads=256)],   # the NQ_MMA_GATE_UP=1 default (opt-in)
+    "gate_up": [default_tiling("gate_up", I, H), default_tiling("gate_up", I, H, mma=False),
+                T(4, threads=128, span=128), T(4, threads=256, span=128),
+                MmaTiling(warps=2, threads=128)],
     "down": [default_tiling("down", H, I), default_tiling("down", H, I, mma=False),
              MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512)],
 }
