@@ -11,6 +11,12 @@ ptx_util).  The hash is of the instructions alone: comments, the `.entry` name a
 symbol names are stripped, so a kernel may be renamed; one changed instruction, operand or
 register number changes it.  `--compare` checks that every kernel of the first file has a
 kernel with the same hash in the second.
+
+The hashes depend on the toolchain as much as on the code: compare two files made with the same
+numba-cuda and NVVM.  docs/figures/ptx_hashes_13c221c.json was made with an older NVVM than
+the one pip installs today (nvidia-nvvm 13.5.37 with numba-cuda 0.30.4), which changes most
+kernels' PTX; docs/figures/ptx_hashes_490d131.json is the default step at 490d131 made with
+that one (gate_up on the tensor cores; the 0.5B and 14B fp16 lm_heads with their padded h).
 """
 from __future__ import annotations
 
