@@ -160,7 +160,7 @@ def test_nq_chat_under_a_terminal(tiny_nanoqwen):
     pid, fd = pty.fork()
     if pid == 0:
         os.execvpe(sys.executable, [sys.executable, "-m", "nq", "chat", "--backend", "numpy",
-                                    "-m", str(tiny_nanoqwen), "--temp", "0", "-n", "400", "-c", "4000"],
+                                    "-m", str(tiny_nanoqwen), "--temp", "0", "-n", "1200", "-c", "5000"],
                    dict(os.environ, PYTHONUNBUFFERED="1"))
     buf = b""
 
@@ -185,7 +185,8 @@ def test_nq_chat_under_a_terminal(tiny_nanoqwen):
         os.write(fd, b"Tell me a long story about code\n")
         read_until(b"code\r\n")                  # the echo; then the reply starts streaming
         mark = len(buf)
-        while len(buf) < mark + 40:              # the reply is streaming (400 tokens: ~1 s)
+        while len(buf) < mark + 40:              # the reply is streaming (1200 tokens: ~1 s; 400
+                                                  # took 0.2 s and could end before the signal)
             r, _, _ = select.select([fd], [], [], 0.05)
             if r:
                 buf += os.read(fd, 64)
