@@ -159,6 +159,8 @@ def test_nq_chat_under_a_terminal(tiny_nanoqwen):
     import time
     pid, fd = pty.fork()
     if pid == 0:
+        # a background job's children start with SIGINT ignored; nq must see it as a terminal would
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execvpe(sys.executable, [sys.executable, "-m", "nq", "chat", "--backend", "numpy",
                                     "-m", str(tiny_nanoqwen), "--temp", "0", "-n", "1200", "-c", "5000"],
                    dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -176,7 +178,8 @@ def test_nq_chat_under_a_terminal(tiny_nanoqwen):
                     buf += os.read(fd, 4096)
                 except OSError:
                     break
-        assert token in buf[start:], buf.decode(errors="replace")[-2000:]
+        assert token in buf[start:], (f"SIGINT here: {signal.getsignal(signal.SIGINT)}\n"
+                                      + buf.decode(errors="replace")[-2000:])
 
     def write(line):
         nonlocal sent
