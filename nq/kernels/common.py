@@ -122,6 +122,17 @@ def block_rstd(red, nwarps, inv_k, eps):
     return float32(1.0) / math.sqrt(tot * inv_k + eps)
 
 
+def loop_chunks(n_chunks: int, unroll: int) -> int:
+    """How many 16-byte chunks a row's lane loop can name: `for c0 in range(0, ceil(n_chunks /
+    32), unroll)` reaches chunk (c0 + u) * 32 + lane for u < unroll.  The chunks past n_chunks
+    are skipped by a branch (row_chunk_loads' loads, the heads' shared reads), but the compiler
+    may hoist a loop-invariant shared load above its branch (the H200 faulted on a 656-wide
+    int8 head at unroll 8), so a staged copy of the activations needs room for all of them;
+    their values are never used, so the padding needs no zeros."""
+    per_lane = -(-n_chunks // 32)
+    return -(-per_lane // unroll) * unroll * 32
+
+
 def row_chunk_loads(n_chunks: int, unroll: int, per_chunk: int):
     """The device function load_u(weight, row, lane, c0) of a head whose rows are n_chunks
     16-byte chunks of per_chunk elements (fp16: 8, int8: 16): the 4-word loads of chunks

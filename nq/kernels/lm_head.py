@@ -30,8 +30,8 @@ from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, need, row_chunk_loads,
-                               sm_count, warp_sum)
+from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, loop_chunks, need,
+                               row_chunk_loads, sm_count, warp_sum)
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_shared_v4_f32, unpack_f16x2_to_f32)
 from nq.ref import linear, rms_norm
@@ -57,11 +57,9 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     CH = k // 8                  # 16-byte chunks per row
     NCL = -(-CH // 32)           # chunks per lane
     U = unroll
-    # floats in each of hA, hB: every chunk a lane's loop can name, (c0 + u) * 32 + lane, not
-    # only the CH real ones, because the compiler may hoist the skipped chunks' shared loads
-    # above their branch (lm_head_int8.py: the H200 faulted there); the 7B's 448 chunks are
-    # 14 x 32 with unroll 7, so its kernel is unchanged
-    SH = -(-NCL // U) * U * 32 * 4
+    # floats in each of hA, hB: 4 a chunk the lane loop can name (common.loop_chunks); the
+    # 7B's 448 chunks are 14 x 32 with unroll 7, so its kernel is unchanged
+    SH = loop_chunks(CH, U) * 4
     if 2 * SH * 4 + 64 > STATIC_SMEM_LIMIT:
         raise ValueError(f"lm_head: hidden={k} needs {2 * SH * 4} bytes of shared memory at "
                          f"unroll {unroll}; use a smaller unroll")

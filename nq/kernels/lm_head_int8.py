@@ -47,8 +47,8 @@ from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, need, row_chunk_loads,
-                               sm_count, warp_sum)
+from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, loop_chunks, need,
+                               row_chunk_loads, sm_count, warp_sum)
 from nq.loader.quant import dequantize_int8_rows
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_shared_v4_f32, mov_b32_f32_from_u32, prmt_b32)
@@ -106,12 +106,9 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
     CH = k // 16                 # 16-byte chunks per row
     NCL = -(-CH // 32)           # chunks per lane
     U, R = unroll, rows
-    # floats in each of the four parts of h: every chunk a lane's loop can name, (c0 + u) * 32
-    # + lane, not only the CH real ones.  The chunks past CH are skipped by a branch, but the
-    # compiler may hoist their shared loads above it (they are loop-invariant: the H200 faulted
-    # on a 656-wide head with unroll 8, whose part 3 then read past the array); their values
-    # are never used, so the padding needs no zeros, only room.
-    SH = -(-NCL // U) * U * 32 * 4
+    # floats in each of the four parts of h: 4 a chunk the lane loop can name, not only the CH
+    # real ones (common.loop_chunks: the H200 faulted on a 656-wide head at unroll 8)
+    SH = loop_chunks(CH, U) * 4
     H_LEN = 4 * SH               # >= k
     if H_LEN * 4 + 64 > STATIC_SMEM_LIMIT:
         raise ValueError(f"lm_head_int8: hidden={k} needs {H_LEN * 4} bytes of shared memory "
