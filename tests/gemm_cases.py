@@ -18,7 +18,7 @@ def projections(cfg, qkv_ks, gate_up_ks):
 
 SHAPES = ([("0.5b",) + p for p in projections(PRESETS["0.5b"], 7, 7)]
           + [("7b",) + p for p in projections(PRESETS["7b"], 14, 4)]
-          # gate_up as decode uploads it with NQ_MMA_GATE_UP=1 (gemv_mma's fragment layout)
+          # gate_up as decode uploads it (gemv_mma's fragment layout; the default since d292fd2)
           + [(m, "gate_up", PRESETS[m].intermediate_size, PRESETS[m].hidden_size, "mma")
              for m in ("0.5b", "7b")]
           # qkv as decode uploads it with NQ_MMA_QKV=1 (its rows in RoPE-pair order)

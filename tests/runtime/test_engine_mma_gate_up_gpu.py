@@ -1,4 +1,4 @@
-"""The GPU engine with gate_up on the tensor cores (NQ_MMA_GATE_UP=1, tiling.MMA_GATE_UP; H200:
+"""The GPU engine with gate_up on the tensor cores (the default; tiling.MMA_GATE_UP; H200:
 -m gpu): the upload writes gate_up's mma fragments, decode runs gemv_mma's gate_up, the
 prefill GEMMs read the "mma" layout, and the engine still decodes and prefills as the fp32
 reference, by test_engine_gpu.py's rules (whose models and helpers these are)."""

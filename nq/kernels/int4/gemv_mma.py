@@ -13,10 +13,10 @@ tile: ~10 instructions per 8 weights instead of ~14.  The default for o_proj and
 
 gate_up here lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows): +0.017 ms a step
 (2 warps a tile, 256 threads; +0.046 beside the mma down), 4 warps t256 +0.084, 1 warp t128
-+0.51.  It is back as an opt-in (`NQ_MMA_GATE_UP=1`, tiling.MMA_GATE_UP; not yet measured on
-the H200 in this form): the prefill GEMMs read gate_up ~1.3x faster in this layout than in the
-row layout (bench_gemm.py: 430-490 against 326-372 TFLOP/s), -3.5 ms of a 512-token prompt
-and -32 ms of an 8K one, predicted against +0.02..0.05 ms a decode step, and its sums are fp32.
++0.51.  It is back, and the default since d292fd2 (NQ_MMA_GATE_UP=0 turns it off:
+tiling.MMA_GATE_UP), because the prefill GEMMs read gate_up ~1.3x faster in this layout than in
+the row layout: on the H200 (2026-12-01) a 512-token prompt 22.0 -> 18.9 ms and an 8K one 354
+-> 314 ms, for +0.036 ms a decode step; and its sums are fp32.
 
 qkv and qkv_rope (opt-in, NQ_MMA_QKV=1: tiling.MMA_QKV; not yet measured on the H200): gemv.py's
 qkv_rope wants one thread to own a RoPE pair, rows i and i + D/2 of a head, and a lane holds

@@ -46,8 +46,7 @@ class _Gemv:
         self.tiling = tiling or default_tiling(self.kind, n_out, k, mma=False)
         if isinstance(self.tiling, MmaTiling):
             raise ValueError(f"{self.kind}: {self.tiling.tag()} is a tensor-core tiling; the "
-                             f"tensor-core kernel (gemv_mma.py) takes o_proj, down and gate_up, "
-                             f"built by make_o_proj_gemv / make_down_gemv / make_gate_up_gemv")
+                             f"tensor-core kernel (gemv_mma.py) is built by make_{self.kind}_gemv")
         self.eps = float(cfg.rms_norm_eps)
         t = self.tiling
         self.kernel = compile_gemv(self.kind, n_out, k, t, self.eps, self.heads)
@@ -199,7 +198,7 @@ class ResidualMmaGemv(_MmaGemv):
 
 
 class GateUpMmaGemv(_MmaGemv):
-    """gate_up on the tensor cores (opt-in: tiling.MMA_GATE_UP): GateUpGemv's call, `g(x,
+    """gate_up on the tensor cores (the default; NQ_MMA_GATE_UP=0: GateUpGemv): its call, `g(x,
     norm_w, qw, sc, out, stream)`, out fp16 (I,) = silu(Wg . h) * (Wu . h), h = rmsnorm(x,
     norm_w); prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix."""
 
@@ -290,7 +289,7 @@ def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None)
 def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix; call
     (x, norm_w, qw, sc, out, stream).  The tensor cores' kernel where the tiling is an
-    MmaTiling (the default only with NQ_MMA_GATE_UP=1: tiling.MMA_GATE_UP)."""
+    MmaTiling (the default unless NQ_MMA_GATE_UP=0: tiling.MMA_GATE_UP)."""
     i = cfg.intermediate_size
     tiling = tiling or default_tiling("gate_up", i, cfg.hidden_size)
     if isinstance(tiling, MmaTiling):

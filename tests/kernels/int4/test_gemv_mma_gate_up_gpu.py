@@ -1,4 +1,4 @@
-"""GPU tests of gate_up on the tensor cores (gemv_mma kind "gate_up", opt-in NQ_MMA_GATE_UP=1;
+"""GPU tests of gate_up on the tensor cores (gemv_mma kind "gate_up", the default unless NQ_MMA_GATE_UP=0;
 H200: -m gpu), against silu(Wg.h) * (Wu.h), h = rmsnorm(x) * norm_w, in fp64.
 
 Tolerance 2e-3 of the reference's norm (test_gemv_mma_gate_up_cpu.py derives it): the staged
@@ -45,7 +45,7 @@ def run(n, k, tiling, seed):
 
 
 @pytest.mark.parametrize("n,k,tiling", [
-    (18944, 3584, T(warps=2, threads=256)),    # the 7B, the opt-in's tiling (13c221c's best)
+    (18944, 3584, T(warps=2, threads=256)),    # the 7B, the default tiling (13c221c's best)
     (4864, 896, T(warps=2, threads=256)),      # the 0.5B: 7 groups over 2 warps
     (13824, 5120, T(warps=2, threads=256)),    # the 14B
     (18944, 3584, T(warps=2, threads=128)),    # 13c221c's other candidates
@@ -68,7 +68,7 @@ def test_gate_up_is_deterministic():
 
 
 def test_gate_up_does_not_spill_on_the_device():
-    # through make_gate_up_gemv, as gemvs() builds it with NQ_MMA_GATE_UP=1
+    # through make_gate_up_gemv, as gemvs() builds it by default
     g = make_gate_up_gemv(CFG, T(warps=2, threads=256))
     assert isinstance(g, GateUpMmaGemv)
     assert g.kernel.get_local_mem_per_thread() == 0, g.kernel.get_regs_per_thread()
