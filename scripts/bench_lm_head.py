@@ -27,23 +27,13 @@ from numba import cuda  # noqa: E402
 from nq.config import PRESETS  # noqa: E402
 from nq.kernels import lm_head, lm_head_int8  # noqa: E402
 from nq.kernels.fill import fill_f16, fill_u32  # noqa: E402
-from nq.runtime.graphs import CapturedGraph  # noqa: E402
-from nq.tools.bench import copy_ceiling_gbs  # noqa: E402
+from nq.tools.bench import copy_ceiling_gbs, graph_ms  # noqa: E402
 
 
 def time_us(stream, launch, replays: int) -> float:
-    launch(stream)
+    launch(stream)             # compiled and run once outside the graph
     stream.synchronize()
-    g = CapturedGraph(stream, lambda: launch(stream), name="lm_head")
-    for _ in range(5):
-        g.replay()
-    e0, e1 = cuda.event(), cuda.event()
-    e0.record(stream)
-    for _ in range(replays):
-        g.replay()
-    e1.record(stream)
-    e1.synchronize()
-    return 1e3 * cuda.event_elapsed_time(e0, e1) / replays
+    return 1e3 * graph_ms(stream, lambda: launch(stream), replays, warmup=5, name="lm_head")
 
 
 def tiling(text: str) -> dict:

@@ -40,7 +40,7 @@ def main():
     from nq.kernels.sampler import Sampler
     from nq.kernels.sampler import kernels as K
     from nq.paged import STATE_LEN
-    from nq.runtime.graphs import CapturedGraph
+    from nq.tools.bench import graph_ms
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=2000)
@@ -61,16 +61,7 @@ def main():
     def timed(fn, reps):
         fn()
         stream.synchronize()
-        g = CapturedGraph(stream, fn, programmatic=True)
-        for _ in range(20):
-            g.replay()
-        e0, e1 = cuda.event(), cuda.event()
-        e0.record(stream)
-        for _ in range(reps):
-            g.replay()
-        e1.record(stream)
-        e1.synchronize()
-        return 1e3 * cuda.event_elapsed_time(e0, e1) / reps
+        return 1e3 * graph_ms(stream, fn, reps, warmup=20, programmatic=True)
 
     results = {}
     am = argmax.argmax_launcher(d_logits, state, out, argmax.argmax_workspace())

@@ -204,23 +204,30 @@ def at_context(eng, ctx: int, ahead: int) -> None:
     eng.reserve_ahead(ahead + 1)
 
 
-def region_ms(eng, region: str, replays: int) -> float:
-    """GPU time per step of one region alone: a graph of only its launches, replayed."""
+def graph_ms(stream, fn, replays: int, warmup: int = 3, name: str = "graph",
+             programmatic: bool = False) -> float:
+    """ms per replay of a CUDA graph of fn()'s launches on stream: captured, replayed `warmup`
+    times, then `replays` times between two events."""
     from numba import cuda
 
     from nq.runtime.graphs import CapturedGraph
-    eng.stream.synchronize()
-    g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions={region}), name=region,
-                      programmatic=eng.pdl)
-    for _ in range(3):
+    g = CapturedGraph(stream, fn, name=name, programmatic=programmatic)
+    for _ in range(warmup):
         g.replay()
     e0, e1 = cuda.event(), cuda.event()
-    e0.record(eng.stream)
+    e0.record(stream)
     for _ in range(replays):
         g.replay()
-    e1.record(eng.stream)
+    e1.record(stream)
     e1.synchronize()
     return cuda.event_elapsed_time(e0, e1) / replays
+
+
+def region_ms(eng, region: str, replays: int) -> float:
+    """GPU time per step of one region alone: a graph of only its launches, replayed."""
+    eng.stream.synchronize()
+    return graph_ms(eng.stream, lambda: eng.run_eager(regions={region}), replays, name=region,
+                    programmatic=eng.pdl)
 
 
 def measure_breakdown(eng, ctx: int, replays: int = 100, steps: int = 32) -> dict:
