@@ -16,7 +16,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               mbarrier_try_wait_parity, mbarrier_wait_parity
     fence     fence_mbarrier_init, fence_proxy_async_shared
     bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
-    async_copy cp_async_cg_shared_global_16 (+ _zfill), cp_async_commit_group, cp_async_wait_group
+    async_copy cp_async_cg_shared_global_16 (+ _zfill, _zfill_off), cp_async_commit_group, cp_async_wait_group
     mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
     (nq.ptx.wgmma, sm_90a only, imported from there: wgmma_fence, wgmma_commit_group,
      wgmma_wait_group, the accumulator-carrying wgmma_rs(n) / wgmma_ss(n) / wgmma_fence_acc /
@@ -27,6 +27,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
 """
 from nq.ptx._asm import SIMULATOR
 from nq.ptx.async_copy import (cp_async_cg_shared_global_16, cp_async_cg_shared_global_16_zfill,
+                               cp_async_cg_shared_global_16_zfill_off,
                                cp_async_commit_group, cp_async_wait_group)
 from nq.ptx.bulk import cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
 from nq.ptx.dp4a import dp4a_s32
@@ -64,6 +65,7 @@ __all__ = [
     "fence_mbarrier_init", "fence_proxy_async_shared",
     "cp_async_bulk_g2s", "cp_async_bulk_g2s_hint", "cp_async_bulk_prefetch_l2",
     "cp_async_cg_shared_global_16", "cp_async_cg_shared_global_16_zfill",
+    "cp_async_cg_shared_global_16_zfill_off",
     "cp_async_commit_group", "cp_async_wait_group",
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
     "dp4a_s32", "mul_hi_u32",

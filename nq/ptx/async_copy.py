@@ -80,6 +80,32 @@ def cp_async_cg_shared_global_16_zfill(dst, src, src_idx, src_bytes):
     _queues().open.append((dst, data))
 
 
+@ptx("{ .reg .u64 nq_a; add.u64 nq_a, %1, %2; cp.async.cg.shared.global [%0], [nq_a], 16, %3; }",
+     args=("u32", "base", "u64", "u32"), effect="memory")
+def cp_async_cg_shared_global_16_zfill_off(dst, src, byte_offset, src_bytes):
+    """cp_async_cg_shared_global_16_zfill with the source named by a byte offset from src's
+    element 0 instead of an index: `add.u64 a, &src[0], byte_offset; cp.async.cg.shared.global
+    [dst], [a], 16, src_bytes;`.
+
+    An N-d index costs a multiply by a run-time stride per dimension (numba's arrays carry
+    their shape at run time); a kernel that knows the strides at compile time (prefill
+    attention's paged K/V pool: page, head, K/V, row) writes the offset as a constant plus one
+    multiply, and ptxas folds the constant parts into the address.  Same alignment, zero fill
+    and landing rules as the indexed form.
+    """
+    dst, n, off = int(dst), int(src_bytes), int(byte_offset)
+    assert dst % 16 == 0 and 0 <= n <= 16, "cp.async: 16-byte aligned dst, src_bytes <= 16"
+    _sim.shared_bytes(dst, 16)
+    a = np.asarray(getattr(src, "_ary", src))
+    assert a.flags.c_contiguous, "the twins model C-contiguous arrays only"
+    assert (a.ctypes.data + off) % 16 == 0, "16-byte access at a misaligned address"
+    assert 0 <= off and (n == 0 or off + 16 <= a.nbytes), "cp.async: source past the array"
+    data = np.zeros(16, np.uint8)
+    if n:
+        data[:n] = a.reshape(-1).view(np.uint8)[off:off + n]
+    _queues().open.append((dst, data))
+
+
 @ptx("cp.async.commit_group;", effect="memory")
 def cp_async_commit_group():
     """`cp.async.commit_group;` -- close this thread's copies issued since its last commit into

@@ -20,7 +20,11 @@ def k_cp_async_ring(src, keep, out):
     base = P.cvta_to_shared_u32(tile)
     for s in range(2):  # both stages in flight, then waited for one group at a time
         slot = s * CHUNKS + (tid ^ (tid // 8 % 8))
-        P.cp_async_cg_shared_global_16_zfill(base + 16 * slot, src, 4 * (s * CHUNKS + tid), 16 * keep[tid])
+        if s == 0:
+            P.cp_async_cg_shared_global_16_zfill(base + 16 * slot, src, 4 * (s * CHUNKS + tid), 16 * keep[tid])
+        else:     # the byte-offset form: the same element, named in bytes
+            P.cp_async_cg_shared_global_16_zfill_off(base + 16 * slot, src, 16 * (s * CHUNKS + tid),
+                                                     16 * keep[tid])
         P.cp_async_commit_group()
     P.cp_async_wait_group(1)
     cuda.syncthreads()

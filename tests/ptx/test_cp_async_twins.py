@@ -38,3 +38,24 @@ def test_rejects_what_the_gpu_would_fault_on():
         P.cp_async_cg_shared_global_16_zfill.twin(dst + 4, src, 0, 16)
     with pytest.raises(AssertionError, match="misaligned"):
         P.cp_async_cg_shared_global_16_zfill.twin(dst, src, 1, 16)
+
+
+def test_byte_offset_form_reads_what_the_index_form_reads():
+    pool = np.arange(2 * 3 * 16, dtype=np.float16).reshape(2, 3, 16)
+    a, b = np.zeros(8, dtype=np.float16), np.zeros(8, dtype=np.float16)
+    P.cp_async_cg_shared_global_16_zfill.twin(P.cvta_to_shared_u32.twin(a), pool, (1, 2, 8), 16)
+    off = 2 * ((1 * 3 + 2) * 16 + 8)                # the same element, in bytes
+    P.cp_async_cg_shared_global_16_zfill_off.twin(P.cvta_to_shared_u32.twin(b), pool, off, 16)
+    assert not b.any()                              # lands at the wait, as the indexed form
+    P.cp_async_commit_group.twin()
+    P.cp_async_wait_group.twin(0)
+    np.testing.assert_array_equal(a, b)
+    c = np.full(8, 7, dtype=np.float16)
+    P.cp_async_cg_shared_global_16_zfill_off.twin(P.cvta_to_shared_u32.twin(c), pool, 10 ** 6, 0)
+    P.cp_async_commit_group.twin()
+    P.cp_async_wait_group.twin(0)
+    assert not c.any()                              # src_bytes 0: zeros, nothing read
+    with pytest.raises(AssertionError, match="misaligned"):
+        P.cp_async_cg_shared_global_16_zfill_off.twin(P.cvta_to_shared_u32.twin(c), pool, 8, 16)
+    with pytest.raises(AssertionError, match="past the array"):
+        P.cp_async_cg_shared_global_16_zfill_off.twin(P.cvta_to_shared_u32.twin(c), pool, pool.nbytes, 16)

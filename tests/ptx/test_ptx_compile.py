@@ -239,6 +239,7 @@ def extras_set(w, h, f, out, o16):
         ftile[i] = f[i]
     ctile = cuda.shared.array(64, dtype=np.uint32, alignment=16)
     P.cp_async_cg_shared_global_16_zfill(P.cvta_to_shared_u32(ctile) + 16 * (i % 16), w, 4 * (i % 16), 16 * (i % 2))
+    P.cp_async_cg_shared_global_16_zfill_off(P.cvta_to_shared_u32(ctile) + 16 * (i % 16), w, 16 * (i % 16), 16)
     P.cp_async_commit_group()
     P.cp_async_wait_group(0)
     cuda.syncthreads()
@@ -281,7 +282,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     from test_async_copy import async_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 47
+    assert len(names) == 48
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx())
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()

@@ -134,6 +134,8 @@ BN = 128           # keys a tile: S is 64 x 128 a warpgroup (64 fp32 a thread)
 NSTAGE = 3         # stages of the ring; a tile reads two (K_j, V_{j-1}), nstage - 2 in flight
 ALIGN = 1024       # the 128B swizzle repeats every 1024 bytes of absolute shared address
 ROW = 128          # bytes of a key row of one 64-dim half
+CHAINS_BASE = 4    # independent max / sum chains a row in the softmax (2 more registers each)
+CHAINS_OV = 2      # ... in the overlap loop, where P_{j-1}'s 32 registers are live too
 # the launcher's default loop (module doc, "overlap=True"); NQ_ATTN_OVERLAP=1 sets it for a process
 OVERLAP = os.environ.get("NQ_ATTN_OVERLAP") == "1"
 
@@ -160,7 +162,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
                     nstage: int, overlap: bool = False):
     """The kernel body for one head shape; see the module doc."""
     from nq.kernels.common import dev
-    from nq.ptx import (cp_async_cg_shared_global_16_zfill, cp_async_commit_group,
+    from nq.ptx import (cp_async_cg_shared_global_16_zfill_off, cp_async_commit_group,
                         cp_async_wait_group, cvta_to_shared_u32_at, fence_proxy_async_shared,
                         griddepcontrol_wait, pack_f16x2_from_f32)
     from nq.ptx.wgmma import (SWIZZLE_128B, desc_hi, wgmma_commit_group, wgmma_fence_acc,
@@ -182,6 +184,12 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
     RPP = NTH // CPR                   # key rows one copy pass covers
     PASSES = bn // RPP
     assert NTH % CPR == 0 and bn % RPP == 0 and RPP % 8 == 0
+    assert RPP % PAGE == 0 or PAGE % RPP == 0   # a pass's page and row in it: constants + rr
+    # the pool's byte strides, compile-time constants (kv (n_pages, num_kv, 2, PAGE, D) fp16):
+    # a copy's source is table[page] * PSTRIDE + this thread's fixed offset in the page
+    PSTRIDE = num_kv * 2 * PAGE * D * 2    # a page, all kv heads
+    HSTRIDE = 2 * PAGE * D * 2             # a kv head's K and V rows in a page
+    VG = PAGE * D * 2                      # V's rows after K's
     KH = bn * ROW                      # a 64-dim half of a tile
     VOFF = (D // 64) * KH              # V's tile after K's
     STAGE = 2 * VOFF
@@ -194,6 +202,8 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
     wait_s, wait_o = wgmma_wait_group_acc(NS), wgmma_wait_group_acc(NO)
     wait_op = wgmma_wait_group_acc_a(NO, PW)
     OVERLAP = bool(overlap)
+    CHAINS = CHAINS_OV if OVERLAP else CHAINS_BASE   # the softmax's reduction chains a row
+    CH2 = 2 * CHAINS
     zero_s, zero_o = wgmma_zero_acc(NS), wgmma_zero_acc(NO)
     QSCALE = float32(LOG2E / math.sqrt(D))
     NEG = float32(NEG_BIG)
@@ -202,22 +212,28 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
     FULL = 0xFFFFFFFF
     PG = PAGE
 
-    def load_tile(kv, table, kvh, sbase, pos0, kv_len, last_pg, tid):
+    def load_tile(kv, table, sbase, pos0, kv_len, last_pg, goff, soff, rr):
         """This thread's cp.async copies of the K and V tile of keys pos0..pos0+bn-1 into the
         stage at shared address sbase (tile_offset's layout); keys at or past kv_len are zero
-        filled and read nothing."""
-        c = tid % CPR
-        rr = tid // CPR
-        coff = (c // 8) * KH + (((c % 8) ^ (rr % 8)) * 16)   # row % 8 == rr % 8 every pass
+        filled and read nothing.  goff: the thread's byte offset inside a page (its kv head,
+        row rr % PAGE, chunk); soff: its chunk's offset in a tile row (row % 8 == rr % 8 every
+        pass, so one swizzle); rr: its first row.  A pass is one table load, one multiply and
+        two copies: every stride is a constant (cp_async_cg_shared_global_16_zfill_off)."""
+        # 32-bit index arithmetic, an unsigned table index (numba's int64 index with its
+        # negative-index fix-up cost ~16 instructions a table load)
+        p0 = int32(pos0)
+        pg0 = uint32(p0 // PG + rr // PG)
+        lpg = uint32(last_pg)
         for i in range(PASSES):
             row = rr + RPP * i
-            p = pos0 + row
-            pid = table[min(p // PG, last_pg)]
-            nbytes = uint32(16) if p < kv_len else Z
-            dst = sbase + coff + row * ROW
-            cp_async_cg_shared_global_16_zfill(dst, kv, (pid, kvh, 0, p % PG, 8 * c), nbytes)
-            cp_async_cg_shared_global_16_zfill(dst + VOFF, kv, (pid, kvh, 1, p % PG, 8 * c),
-                                               nbytes)
+            # rr < RPP, so pass i's page is pg0 + (RPP i) // PG and its row in the page
+            # rr % PG + (RPP i) % PG (one of the two terms is 0)
+            pid = table[min(pg0 + uint32((RPP * i) // PG), lpg)]
+            nbytes = uint32(16) if p0 + row < int32(kv_len) else Z
+            src = uint64(pid) * uint64(PSTRIDE) + uint64(goff + ((RPP * i) % PG) * (D * 2))
+            dst = sbase + soff + row * ROW
+            cp_async_cg_shared_global_16_zfill_off(dst, kv, src, nbytes)
+            cp_async_cg_shared_global_16_zfill_off(dst + VOFF, kv, src + uint64(VG), nbytes)
         cp_async_commit_group()
 
     def tile_landed():
@@ -227,11 +243,11 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         fence_proxy_async_shared()     # cp.async's writes -> wgmma's async proxy
         cuda.syncthreads()
 
-    def refill(kv, table, kvh, wbase, jn, n_tiles, kv_len, last_pg, tid):
+    def refill(kv, table, wbase, jn, n_tiles, kv_len, last_pg, goff, soff, rr):
         """The copies of tile jn into the stage at wbase (an empty group past the end keeps
         wait_group's count a count of tiles)."""
         if jn < n_tiles:
-            load_tile(kv, table, kvh, wbase, jn * bn, kv_len, last_pg, tid)
+            load_tile(kv, table, wbase, jn * bn, kv_len, last_pg, goff, soff, rr)
         else:
             cp_async_commit_group()
 
@@ -251,42 +267,64 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
                   vd + uint64(kk * (16 * ROW >> 4)), 1)
         wgmma_commit_group()
 
-    def softmax(sacc, pos0, qp0, qp1, t, m0, m1):
-        """Mask S (keys past a row's position -> NEG_BIG), the row max over the lane quad, p =
-        exp2(s - m_new) in place, this lane's share of the row sums.  Returns (m0, m1, alpha0,
-        alpha1, sum0, sum1); alpha = exp2(m_old - m_new) rescales O and l."""
-        lim0 = int32(qp0 - pos0 - 2 * t)   # key pos0 + 8 nt + 2t + e visible iff 8 nt + e <= lim
-        lim1 = int32(qp1 - pos0 - 2 * t)
-        mx0 = NEG
-        mx1 = NEG
-        for nt in range(NTS):
-            for e in range(2):
-                i = 4 * nt + e
-                col = int32(8 * nt + e)
-                v0 = sacc[i] if col <= lim0 else NEG
-                v1 = sacc[i + 2] if col <= lim1 else NEG
-                sacc[i] = v0
-                sacc[i + 2] = v1
-                mx0 = max(mx0, v0)
-                mx1 = max(mx1, v1)
-        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
-        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
-        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
-        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
-        mn0 = max(m0, mx0)
-        mn1 = max(m1, mx1)
-        ps0 = ZERO
-        ps1 = ZERO
-        for nt in range(NTS):
-            for e in range(2):
-                i = 4 * nt + e
-                p0 = math.exp2(sacc[i] - mn0)
-                p1 = math.exp2(sacc[i + 2] - mn1)
-                sacc[i] = p0
-                sacc[i + 2] = p1
-                ps0 += p0
-                ps1 += p1
-        return mn0, mn1, math.exp2(m0 - mn0), math.exp2(m1 - mn1), ps0, ps1
+    def make_softmax(masked):
+        """softmax(sacc, pos0, qp0, qp1, t, m0, m1): mask S (keys past a row's position ->
+        NEG_BIG; masked=False for a tile wholly at or below every row's position, where the
+        mask is the identity and its 2 x 64 compare-selects are saved), the row max over the
+        lane quad, p = exp2(s - m_new) in place, this lane's share of the row sums.  Returns
+        (m0, m1, alpha0, alpha1, sum0, sum1); alpha = exp2(m_old - m_new) rescales O and l.
+        The max and the sums run as CHAINS independent chains a row (a 32-long chain of
+        dependent FMNMX / FADD is latency, with 2 warps a scheduler to hide it)."""
+        def softmax(sacc, pos0, qp0, qp1, t, m0, m1):
+            if masked:
+                lim0 = int32(qp0 - pos0 - 2 * t)   # key pos0 + 8 nt + 2t + e visible iff 8 nt + e <= lim
+                lim1 = int32(qp1 - pos0 - 2 * t)
+                for nt in range(NTS):
+                    for e in range(2):
+                        i = 4 * nt + e
+                        col = int32(8 * nt + e)
+                        if col > lim0:
+                            sacc[i] = NEG
+                        if col > lim1:
+                            sacc[i + 2] = NEG
+            ch = cuda.local.array(CH2, float32)   # [row][chain], constant indices
+            for k in range(2 * CHAINS):
+                ch[k] = NEG
+            for nt in range(NTS):
+                for e in range(2):
+                    k = (2 * nt + e) % CHAINS
+                    ch[k] = max(ch[k], sacc[4 * nt + e])
+                    ch[CHAINS + k] = max(ch[CHAINS + k], sacc[4 * nt + e + 2])
+            mx0 = ch[0]
+            mx1 = ch[CHAINS]
+            for k in range(1, CHAINS):
+                mx0 = max(mx0, ch[k])
+                mx1 = max(mx1, ch[CHAINS + k])
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+            mn0 = max(m0, mx0)
+            mn1 = max(m1, mx1)
+            for k in range(2 * CHAINS):
+                ch[k] = ZERO
+            for nt in range(NTS):
+                for e in range(2):
+                    k = (2 * nt + e) % CHAINS
+                    i = 4 * nt + e
+                    p0 = math.exp2(sacc[i] - mn0)
+                    p1 = math.exp2(sacc[i + 2] - mn1)
+                    sacc[i] = p0
+                    sacc[i + 2] = p1
+                    ch[k] += p0
+                    ch[CHAINS + k] += p1
+            ps0 = ch[0]
+            ps1 = ch[CHAINS]
+            for k in range(1, CHAINS):
+                ps0 += ch[k]
+                ps1 += ch[CHAINS + k]
+            return mn0, mn1, math.exp2(m0 - mn0), math.exp2(m1 - mn1), ps0, ps1
+        return softmax
 
     def rescale(oacc, al0, al1):
         """O *= alpha by row."""
@@ -306,9 +344,48 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
             pf[4 * kk + 2] = pack_f16x2_from_f32(sacc[i + 4], sacc[i + 5])
             pf[4 * kk + 3] = pack_f16x2_from_f32(sacc[i + 6], sacc[i + 7])
 
-    load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale, pack = (
-        dev(f) for f in (load_tile, tile_landed, refill, issue_s, issue_o, softmax, rescale,
-                         pack))
+    load_tile, tile_landed, refill, issue_s, issue_o, rescale, pack = (
+        dev(f) for f in (load_tile, tile_landed, refill, issue_s, issue_o, rescale, pack))
+    softmax_masked, softmax_full = dev(make_softmax(True)), dev(make_softmax(False))
+
+    def make_step(softmax):
+        """Tile j >= 1 of the loop (module doc) with the given softmax.  The kernel runs the
+        tiles wholly at or below its rows' diagonal through softmax_full and the rest through
+        softmax_masked: two copies of the loop body, no branch inside one.  Returns the
+        loop's carried scalars."""
+        def step(kv, table, qf, pf, sacc, oacc, j, rd, wr, ring, last, m0, m1, l0, l1, al0,
+                 al1, n_tiles, kv_len, last_pg, qp0, qp1, t, goff, soff, rr):
+            tile_landed()
+            cur = rd + STAGE if rd != last else ring
+            fence_s(sacc)
+            issue_s(sacc, qf, cur)
+            if OVERLAP:
+                rescale(oacc, al0, al1)           # tile j - 1's alpha, under S_j
+            fence_o(oacc)
+            issue_o(oacc, pf, rd + VOFF)
+            if not OVERLAP:
+                # the copies are issued behind the wgmmas, which they do not touch (the stage
+                # of tile j - 2)
+                refill(kv, table, wr, j + NST - 2, n_tiles, kv_len, last_pg, goff, soff, rr)
+                wr = wr + STAGE if wr != last else ring
+            wait_s(sacc, 1)                       # S_j done; P_{j-1} V_{j-1} in flight
+            m0, m1, al0, al1, ps0, ps1 = softmax(sacc, j * bn, qp0, qp1, t, m0, m1)
+            l0 = l0 * al0 + ps0                   # this lane's share; the quad summed at the end
+            l1 = l1 * al1 + ps1
+            if OVERLAP:
+                # unconditional (zero filled past the end): no branch between the commits and
+                # wait 0, and the copies' registers are not live in the softmax
+                load_tile(kv, table, wr, (j + NST - 2) * bn, kv_len, last_pg, goff, soff, rr)
+                wr = wr + STAGE if wr != last else ring
+                wait_op(oacc, pf, 0)              # P V retired; pf held in its registers till now
+            else:
+                wait_o(oacc, 0)                   # P V retired: O and pf may be rewritten
+                rescale(oacc, al0, al1)
+            pack(sacc, pf)
+            return cur, wr, m0, m1, l0, l1, al0, al1
+        return step
+
+    step_full, step_masked = dev(make_step(softmax_full)), dev(make_step(softmax_masked))
 
     def prefill_attn_wgmma(q, kv, table, o, start, m):
         # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
@@ -330,6 +407,10 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         kv_len = start + m
         n_tiles = (start + t0 + n_tok + bn - 1) // bn
         last_pg = (kv_len - 1) // PG
+        rr = tid // CPR                           # this thread's first tile row ...
+        c = tid % CPR                             # ... and 16-byte chunk of it
+        goff = kvh * HSTRIDE + (rr % PG) * (D * 2) + 16 * c
+        soff = (c // 8) * KH + (((c % 8) ^ (rr % 8)) * 16)
         sm0 = cvta_to_shared_u32_at(smu, 0)
         ring = sm0 + (ALIGN - sm0 % ALIGN) % ALIGN
         last = ring + (NST - 1) * STAGE
@@ -362,50 +443,32 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
 
         for s in range(NST - 2):                  # tiles 0 .. NST-3 in flight
             if s < n_tiles:
-                load_tile(kv, table, kvh, ring + s * STAGE, s * bn, kv_len, last_pg, tid)
+                load_tile(kv, table, ring + s * STAGE, s * bn, kv_len, last_pg, goff, soff, rr)
             else:
                 cp_async_commit_group()
         wr = ring + (NST - 2) * STAGE             # where tile j + NST - 2 goes
         tile_landed()
         fence_s(sacc)
         issue_s(sacc, qf, ring)
-        refill(kv, table, kvh, wr, NST - 2, n_tiles, kv_len, last_pg, tid)
+        refill(kv, table, wr, NST - 2, n_tiles, kv_len, last_pg, goff, soff, rr)
         wr = wr + STAGE if wr != last else ring
         wait_s(sacc, 0)
-        m0, m1, al0, al1, ps0, ps1 = softmax(sacc, 0, qp0, qp1, t, m0, m1)
+        m0, m1, al0, al1, ps0, ps1 = softmax_masked(sacc, 0, qp0, qp1, t, m0, m1)
         l0 = ps0                                  # al = exp2(NEG - m) = 0: O and l were 0
         l1 = ps1
         pack(sacc, pf)                            # O is 0: no rescale
         rd = ring                                 # the stage of tile j - 1 (its V)
-        for j in range(1, n_tiles):
-            tile_landed()
-            cur = rd + STAGE if rd != last else ring
-            fence_s(sacc)
-            issue_s(sacc, qf, cur)
-            if OVERLAP:
-                rescale(oacc, al0, al1)           # tile j - 1's alpha, under S_j
-            fence_o(oacc)
-            issue_o(oacc, pf, rd + VOFF)
-            if not OVERLAP:
-                # the copies are issued behind the wgmmas, which they do not touch (the stage of
-                # tile j - 2)
-                refill(kv, table, kvh, wr, j + NST - 2, n_tiles, kv_len, last_pg, tid)
-                wr = wr + STAGE if wr != last else ring
-            wait_s(sacc, 1)                       # S_j done; P_{j-1} V_{j-1} in flight
-            m0, m1, al0, al1, ps0, ps1 = softmax(sacc, j * bn, qp0, qp1, t, m0, m1)
-            l0 = l0 * al0 + ps0                   # this lane's share; the quad summed at the end
-            l1 = l1 * al1 + ps1
-            if OVERLAP:
-                # unconditional (zero filled past the end): no branch between the commits and
-                # wait 0, and the copies' registers are not live in the softmax
-                load_tile(kv, table, kvh, wr, (j + NST - 2) * bn, kv_len, last_pg, tid)
-                wr = wr + STAGE if wr != last else ring
-                wait_op(oacc, pf, 0)              # P V retired; pf held in its registers till now
-            else:
-                wait_o(oacc, 0)                   # P V retired: O and pf may be rewritten
-                rescale(oacc, al0, al1)
-            pack(sacc, pf)
-            rd = cur
+        # tiles 1 .. n_full - 1 end at or below every row's position (start + t0 the lowest):
+        # the mask is the identity there
+        n_full = max(1, min(n_tiles, (start + t0 + 1) // bn))
+        for j in range(1, n_full):
+            rd, wr, m0, m1, l0, l1, al0, al1 = step_full(
+                kv, table, qf, pf, sacc, oacc, j, rd, wr, ring, last, m0, m1, l0, l1, al0, al1,
+                n_tiles, kv_len, last_pg, qp0, qp1, t, goff, soff, rr)
+        for j in range(n_full, n_tiles):
+            rd, wr, m0, m1, l0, l1, al0, al1 = step_masked(
+                kv, table, qf, pf, sacc, oacc, j, rd, wr, ring, last, m0, m1, l0, l1, al0, al1,
+                n_tiles, kv_len, last_pg, qp0, qp1, t, goff, soff, rr)
         if OVERLAP:
             rescale(oacc, al0, al1)
         fence_o(oacc)

@@ -168,9 +168,10 @@ def test_prefill_wgmma_ptx_sm90a(name, overlap, capsys):
                          "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned",
                          "cp.async.cg.shared.global", "fence.proxy.async.shared::cta",
                          "ex2.approx", "shfl.sync.bfly")
-    # S: D/16 k16 steps for tile 0 and in the loop; P V (trans-b, N = D): BN/16 in the loop and
-    # after it -- unrolled, so every accumulator index is a constant
-    n_s, n_o = 2 * d // 16, 2 * W.BN // 16
+    # S: D/16 k16 steps for tile 0 and in each loop; P V (trans-b, N = D): BN/16 in each loop
+    # and after them -- unrolled, so every accumulator index is a constant
+    # (the loop body twice: tiles below the diagonal without the mask, the rest with it)
+    n_s, n_o = 3 * d // 16, 3 * W.BN // 16
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16"
     if o_mma == s_mma:
         assert ptx_util.count(ptx, s_mma) == n_s + n_o
@@ -187,7 +188,10 @@ def test_prefill_wgmma_ptx_sm90a(name, overlap, capsys):
               f"spill bytes, {W.smem_bytes(d)} B smem")
     # 252 / 253 (overlap) at d128 (numba-cuda 0.30, CUDA 13.0): 256 threads, one CTA an SM
     assert "serialized" not in log, log      # ptxas could not prove the wgmma pipeline
-    assert spills == 0 and regs <= 255, (regs, spills)
+    # the overlap loop (P_{j-1} live through the softmax) spills 48-104 bytes (by ptxas
+    # version) of the epilogue's row indices at entry and reloads them after the loops
+    # (nvdisasm: no STL/LDL inside a loop); the default loop spills nothing
+    assert spills <= (128 if overlap and d == 128 else 0) and regs <= 255, (regs, spills)
 
 
 # ---- the kernel under the CUDA simulator ---------------------------------------------------------
