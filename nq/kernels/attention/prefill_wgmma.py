@@ -59,9 +59,9 @@ most); keys past a row are masked to NEG_BIG, and every row sees key 0 in tile 0
 real score from then on and a fully masked tile adds p = 0.
 
 Registers (ptxas sm_90a, numba-cuda 0.30 / CUDA 13.0; test_prefill_attn_wgmma_cpu.py prints
-them): 252 at d128, 234 at d64 -- 64 O + 64 S + 32 Q + 32 P (P_{j-1} is live while S_j is in
-softmax) + the copy addresses, which the refill behind the wgmmas keeps live (234 at d128
-with the refill before them); no spills, no local memory, no serialised wgmma (each a test).
+them): 253-255 at d128, 229-235 at d64 -- 64 O + 64 S + 32 Q + 32 P (P_{j-1} is live while
+S_j is in softmax) + the copy addresses and the softmax's reduction chains; no spills in the
+default loop, no local memory, no serialised wgmma (each a test).
 Accumulators and fragments are local arrays indexed only by unrolled constants (nq/ptx/
 wgmma.py's rule).  256 threads at up to 255 registers is one CTA an SM, as 193 KiB asks.
 
@@ -108,8 +108,31 @@ tile, and the refill's ~470 instructions now sit under P V instead of under S_j.
 Prediction (before the H200 ran it): per tile the tensor core had ~2048 cycles of work and
 the softmax + pack ~1200 issue cycles an SM sub-partition, serial today; overlapped, ~2600-
 3000 cycles a tile if the copies land in time: ~380-450 TFLOP/s at m 2048 from 6144 (~290
-now).  Next: skip the mask on tiles wholly below the diagonal (a quarter of the softmax's
-instructions), then FA3's ping-pong, which needs the per-tile barrier replaced by mbarriers.
+now).  Measured (H200, 2026-12-01): 279 -> 289 and 290 -> 307 TFLOP/s at m 2048 from 6144 /
+30000, +4-6 %; after the leaner tile below the overlap loop is the SLOWER one (355 / 347
+against 383 / 402): the softmax it hides is shorter now, and its refill sits on the issue path
+again.  It stays an option, off.
+
+Where a tile's cycles went (ncu, H200, 2026-12-02, one layer at m 2048 from 30000, SM at 1.79
+GHz): 5,570 cycles a 128-key tile against 2,048 of tensor work (the tensor pipe 31 % busy),
+2 warps a scheduler with 0.5 eligible, 5.4 cycles between a warp's instructions.  The SASS had
+1,056 instructions a warp a tile: the refill 466 (numba's 5-d index into the pool: a multiply
+by a run-time stride a dimension and 64-bit negative-index fix-ups) and the softmax ~520 as a
+latency chain (2 x 64 mask compare-selects, then 32-long dependent FMNMX and FADD chains a
+row).  The leaner tile (a21c076):
+  - the refill names its source by a byte offset with every stride a compile-time constant
+    (`cp_async_cg_shared_global_16_zfill_off`; a pass is one table load, one multiply and two
+    copies) and a 32-bit unsigned table index: 466 -> ~185 instructions;
+  - tiles wholly at or below every row of the CTA (keys <= start + t0) skip the mask: the loop
+    body exists twice (`make_step(softmax_full)`, `make_step(softmax_masked)`), so no branch
+    sits between the wgmma commits and waits;
+  - the row max and row sums run as CHAINS_BASE = 4 independent chains.
+SASS a tile: 648 instructions below the diagonal, 784 on it.  Predicted ~370 TFLOP/s at m 2048
+from 30000 and a 32K prompt's attention 683 -> 500-550 ms; measured (H200, 2026-12-02) **383 /
+402 TFLOP/s** from 6144 / 30000 (272 from 0, the diagonal's half-masked tiles), 28 layers
+**46.1 -> 35.0 ms at 8K and 683 -> 508 ms at 32K** (scripts/prefill_timeline.py).  Next: FA3's
+producer warp with TMA tensor copies and ping-pong between the warpgroups, which needs the
+per-tile barrier replaced by full/empty mbarriers.
 """
 from __future__ import annotations
 
