@@ -74,19 +74,23 @@ def bench_arguments(s: argparse.ArgumentParser) -> None:
 def verify_arguments(s: argparse.ArgumentParser) -> None:
     """The flags of `nq verify`."""
     s.add_argument("-m", "--model", help=".nanoqwen file, HF folder or repo id")
-    s.add_argument("--tiers", default="unit,layer,prefill,graph",
+    s.add_argument("--tiers", default="unit,layer,prefill,decode,graph",
                    help="comma-separated: unit (every kernel against its NumPy reference), layer "
                         "(decoder layer 0 against nq.ref), prefill (last-position logits of the "
-                        "batched prefill against the reference engine), graph (greedy tokens of "
-                        "the decode graph against transformers or nq.ref)")
+                        "batched prefill against the reference engine), decode (every decode "
+                        "step's logits, teacher-forced with the reference's tokens), graph "
+                        "(greedy tokens of the decode graph against transformers or nq.ref)")
     s.add_argument("--prefill-lengths", default=",".join(map(str, DEFAULT_PREFILL_LENGTHS)),
                    help="prefill tier: prompt lengths in tokens, comma-separated; the longest "
                         "is also run as two halves, the second continuing the first")
     s.add_argument("--prompts", type=int, default=100, help="graph tier: random prompts to run")
     s.add_argument("--tokens", type=int, default=32, help="graph tier: greedy tokens a prompt")
     s.add_argument("--prompt-len", type=int, default=16, help="graph tier: tokens a prompt")
+    s.add_argument("--decode-prompts", type=int, default=8,
+                   help="decode tier: the first this many of the graph tier's prompts, each fed "
+                        "its reference continuation of --tokens tokens")
     s.add_argument("--reference", choices=["auto", "torch", "numpy"], default="auto",
-                   help="graph tier's reference: transformers on torch, nq.ref on NumPy, or "
-                        "torch when importable")
+                   help="the prefill, decode and graph tiers' reference: transformers on "
+                        "torch, nq.ref on NumPy, or torch when importable")
     s.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     s.add_argument("--json", help="also write the table as JSON to this path")

@@ -1,4 +1,4 @@
-"""`nq verify -m MODEL`: check this GPU's results against the references, in four tiers.
+"""`nq verify -m MODEL`: check this GPU's results against the references, in five tiers.
 
     unit     each kernel on the model's real shapes (layer 0's weights) against its NumPy
              reference: the four INT4 GEMVs, lm_head, rope_kv, paged attention, embed, argmax
@@ -6,6 +6,11 @@
     prefill  the batched tensor-core prefill: the last position's logits of prompts of
              several lengths (one token, odd lengths, more than one 2,048-token chunk) and of
              a prompt that continues a cached context, against the reference engine's
+    decode   teacher-forced decode: each prompt's reference greedy continuation fed to the
+             engine one decode step at a time, every step's logits against the reference's at
+             the same position (max |logit - reference| over the spread; the median and the
+             worst step are reported: the precision figure of the bandwidth issue, whose target
+             at the 7B width is DECODE_TARGET)
     graph  N prompts x T greedy tokens from the captured decode graph against a reference
            engine: transformers' Qwen2ForCausalLM in fp32 (batched on the GPU when torch is
            importable; the fast path for a 7B), else the NumPy engine.  For every prompt that
@@ -35,6 +40,11 @@ TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that ro
 # sit no higher; 1e-2 leaves room for long prompts without hiding a wrong row or position
 # (those move logits by a large fraction of the spread).
 TOL_PREFILL = 1e-2
+# decode tier: the same measure at every teacher-forced decode step.  The target for the fp32-
+# accumulating projections is 5e-4 of the spread at the 7B width (2.5e-3 measured with qkv's
+# fp16 partials, 2026-12-01); the pass line is the prefill tier's, which catches a wrong
+# position or row without failing an engine that is merely short of the target.
+TOL_DECODE, DECODE_TARGET = 1e-2, 5e-4
 
 
 @dataclasses.dataclass
@@ -213,6 +223,11 @@ class NumpyReference:
         self.model.reset()
         return np.asarray(self.model.forward(np.asarray(prompt))[-1], np.float64)
 
+    def all_logits(self, ids) -> np.ndarray:
+        """(len(ids), vocab) float64: the logits after each position of one forward."""
+        self.model.reset()
+        return np.asarray(self.model.forward(np.asarray(ids)), np.float64)
+
     def greedy(self, prompts, n) -> list[Greedy]:
         out = []
         for prompt in prompts:
@@ -266,6 +281,12 @@ class TorchReference:
         with torch.no_grad():
             ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device=self.device)
             return self.model(ids).logits[0, -1].double().cpu().numpy()
+
+    def all_logits(self, ids) -> np.ndarray:
+        torch = self.torch
+        with torch.no_grad():
+            t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
+            return self.model(t).logits[0].double().cpu().numpy()
 
     def greedy(self, prompts, n) -> list[Greedy]:
         torch = self.torch
@@ -350,6 +371,29 @@ def logit_error(got, ref) -> float:
     return float(np.abs(got - ref).max() / max(float(ref.max() - ref.min()), 1e-30))
 
 
+def decode_tier(backend, reference, prompts, n) -> Row:
+    """Teacher-forced decode: the reference's n greedy tokens after each prompt are fed to the
+    engine's decode step one at a time (its own choices never enter), and the logits of every
+    step are compared with the reference's at the same position, from one forward over prompt
+    + continuation.  The row's error is the worst step's max |logit - reference| / spread."""
+    errs = []
+    for prompt, run in zip(prompts, reference.greedy(prompts, n)):
+        fed = run.ids[:-1]
+        ref = reference.all_logits(list(prompt) + fed)[len(prompt):]
+        backend.reset()
+        backend.prefill(prompt)
+        errs += [logit_error(backend.decode(tok), r) for tok, r in zip(fed, ref)]
+    backend.reset()
+    if not errs:
+        return Row("decode", "teacher-forced decode steps", float("nan"), TOL_DECODE,
+                   "no steps: give --tokens 2 or more")
+    e = np.asarray(errs)
+    detail = (f"median {np.median(e):.2e}, max {e.max():.2e} of the spread over {e.size} steps; "
+              f"target {DECODE_TARGET:g} (fp32-accumulating projections)")
+    return Row("decode", f"{len(prompts)} prompts x {n - 1} teacher-forced decode steps, logits",
+               float(e.max()), TOL_DECODE, detail)
+
+
 def prefill_tier(backend, reference, lengths, seed: int = 0, vocab: int = 32000) -> list[Row]:
     """Last-position logits after a prompt of each length (and after a prompt that continues a
     cached one: the second half of the longest, on top of its first half), engine against the
@@ -412,9 +456,9 @@ def run(args) -> int:
     from nq.loader.format import NanoqwenFile
 
     tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
-    if not tiers or tiers - {"unit", "layer", "prefill", "graph"}:
-        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, prefill, graph "
-              "(comma-separated)", file=sys.stderr)
+    if not tiers or tiers - {"unit", "layer", "prefill", "decode", "graph"}:
+        print(f"nq verify: --tiers {args.tiers!r}: choose from unit, layer, prefill, decode, "
+              "graph (comma-separated)", file=sys.stderr)
         return 2
     try:
         lengths = sorted({int(x) for x in args.prefill_lengths.split(",") if x.strip()})
@@ -450,14 +494,16 @@ def run(args) -> int:
     if "layer" in tiers:
         rows.append(timed("layer", lambda: layer_tier(eng, nf)))
     ref = None
-    if tiers & {"prefill", "graph"}:
+    if tiers & {"prefill", "decode", "graph"}:
         ref = timed("reference load", lambda: make_reference(nf, args.reference))
     if "prefill" in tiers and lengths:
         rows += timed("prefill", lambda: prefill_tier(eng, ref, lengths, args.seed, cfg.vocab_size))
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(0, min(cfg.vocab_size, 32000), (args.prompts, args.prompt_len)).tolist()
+    if "decode" in tiers:
+        rows.append(timed("decode", lambda: decode_tier(eng, ref, prompts[:args.decode_prompts],
+                                                        args.tokens)))
     if "graph" in tiers:
-        rng = np.random.default_rng(args.seed)
-        hi = min(cfg.vocab_size, 32000)
-        prompts = rng.integers(0, hi, (args.prompts, args.prompt_len)).tolist()
         row, report["graph"] = timed("graph", lambda: graph_tier(eng, ref, prompts, args.tokens))
         rows.append(row)
     seconds = time.perf_counter() - t0

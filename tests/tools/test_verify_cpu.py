@@ -82,7 +82,7 @@ def test_verify_without_a_gpu_says_so(tiny_nanoqwen, capsys):
 @pytest.mark.parametrize("tiers", ["unit,grpah", " ", "foo"])
 def test_verify_refuses_unknown_tiers(tiny_nanoqwen, capsys, tiers):
     assert main(["verify", "-m", str(tiny_nanoqwen), "--tiers", tiers]) == 2
-    assert "choose from unit, layer, prefill, graph" in capsys.readouterr().err
+    assert "choose from unit, layer, prefill, decode, graph" in capsys.readouterr().err
 
 
 def test_torch_dequantize_matches_numpy():
@@ -92,3 +92,41 @@ def test_torch_dequantize_matches_numpy():
     qw, sc = quantize_pack(w)
     got = verify.dequantize_packed_torch(torch, qw, sc, "cpu").numpy()
     np.testing.assert_array_equal(got, dequantize_packed(qw, sc))
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_decode_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
+    if kind == "torch":
+        pytest.importorskip("transformers")
+    nf = NanoqwenFile(tiny_nanoqwen)
+    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    prompts = np.random.default_rng(1).integers(0, 490, (3, 5)).tolist()
+    row = verify.decode_tier(NumpyBackend.from_file(nf, max_len=64), ref, prompts, 6)
+    assert row.tier == "decode" and row.name == "3 prompts x 5 teacher-forced decode steps, logits"
+    assert row.passed and row.error < 1e-4, row
+    assert "over 15 steps" in row.detail
+
+
+def test_decode_tier_feeds_the_reference_tokens_not_the_engine_s(tiny_nanoqwen):
+    # an engine whose decode ignores the token it is given and feeds its own argmax instead
+    # diverges from the reference's sequence, and the teacher-forced logits must show it
+    nf = NanoqwenFile(tiny_nanoqwen)
+
+    class OwnChoice:
+        def __init__(self):
+            self.inner, self.last = NumpyBackend.from_file(nf, max_len=64), None
+
+        def reset(self):
+            self.inner.reset()
+
+        def prefill(self, ids):
+            self.last = self.inner.prefill(ids)
+            return self.last
+
+        def decode(self, token):
+            self.last = self.inner.decode((int(np.argmax(self.last)) + 1) % 490)
+            return self.last
+
+    rows = verify.decode_tier(OwnChoice(), verify.NumpyReference(nf),
+                              np.random.default_rng(2).integers(0, 490, (2, 5)).tolist(), 5)
+    assert not rows.passed and rows.error > verify.TOL_DECODE, rows

@@ -1,5 +1,5 @@
 """`nq verify` end to end on the GPU: a tiny packed model and a 2-layer model at the 7B width
-(random INT4 from scripts/make_random_nanoqwen.py) pass all four tiers."""
+(random INT4 from scripts/make_random_nanoqwen.py) pass all five tiers."""
 import json
 import subprocess
 import sys
@@ -19,7 +19,7 @@ def test_verify_tiny(tiny_nanoqwen, tmp_path, capsys):
                "--json", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0, capsys.readouterr().out
-    assert {r["tier"] for r in res["rows"]} == {"unit", "layer", "prefill", "graph"}
+    assert {r["tier"] for r in res["rows"]} == {"unit", "layer", "prefill", "decode", "graph"}
 
 
 def test_verify_7b_width_two_layers(tmp_path, capsys):
