@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("verify", help="check this GPU's kernels, prefill and decode graph "
-                                      "against the references (unit, layer, prefill, decode, graph tiers)")
+                                      "against the references (unit, layer, prefill, decode, "
+                                      "graph tiers)")
     verify_arguments(s)
     s.set_defaults(func=cmd_verify)
 
