@@ -65,74 +65,19 @@ default loop, no local memory, no serialised wgmma (each a test).
 Accumulators and fragments are local arrays indexed only by unrolled constants (nq/ptx/
 wgmma.py's rule).  256 threads at up to 255 registers is one CTA an SM, as 193 KiB asks.
 
-Prediction (written before the H200 ran it).  A CTA's tile is 2 x 16 m64n128k16 = 2048
-tensor cycles at the 990 TFLOP/s peak; its softmax 2 x 128 x 64 ex2 = 1024 MUFU cycles (16 a
-clock) and ~800 FP32 issue cycles, hidden only where the other warpgroup's wgmmas or this
-one's P V run under them, and the barrier a tile re-aligns the warpgroups.  So ~400-480
-TFLOP/s at m 2048 from depth 6144 on (2x prefill.py; L2 -> SM ~3.5 TB/s at 450, under the
-~5.5 available), ~300 at 2048 from 0 (the diagonal's masked half, 3.5 waves of 456 CTAs),
-and the short-chunk gap unchanged (16 tokens at 30000 is still a grid of 4 CTAs).  28 layers:
-an 8K prompt's attention ~63 -> ~30-35 ms, a 32K prompt's ~1 s -> ~0.5 s.
+Performance (H200, 2026-12-02, a21c076): one layer at m 2048 runs at 383 / 402 TFLOP/s of
+the causal work from start 6144 / 30000 (272 from 0), 28 layers of a 7B prompt's attention
+35.0 ms at 8K and 508 ms at 32K.  What a tile's cycles go to (ncu and the SASS), why the loop
+body exists twice (tiles below the diagonal skip the mask), why the refill names its source by
+a constant-stride byte offset, the overlap=True loop (measured slower, off) and each
+prediction against its outcome: docs/KERNELS_ATTN.md, "Prefill attention on wgmma".
 
-Measured (H200, 2026-12-01; its 27 GPU tests passed first): 28 layers of a 7B prompt's
-attention (scripts/prefill_timeline.py --random 7b) **63.1 -> 46.1 ms at 8K** (~290 TFLOP/s of
-the causal work) and **964 -> 683 ms at 32K** (~315 TFLOP/s); one layer, m 2048
-(scripts/bench_prefill_attn.py --wgmma): 2 warpgroups x 64-key tiles x 4 stages 291 TFLOP/s
-at start 6144 and 314 at 30000; one warpgroup 179 / 188 (worse than mma.sync's 207 / 218).
-So ~1.4x, not the predicted 2x: the per-tile barrier and the softmax between the two wgmma
-groups are not hidden.
-
-Why not hidden (found in the SASS, ptxas 13.0 + nvdisasm): the default loop's `wait_group 1`
-and `wait_group 0` come out ADJACENT (`WARPGROUP.DEPBAR.LE gsb0, 0x1; ... 0x0`), so the
-softmax never overlaps P V: the whole tensor work of a tile, then the whole softmax, then the
-barrier.  ptxas retires the P V group early when a branch (the refill's `jn < n_tiles`) sits
-between the commits and the wait, and placing the copies anywhere between the commit and
-wait 1 unconditionally spills (255 registers, 28-40 bytes).  Tying the P fragments to the
-wait, or moving the O rescale, alone changes nothing.
-
-overlap=True (launcher option; the loop below, tile j):
-    barrier; fence; S_j = Q K_j (commit); O *= alpha_{j-1} (under S_j, FA3's order);
-    fence; O += P_{j-1} V_{j-1} (commit); wait_group 1; softmax S_j;
-    refill the stage of tile j - 2 with tile j + nstage - 2, UNCONDITIONALLY (past the end a
-        zero-filled copy of a clamped page: reads nothing, writes a retired stage);
-    wait_group 0 tying O and P (nq/ptx/wgmma.wgmma_wait_group_acc_a: P_{j-1}'s registers
-        stay allocated until the group that reads them retires); P_j = fp16(S_j)
-and the SASS keeps the softmax between the two waits (252 registers at d128, 254 at d64, no
-spill).  Hazards, as before: the refill writes the stage of tile j - 2 (K_{j-2} read by S_{j-2},
-V_{j-2} by P V issued in tile j - 1 and retired by its wait 0), and every warpgroup has passed
-tile j's barrier, so has finished tile j - 1; tile j + 1 (nstage 3) lands at tile j + 1's
-cp.async.wait_group 0 + fence.proxy.async + barrier.  The O rescale before the P V issue is
-ordered by the wgmma.fence after it; S_j's wgmmas read only Q and K_j.  The cost: the copies
-have only the rest of tile j (P V's tail, the pack, the barrier) to land instead of a whole
-tile, and the refill's ~470 instructions now sit under P V instead of under S_j.
-Prediction (before the H200 ran it): per tile the tensor core had ~2048 cycles of work and
-the softmax + pack ~1200 issue cycles an SM sub-partition, serial today; overlapped, ~2600-
-3000 cycles a tile if the copies land in time: ~380-450 TFLOP/s at m 2048 from 6144 (~290
-now).  Measured (H200, 2026-12-01): 279 -> 289 and 290 -> 307 TFLOP/s at m 2048 from 6144 /
-30000, +4-6 %; after the leaner tile below the overlap loop is the SLOWER one (355 / 347
-against 383 / 402): the softmax it hides is shorter now, and its refill sits on the issue path
-again.  It stays an option, off.
-
-Where a tile's cycles went (ncu, H200, 2026-12-02, one layer at m 2048 from 30000, SM at 1.79
-GHz): 5,570 cycles a 128-key tile against 2,048 of tensor work (the tensor pipe 31 % busy),
-2 warps a scheduler with 0.5 eligible, 5.4 cycles between a warp's instructions.  The SASS had
-1,056 instructions a warp a tile: the refill 466 (numba's 5-d index into the pool: a multiply
-by a run-time stride a dimension and 64-bit negative-index fix-ups) and the softmax ~520 as a
-latency chain (2 x 64 mask compare-selects, then 32-long dependent FMNMX and FADD chains a
-row).  The leaner tile (a21c076):
-  - the refill names its source by a byte offset with every stride a compile-time constant
-    (`cp_async_cg_shared_global_16_zfill_off`; a pass is one table load, one multiply and two
-    copies) and a 32-bit unsigned table index: 466 -> ~185 instructions;
-  - tiles wholly at or below every row of the CTA (keys <= start + t0) skip the mask: the loop
-    body exists twice (`make_step(softmax_full)`, `make_step(softmax_masked)`), so no branch
-    sits between the wgmma commits and waits;
-  - the row max and row sums run as CHAINS_BASE = 4 independent chains.
-SASS a tile: 648 instructions below the diagonal, 784 on it.  Predicted ~370 TFLOP/s at m 2048
-from 30000 and a 32K prompt's attention 683 -> 500-550 ms; measured (H200, 2026-12-02) **383 /
-402 TFLOP/s** from 6144 / 30000 (272 from 0, the diagonal's half-masked tiles), 28 layers
-**46.1 -> 35.0 ms at 8K and 683 -> 508 ms at 32K** (scripts/prefill_timeline.py).  Next: FA3's
-producer warp with TMA tensor copies and ping-pong between the warpgroups, which needs the
-per-tile barrier replaced by full/empty mbarriers.
+overlap=True (launcher option; tile j): barrier; fence; S_j = Q K_j (commit); O *= alpha_{j-1};
+fence; O += P_{j-1} V_{j-1} (commit); wait_group 1; softmax S_j; the refill of tile j + nstage
+- 2, unconditional (past the end a zero-filled copy of a clamped page); wait_group 0 tying O
+and P (nq/ptx/wgmma.wgmma_wait_group_acc_a); P_j = fp16(S_j).  Hazards as in the default loop:
+the refill writes the stage of tile j - 2, which every warpgroup retired before tile j's
+barrier.
 """
 from __future__ import annotations
 

@@ -248,7 +248,8 @@ SIM_SCRIPT = textwrap.dedent('''
     g8 = tiny_config(head_dim=128, num_heads=8, num_kv_heads=1)           # G 8, d 128
     g7 = tiny_config(head_dim=128, num_heads=7, num_kv_heads=1)           # the 7B's G 7, d 128
     # 16 tokens a CTA: m 21 is two CTAs, the second short (padding rows), start 13 > 0;
-    # 3 tiles of 64 keys through 3 stages (the ring wraps, online softmax over 3 steps)
+    # 3 tiles of 64 keys through 3 stages (the ring wraps, online softmax over 3 steps); tile 1
+    # (keys 64..127) lies below every row of the first CTA: the loop without the mask
     case(g4, 21, 130, seed=1, m_max=24)
     # d 128 (two 64-dim halves: K's k16 steps 4-7, V's LBO), 2 tiles, the tail page
     case(g8, 3, 100, seed=2)
