@@ -233,16 +233,6 @@ def _apply_smem(disp) -> None:
         allow_smem(disp, nbytes)
 
 
-def is_cached(body, sig: str, name: str, **options) -> bool:
-    """Whether compile_kernel(body, sig, name, **options) would load a valid cache entry (its
-    key and checksum checked) instead of compiling; compiles nothing."""
-    if not cache_enabled():
-        return False
-    key, _ = cache_key(body, sig, name, options)
-    path = _entry_path(key, name)
-    return path.exists() and read_entry(path, key) is not None
-
-
 # ---- the compile path ----------------------------------------------------------------------
 
 def compile_kernel(body, sig: str, name: str, **options):

@@ -175,27 +175,21 @@ class Gemm:
         self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
 
     def pick(self, m):
-        """(tiles, kernel, name) that run m tokens.  A tile configuration is compiled (or loaded
-        from the kernel cache) the first time an M needs it: the large-tile kernels take ~3 s
-        each to compile, and a short prompt never needs them."""
+        """(tiles, kernel, name) that run m tokens: the configuration's kernel, compiled (or
+        loaded from the kernel cache) the first time an M needs it unless `prepare` ran."""
         for max_m, tiles in self.configs:
             if max_m is None or m <= max_m:
                 return (tiles,) + compiled(self.kind, self.n, self.k, self.layout, tiles)
         raise ValueError(f"gemm: no tile configuration takes M={m}; end the list with "
                          f"(None, tiles)")
 
-    def load_cached(self) -> int:
-        """Load now every tile configuration whose kernel is in the disk cache (a few ms each),
-        so that the first long prompt does not pay for it; one not cached is still compiled
-        only when an M needs it.  Returns how many were loaded."""
-        from nq.kernels.build import is_cached
-        n = 0
+    def prepare(self) -> int:
+        """Compile (or load from the kernel cache) every tile configuration now, rather than
+        when an M first needs it; inside a parallel_compiles block the misses join its batch.
+        Returns how many configurations."""
         for _, tiles in self.configs:
-            body, sig, name = build_gemm(self.kind, self.n, self.k, self.layout, tiles)
-            if is_cached(body, sig, name, launch_bounds=(tiles.threads,)):
-                compiled(self.kind, self.n, self.k, self.layout, tiles)
-                n += 1
-        return n
+            compiled(self.kind, self.n, self.k, self.layout, tiles)
+        return len(self.configs)
 
     def grid(self, tiles, m):
         """(blocks, band): NB weight blocks x ceil(m / BM) token blocks, and the token blocks of a

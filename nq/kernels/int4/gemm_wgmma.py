@@ -559,17 +559,13 @@ class WgmmaGemm:
                 return t
         return self.table[-1][1]
 
-    def load_cached(self) -> int:
-        """Load now the kernels of this GEMM that are in the disk cache (the mma.sync tiles for
-        small M and the wgmma kernel), as gemm.Gemm.load_cached; returns how many."""
-        from nq.kernels.build import is_cached
-        n = self.small.load_cached() if self.small is not None else 0
+    def prepare(self) -> int:
+        """Compile (or load) every kernel of this GEMM now -- the mma.sync tiles for small M and
+        the wgmma kernels of its table -- as gemm.Gemm.prepare; returns how many."""
+        n = self.small.prepare() if self.small is not None else 0
         for _, t in self.table:
-            body, sig, name = build_gemm_wgmma(self.kind, self.n, self.k, self.layout, t)
-            if is_cached(body, sig, name, **COMPILE_OPTIONS, launch_bounds=(t.threads,)):
-                compiled(self.kind, self.n, self.k, self.layout, t)
-                n += 1
-        return n
+            compiled(self.kind, self.n, self.k, self.layout, t)
+        return n + len(self.table)
 
     def grid(self, m):
         """(grid, band): (band, NB, bands) blocks -- band token blocks (as many as keep band x
