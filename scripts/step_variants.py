@@ -17,7 +17,8 @@ weights in the wrong order, which is fine for timing random weights and nothing 
 shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what
 NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
-rows_per_copy, min_pps, early), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
+rows_per_copy, min_pps, early; and the engine's gate_up_l2, a fraction of each gate_up weight
+tile the attention asks L2 for, e.g. "attn.gate_up_l2=0.3"), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.
@@ -48,7 +49,13 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
         kind, _, field = key.partition(".")
         if not value or not field:
             raise SystemExit(f"step_variants: {item!r} is not kind.field=value")
-        v = int(value) if value.lstrip("-").isdigit() else value
+        try:
+            v = int(value)
+        except ValueError:
+            try:
+                v = float(value)
+            except ValueError:
+                v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
         elif kind == "rope" and field == "fused":

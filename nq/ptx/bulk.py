@@ -45,7 +45,8 @@ def cp_async_bulk_prefetch_l2(src, src_idx, nbytes):
     only checks the rules (16-byte aligned, a multiple of 16 bytes)."""
     from nq.ptx.memory import _bytes_at
     assert int(nbytes) % 16 == 0 and int(nbytes) > 0, "bulk prefetch size: a multiple of 16"
-    _bytes_at(src, src_idx, int(nbytes), align=16)
+    assert len(_bytes_at(src, src_idx, int(nbytes), align=16)) == int(nbytes), \
+        "bulk prefetch: the range runs past the end of the array"
 
 
 @ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "

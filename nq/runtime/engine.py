@@ -54,9 +54,32 @@ def memset_zero(arr, stream) -> None:
 # min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
 # at 8K; two rows a bulk copy (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K.
 ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2}
+# gate_up_l2 (0: off; opt-in, not yet measured): attn_split asks L2 for this fraction of every
+# 16-row tile of the same layer's gate_up weights while the attention's latency leaves DRAM
+# idle (nq/kernels/attention/decode.py, "l2_prefetch"); whole 1 KB groups, at least one.
+ATTN_STEP_OPTIONS = {"gate_up_l2": 0.0}
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
+
+
+def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
+    """decode_launcher's l2_prefetch for this layer's gate_up weights: the first `fraction` of
+    each 16-row tile of the tensor-core layout (whole 1 KB groups, at least one); None when
+    fraction is 0.  ValueError for a fraction outside [0, 1] or the CUDA-core layout."""
+    from nq.config import GROUP_SIZE
+    from nq.kernels.int4.tiling import MmaTiling
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"gate_up_l2={fraction}: a fraction of each weight tile, 0..1")
+    if fraction == 0.0:
+        return None
+    if not isinstance(gemv.tiling, MmaTiling):
+        raise ValueError("gate_up_l2 prefetches gate_up's tensor-core layout (16-row tiles); "
+                         "this engine runs the CUDA-core gate_up (NQ_MMA_GATE_UP=0)")
+    group = 16 * GROUP_SIZE // 2                      # a 16-row tile's 128 columns: 1 KB
+    run = cfg.hidden_size // GROUP_SIZE * group       # a tile: every group of its 16 rows
+    head = max(group, int(fraction * run) // group * group)
+    return (gu_w.reshape(-1), run, head)
 
 
 class Engine:
@@ -159,7 +182,8 @@ class Engine:
         from nq.runtime.weights import gemvs
 
         c, weights = self.cfg, self.w
-        opts = dict(ATTN_OPTIONS, **(attn or {}))
+        opts = dict(ATTN_OPTIONS, **ATTN_STEP_OPTIONS, **(attn or {}))
+        gate_up_l2 = float(opts.pop("gate_up_l2"))
         tilings = dict(tilings or {})
         rope_tiling = tilings.pop("qkv_rope", None)
         g = gemvs(c, tilings, check_layout)
@@ -186,7 +210,8 @@ class Engine:
             steps += [
                 ("paged_attention", attention.decode_launcher(
                     c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
-                    self.part_ml, **opts)),
+                    self.part_ml, **opts,
+                    l2_prefetch=gate_up_prefetch(c, g["gate_up"], L.gu_w, gate_up_l2))),
                 ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
                 ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
                                                                 L.gu_s, self.a, st)),

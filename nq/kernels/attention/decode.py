@@ -47,6 +47,18 @@ PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing be
 kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
 0.2, PDL); the implicit trigger at exit is the right one.
 
+l2_prefetch (opt-in, `decode_launcher(l2_prefetch=(w, run_bytes, head_bytes))`; the engine's
+ATTN_STEP_OPTIONS["gate_up_l2"] turns it on with a fraction): at 512 tokens of context a layer's
+attention is ~11 us of latency over 1 MB of K/V, with DRAM idle, and the gate_up GEMV two
+kernels later reads 68 MB in ~23 us.  So before anything else warp 0 of each CTA -- the CTAs
+past the split plan's n_splits too, which otherwise exit at once -- issues one
+cp.async.bulk.prefetch.L2 a lane for the head of one run of w: the engine's runs are gate_up's
+16-row tiles in the tensor-core layout (28 KB at the 7B width, their groups in the order the
+GEMV's warps stream them), so every GEMV warp finds the first part of its stream in L2 and no
+block is left to read all of its own from DRAM.  The weights are written by nothing in the
+step, so the requests go out before griddepcontrol.wait.  Off, the kernel gets a 4-word
+placeholder for pfw and the prefetch code is not compiled in.
+
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 144 / 104).
 
@@ -68,6 +80,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float32, uint32, uint64
 
@@ -80,25 +93,29 @@ from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
 from nq.paged import PAGE, STATE_POS
 
 SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
-             "float32[:, :, ::1], float32[:, :, ::1])")
+             "float32[:, :, ::1], float32[:, :, ::1], uint32[::1])")
+NO_PREFETCH = (0, 0, 0)     # (runs, words a run, bytes a run's head): l2_prefetch off
 
 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
-               rows_per_copy: int, max_splits: int, min_pps: int, early: bool):
+               rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
+               prefetch: tuple = NO_PREFETCH):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
     stages, RPC token rows a bulk copy, MAXS / MINP the plan's max_splits / min_pps; in the
     body g = lane // 4 (a head of the group), t = lane % 4, c the consumer, stage the ring slot.
     """
-    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at, fence_mbarrier_init,
+    from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_prefetch_l2, cvta_to_shared_u32_at,
+                        fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity,
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
+    PF_RUNS, PF_RUN_WORDS, PF_HEAD = prefetch   # l2_prefetch (module doc); PF_HEAD 0: off
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -120,9 +137,10 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
 
-    def attn_split(q, state, table, kv, part_acc, part_ml):
+    def attn_split(q, state, table, kv, part_acc, part_ml, pfw):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
+        # pfw (uint32 words): the weights l2_prefetch pulls into L2 (a placeholder when off)
         # PDL: no griddepcontrol.launch_dependents (module doc); the trigger at exit.
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, plan.row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: the consumers' merge scratch
@@ -134,6 +152,15 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
+        if PF_HEAD:
+            # l2_prefetch: warp 0 of every CTA (the ones past n_splits too) asks L2 for the
+            # head of a run each, before any wait -- the weights are written by nothing
+            if tid < 32:
+                ctas = cuda.gridDim.x * cuda.gridDim.y
+                r = (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * 32 + tid
+                while r < PF_RUNS:
+                    cp_async_bulk_prefetch_l2(pfw, r * PF_RUN_WORDS, PF_HEAD)
+                    r += ctas * 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
         if tid == 0:
             for stage in range(NST):
@@ -349,21 +376,46 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early) -> str:
+               early, prefetch=NO_PREFETCH) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
-    stages (st), rows per copy (rpc)."""
+    stages (st), rows per copy (rpc); l2_prefetch adds pf = runs x words a run x head bytes."""
+    extra = {"pf": "x".join(map(str, prefetch))} if prefetch[2] else {}
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
-                       rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early))
+                       rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
+                       **extra)
 
 
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
-                 rows_per_copy: int, max_splits: int, min_pps: int, early: bool):
+                 rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
+                 prefetch: tuple = NO_PREFETCH):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early))
+           bool(early), tuple(prefetch))
     return compile_kernel(split_body(*key), SPLIT_SIG, split_name(*key), fastmath=True)
+
+
+@functools.cache
+def _placeholder():
+    """The 4 words attn_split's pfw takes when l2_prefetch is off (never read)."""
+    return cuda.device_array(4, dtype=np.uint32)
+
+
+def prefetch_plan(w, run_bytes: int, head_bytes: int) -> tuple:
+    """(runs, words a run, head bytes) for l2_prefetch of the head of every run_bytes-long run
+    of the uint32 words w (1-d, C-contiguous); ValueError naming what is wrong."""
+    from nq.kernels.common import device_addr
+    if w.dtype != np.uint32 or w.ndim != 1:
+        raise ValueError(f"attention l2_prefetch: the weights must be 1-d uint32 words, got "
+                         f"{w.dtype} {tuple(w.shape)} (pass w.reshape(-1))")
+    if run_bytes <= 0 or run_bytes % 16 or head_bytes % 16 or not 16 <= head_bytes <= run_bytes:
+        raise ValueError(f"attention l2_prefetch: run_bytes={run_bytes}, head_bytes={head_bytes}: "
+                         "want multiples of 16 with 16 <= head_bytes <= run_bytes")
+    if (w.size * 4) % run_bytes or device_addr(w) % 16:
+        raise ValueError(f"attention l2_prefetch: {w.size * 4} bytes of weights are not whole "
+                         f"runs of {run_bytes} bytes at a 16-byte aligned address")
+    return (w.size * 4 // run_bytes, run_bytes // 4, head_bytes)
 
 
 # ---- launcher ------------------------------------------------------------------------------------
@@ -371,7 +423,7 @@ def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: i
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False):
+                    early: bool = False, l2_prefetch: tuple | None = None):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -386,6 +438,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     and copy every page but the last before griddepcontrol.wait -- only a launch with a
     programmatic (PDL) edge can start early, so elsewhere it changes nothing; in the step graph
     it saved 0.007..0.009 ms (docs/PERF.md 0.3) and the engine turns it on (ATTN_OPTIONS).
+    l2_prefetch: (w, run_bytes, head_bytes) -- before anything else, the CTAs ask L2 for the
+    first head_bytes of every run_bytes-long run of the uint32 words w (the engine: the same
+    layer's gate_up weights, a run a 16-row tile; module doc).
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -393,7 +448,13 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
     ms = part_acc.shape[0]
-    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
+    pf, pfw = NO_PREFETCH, None
+    if l2_prefetch is not None:
+        pfw, run_bytes, head_bytes = l2_prefetch
+        pf = prefetch_plan(pfw, int(run_bytes), int(head_bytes))
+    pfw = _placeholder() if pfw is None else pfw
+    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
+                         pf)
     merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
@@ -401,7 +462,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     threads = (consumers + 1) * 32
 
     def launch(stream=0):
-        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
+        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml,
+                                                  pfw)
         merge[hq, d * combine.SPLIT_GROUPS, stream](state, part_acc, part_ml, o)
 
     return launch
