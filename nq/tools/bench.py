@@ -74,6 +74,37 @@ def breakdown(itl_ms: float, regions_ms: dict) -> dict:
             "norms": "fused", "kernel_gap_ms": float(itl_ms) - sum(regions_ms.values())}
 
 
+def region_bytes(w, ctx: float) -> dict:
+    """Bytes each region of a decode step must read at context ctx (its floor at the copy
+    ceiling): the GEMVs their weights, scales, biases and the norm they fuse; attention the K/V
+    of ctx tokens; lm_head its rows (+ int8 scales) and the final norm; embed one row; sample
+    the fp32 logits.  w: the engine's DeviceWeights (shapes and dtypes only: nothing is read)."""
+    cfg = w.cfg
+
+    def nb(*arrays):
+        return sum(int(a.nbytes) for a in arrays)
+
+    head = w.lm_head
+    head_b = nb(head.qweight, head.scales) if hasattr(head, "qweight") else nb(head)
+    by = {"embed": cfg.hidden_size * 2,
+          "qkv_gemv": sum(nb(L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b) for L in w.layers),
+          "paged_attention": kv_bytes(cfg, ctx),
+          "o_proj": sum(nb(L.o_w, L.o_s) for L in w.layers),
+          "gate_up_swiglu": sum(nb(L.post_norm, L.gu_w, L.gu_s) for L in w.layers),
+          "down": sum(nb(L.down_w, L.down_s) for L in w.layers),
+          "lm_head": head_b + nb(w.norm),
+          "sample": cfg.vocab_size * 4}
+    by["rope_kv_append"] = 0     # its K/V row write and q: bytes of the order of a KB
+    return by
+
+
+def with_floors(b: dict, by: dict, ceiling_gbs: float) -> dict:
+    """breakdown b plus each region's byte floor (bytes / the copy ceiling) in ms."""
+    b = dict(b)
+    b["floor_ms"] = {r: by.get(r, 0) / (ceiling_gbs * 1e9) * 1e3 for r in b["regions_ms"]}
+    return b
+
+
 def kv_bytes(cfg, ctx: float) -> float:
     """KV cache bytes attention reads at context ctx: K and V, fp16, every layer."""
     return cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 2
@@ -127,22 +158,38 @@ def format_table(model: str, rows: list[dict]) -> str:
 
 
 def format_breakdown(bds: list[dict]) -> str:
-    """Regions down, one ms / % column pair per context."""
+    """Regions down; per context the region's ms, its % of the ITL and, where the breakdown
+    carries floors (with_floors), the byte floor in ms and the region's % of it (floor / time:
+    100 % is the copy ceiling)."""
     header = ["region"]
     for b in bds:
         header += [f"ms @ {b['ctx']}", "% of ITL"]
+        if "floor_ms" in b:
+            header += ["floor ms", "% of floor"]
     regions = list(bds[0]["regions_ms"]) if bds else []
+
+    def floor_cells(b, f, v):
+        if "floor_ms" not in b:
+            return []
+        return [f"{f:.4f}", f"{100 * f / v:.0f}" if f > 0 and v > 0 else "-"]
+
     body = []
     for r in regions:
         row = [r]
         for b in bds:
             v = b["regions_ms"][r]
             row += [f"{v:.4f}", f"{100 * v / b['itl_ms']:.1f}"]
+            row += floor_cells(b, b.get("floor_ms", {}).get(r, 0.0), v)
         body.append(row)
-    body.append(["norms"] + ["fused", "-"] * len(bds))
+    body.append(["norms"] + [x for b in bds for x in
+                             ["fused", "-"] + (["-", "-"] if "floor_ms" in b else [])])
     body.append(["kernel_gap"] + [x for b in bds for x in
-                                  (f"{b['kernel_gap_ms']:.4f}", f"{100 * b['kernel_gap_ms'] / b['itl_ms']:.1f}")])
-    body.append(["ITL"] + [x for b in bds for x in (f"{b['itl_ms']:.4f}", "100.0")])
+                                  [f"{b['kernel_gap_ms']:.4f}",
+                                   f"{100 * b['kernel_gap_ms'] / b['itl_ms']:.1f}"]
+                                  + (["-", "-"] if "floor_ms" in b else [])])
+    body.append(["ITL"] + [x for b in bds for x in
+                           [f"{b['itl_ms']:.4f}", "100.0"]
+                           + floor_cells(b, sum(b.get("floor_ms", {}).values()), b["itl_ms"])])
     return md_table(header, body, right=set(range(1, len(header))))
 
 
@@ -368,7 +415,8 @@ def run(args) -> int:
     rows = measure_tests(eng, args, ctxs, ceiling)
     bds = []
     for c in dict.fromkeys([p0] + ctxs):
-        bds.append(measure_breakdown(eng, c, replays=args.replays))
+        bds.append(with_floors(measure_breakdown(eng, c, replays=args.replays),
+                               region_bytes(eng.w, c), ceiling))
         log(f"nq bench: breakdown @ {c}: ITL {bds[-1]['itl_ms']:.3f} ms, "
             f"kernel_gap {bds[-1]['kernel_gap_ms']:.3f} ms")
     # The same step without programmatic dependent launch: what PDL buys (docs/PERF.md).

@@ -97,6 +97,56 @@ def test_breakdown_table_lists_every_region_norms_and_gap():
     assert "fused" in text and "1.1000" in text  # the gap: 2.0 - 9 * 0.1
 
 
+def _host_weights(cfg, int8_head=False):
+    """DeviceWeights' shapes and dtypes in NumPy (region_bytes reads only .nbytes)."""
+    from nq.kernels.lm_head_int8 import Int8Rows
+    from nq.runtime.weights import DeviceLayer, DeviceWeights
+    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_size
+    z = np.zeros
+
+    def layer():
+        return DeviceLayer(input_norm=z(h, np.float16), post_norm=z(h, np.float16),
+                           qkv_w=z((n, h // 8), np.uint32), qkv_s=z((n, h // 128), np.float16),
+                           qkv_b=z(n, np.float16), o_w=z((h, cfg.q_size // 8), np.uint32),
+                           o_s=z((h, cfg.q_size // 128), np.float16),
+                           gu_w=z((2 * i, h // 8), np.uint32), gu_s=z((2 * i, h // 128), np.float16),
+                           down_w=z((h, i // 8), np.uint32), down_s=z((h, i // 128), np.float16))
+    head = (Int8Rows(z((cfg.vocab_size, h), np.int8), z(cfg.vocab_size, np.float32)) if int8_head
+            else z((cfg.vocab_size, h), np.float16))
+    return DeviceWeights(cfg, embed=z((8, h), np.float16), norm=z(h, np.float16), lm_head=head,
+                         layers=[layer() for _ in range(cfg.num_layers)])
+
+
+def test_region_bytes_of_the_7b_add_up_to_a_token():
+    cfg = PRESETS["7b"].replace(num_layers=2)
+    w = _host_weights(cfg)
+    by = bench.region_bytes(w, 512)
+    assert set(REGIONS) <= set(by)
+    assert by["gate_up_swiglu"] == 2 * (2 * 18944 * 3584 // 2 + 2 * 18944 * 28 * 2 + 3584 * 2)
+    assert by["paged_attention"] == bench.kv_bytes(cfg, 512) == 2 * 2 * 512 * 4 * 128 * 2
+    assert by["lm_head"] == 152064 * 3584 * 2 + 3584 * 2
+    # every weight byte of the step is in exactly one region (sample's logits and the KV aside)
+    weights = sum(v for r, v in by.items() if r not in ("paged_attention", "sample"))
+    assert weights == w.nbytes_per_token
+    w8 = _host_weights(cfg, int8_head=True)
+    assert bench.region_bytes(w8, 512)["lm_head"] == 152064 * 3584 + 152064 * 4 + 3584 * 2
+
+
+def test_breakdown_table_with_floors():
+    b = bench.breakdown(2.0, {r: 0.1 for r in REGIONS})
+    b["ctx"] = 512
+    by = {r: 0 for r in REGIONS} | {"gate_up_swiglu": 80e6, "lm_head": 100e6}
+    b = bench.with_floors(b, by, 1000.0)                 # 1 TB/s: 80 MB take 0.08 ms
+    text = bench.format_breakdown([b])
+    lines = {line.strip("|").split("|")[0].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines()[2:]}
+    assert "floor ms" in text.splitlines()[0] and "% of floor" in text.splitlines()[0]
+    assert lines["gate_up_swiglu"][3:5] == ["0.0800", "80"]      # 0.08 of 0.1 ms
+    assert lines["lm_head"][3:5] == ["0.1000", "100"]
+    assert lines["o_proj"][3:5] == ["0.0000", "-"]
+    assert lines["ITL"][3:5] == ["0.1800", "9"]                  # 0.18 ms of floor in 2.0
+
+
 def test_peers_are_ratios_to_nq_and_failures_are_reported():
     rows = _rows()
     bd = bench.breakdown(2.0, {r: 0.1 for r in REGIONS})
@@ -165,7 +215,8 @@ class StandIn:
 
     def __init__(self, cfg, max_len):
         self.cfg, self.max_len = cfg, max_len
-        self.w = types.SimpleNamespace(nbytes_per_token=10**9, load_s=0.1)
+        self.w = _host_weights(cfg)            # shapes and dtypes: the breakdown's floors
+        self.w.load_s = 0.1
         self.pos = self.reserved = 0
         self.pdl = True
 
@@ -226,6 +277,10 @@ def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys)
     for b in res["breakdown"]:
         assert list(b["regions_ms"]) == REGIONS
         assert sum(b["regions_ms"].values()) + b["kernel_gap_ms"] == pytest.approx(b["itl_ms"])
+        # the floors: the KV bytes of the context at the run's copy ceiling
+        assert set(b["floor_ms"]) == set(REGIONS)
+        kv = bench.kv_bytes(made[0].cfg, b["ctx"])
+        assert b["floor_ms"]["paged_attention"] == pytest.approx(kv / 4000e9 * 1e3)
     assert res["copy_ceiling_GBs"] == 4000.0 and res["peers"] == {}
     assert res["itl_no_pdl_ms"] > 0 and made[0].pdl  # measured without PDL, then restored
 
@@ -248,6 +303,7 @@ def test_step_variants_parses_variants():
     assert tilings == {"down": MmaTiling(warps=8, threads=1024, min_blocks=1)}
     assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
+    assert sv.parse_variant("attn.gate_up_l2=0.3", defaults)[1] == {"gate_up_l2": 0.3}
     # mma=0 switches to the CUDA-core tiling first, then its fields apply
     tilings = sv.parse_variant("down.mma=0 down.prefetch=0", defaults, engines)[0]
     assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=0)}
