@@ -443,7 +443,8 @@ def run(args) -> int:
     print()
     print(footnotes(args, ceiling))
     print()
-    print("ITL breakdown (each region alone in its own graph; kernel_gap = ITL - sum of regions):")
+    print("ITL breakdown (each region alone in its own graph; kernel_gap = ITL - sum of regions; "
+          "floor = the bytes a region reads at this run's copy ceiling, % of floor = floor / time):")
     print(format_breakdown(bds))
     print(f"\nITL @ {p0} with programmatic dependent launch {bds[0]['itl_ms']:.3f} ms, "
           f"without {no_pdl:.3f} ms (same graph, plain kernel edges)")
