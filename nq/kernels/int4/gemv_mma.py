@@ -18,7 +18,8 @@ tiling.MMA_GATE_UP), because the prefill GEMMs read gate_up ~1.3x faster in this
 the row layout: on the H200 (2026-12-01) a 512-token prompt 22.0 -> 18.9 ms and an 8K one 354
 -> 314 ms, for +0.036 ms a decode step; and its sums are fp32.
 
-qkv and qkv_rope (opt-in, NQ_MMA_QKV=1: tiling.MMA_QKV; not yet measured on the H200): gemv.py's
+qkv and qkv_rope (opt-in, NQ_MMA_QKV=1: tiling.MMA_QKV; +0.043 ms a decode step at 512 on the
+H200, 2026-12-02, so not the default; tiling.mma_tiling has the figures): gemv.py's
 qkv_rope wants one thread to own a RoPE pair, rows i and i + D/2 of a head, and a lane holds
 tile rows g and g + 8; so qkv's mma layout reorders each head's rows (layout.rope_row: tile j
 of a head holds rows 8j..8j+7 and their partners 8j+D/2..), the tiling carries the head_dim
