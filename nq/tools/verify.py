@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from nq.tools.references import Greedy, _top2, make_reference
+
 TOL_INT4, TOL_HEAD, TOL_LAYER = 5e-3, 1e-5, 5e-3
 TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that rounding can flip
 # prefill tier: max |logit - reference| over the reference's spread (max - min).  The decode
@@ -197,133 +199,6 @@ def layer_tier(eng, nf, token: int = 7) -> Row:
 
 
 # ---- graph tier -------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Greedy:
-    """One prompt's reference greedy run: ids, and per step the top-2 gap and the spread."""
-    ids: list
-    gaps: list
-    spreads: list
-
-
-def _top2(logits: np.ndarray) -> tuple[int, float, float]:
-    order = np.argsort(logits)[::-1][:2]
-    return int(order[0]), float(logits[order[0]] - logits[order[1]]), float(logits.max() - logits.min())
-
-
-class NumpyReference:
-    """nq.ref, one prompt at a time (small models; a 7B takes hours this way)."""
-    name = "numpy"
-
-    def __init__(self, nf):
-        from nq.loader.weights import load_host_weights
-        from nq.ref import RefModel
-        self.model = RefModel(nf.config, load_host_weights(nf))
-
-    def last_logits(self, prompt) -> np.ndarray:
-        self.model.reset()
-        return np.asarray(self.model.forward(np.asarray(prompt))[-1], np.float64)
-
-    def all_logits(self, ids) -> np.ndarray:
-        """(len(ids), vocab) float64: the logits after each position of one forward."""
-        self.model.reset()
-        return np.asarray(self.model.forward(np.asarray(ids)), np.float64)
-
-    def greedy(self, prompts, n) -> list[Greedy]:
-        out = []
-        for prompt in prompts:
-            self.model.reset()
-            logits = self.model.forward(np.asarray(prompt))[-1]
-            g = Greedy([], [], [])
-            for _ in range(n):
-                tok, gap, spread = _top2(logits)
-                g.ids.append(tok), g.gaps.append(gap), g.spreads.append(spread)
-                logits = self.model.forward(np.array([tok]))[-1]
-            out.append(g)
-        return out
-
-
-class TorchReference:
-    """transformers' Qwen2ForCausalLM in fp32 with the file's dequantised weights, all prompts
-    in one batch (they have equal lengths, so no padding enters the comparison)."""
-    name = "transformers"
-
-    def __init__(self, nf, device: str = "cuda"):
-        import torch
-        import transformers
-
-        from nq.loader.hf import hf_name, host_names
-        from nq.loader.weights import host_tensor
-
-        cfg = nf.config
-        hcfg = transformers.Qwen2Config(**cfg.to_hf())
-        hcfg._attn_implementation = "eager"
-        self.torch, self.device = torch, device
-        with torch.device(device):
-            self.model = transformers.Qwen2ForCausalLM(hcfg).to(torch.float32).eval()
-        params = dict(self.model.named_parameters())
-        for name in host_names(cfg):  # one tensor at a time: host memory stays one tensor
-            dst = params[hf_name(name)].data
-            if name.endswith("_proj.weight"):  # dequantised where it lands (the host is slow)
-                base = name[:-len(".weight")]
-                dst.copy_(dequantize_packed_torch(torch, nf.array(base + ".qweight"),
-                                                  nf.array(base + ".scales"), device))
-            else:
-                dst.copy_(torch.from_numpy(host_tensor(nf, name)))
-        if nf.lm_head == "int8" and cfg.tie_word_embeddings:   # its own head, untied
-            self.model.lm_head.weight = torch.nn.Parameter(
-                torch.from_numpy(host_tensor(nf, "lm_head")).to(device), requires_grad=False)
-        import inspect
-        fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
-        self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
-
-    def last_logits(self, prompt) -> np.ndarray:
-        torch = self.torch
-        with torch.no_grad():
-            ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device=self.device)
-            return self.model(ids).logits[0, -1].double().cpu().numpy()
-
-    def all_logits(self, ids) -> np.ndarray:
-        torch = self.torch
-        with torch.no_grad():
-            t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
-            return self.model(t).logits[0].double().cpu().numpy()
-
-    def greedy(self, prompts, n) -> list[Greedy]:
-        torch = self.torch
-        with torch.no_grad():
-            ids = torch.as_tensor(np.asarray(prompts, np.int64), device=self.device)
-            out = self.model(ids, use_cache=True)
-            logits = out.logits[:, -1].float()
-            runs = [Greedy([], [], []) for _ in prompts]
-            for _ in range(n):
-                top = torch.topk(logits, 2, dim=-1)
-                spread = (logits.max(-1).values - logits.min(-1).values).cpu().numpy()
-                tok = top.indices[:, 0]
-                gap = (top.values[:, 0] - top.values[:, 1]).cpu().numpy()
-                for r, t, gp, sp in zip(runs, tok.cpu().numpy(), gap, spread):
-                    r.ids.append(int(t)), r.gaps.append(float(gp)), r.spreads.append(float(sp))
-                out = self.model(tok[:, None], use_cache=True,
-                                 **{self.cache_kw: getattr(out, self.cache_kw)})
-                logits = out.logits[:, -1].float()
-        return runs
-
-
-def dequantize_packed_torch(torch, packed, scales, device):
-    """nq.loader.quant.dequantize_packed in torch on `device`: ValueShuffle uint32 (N, K/8) +
-    fp16 scales (N, K/128) -> fp32 (N, K).  On the GPU a 7B dequantises in about a second;
-    NumPy on the host took ~100 s of `nq verify`'s 142 s."""
-    from nq.loader.quant import SHUFFLE
-    q = torch.from_numpy(np.ascontiguousarray(packed).view(np.int32)).to(device)  # (N, K/8)
-    n, k8 = q.shape
-    shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
-    nib = (q[:, :, None] >> shifts) & 0xF                 # (N, K/8, 8 slots)
-    nib = nib - ((nib & 0x8) << 1)                        # sign-extend 4 bits
-    w = torch.empty_like(nib)
-    w[:, :, list(SHUFFLE)] = nib                          # slot s holds column SHUFFLE[s]
-    sc = torch.from_numpy(np.asarray(scales)).to(device).float()                # (N, K/128)
-    return (w.reshape(n, -1, 128).float() * sc[:, :, None]).reshape(n, k8 * 8)
-
-
 def engine_greedy(backend, prompt, n) -> list[int]:
     """Greedy ids from any nq backend (the GPU engine decodes them on the device)."""
     from nq.generate import generate
@@ -425,19 +300,6 @@ def prefill_tier(backend, reference, lengths, seed: int = 0, vocab: int = 32000)
 
 
 # ---- the command ------------------------------------------------------------------------------
-def make_reference(nf, kind: str = "auto"):
-    """transformers on the GPU when torch is importable (kind auto/torch), else NumPy."""
-    if kind in ("auto", "torch"):
-        try:
-            import torch  # noqa: F401
-            import transformers  # noqa: F401
-            return TorchReference(nf, "cuda" if torch.cuda.is_available() else "cpu")
-        except ImportError:
-            if kind == "torch":
-                raise RuntimeError("--reference torch needs torch and transformers installed") from None
-    return NumpyReference(nf)
-
-
 def table(rows: list[Row]) -> str:
     lines = ["| tier | check | error | tolerance | result | detail |",
              "| --- | --- | ---: | ---: | --- | --- |"]

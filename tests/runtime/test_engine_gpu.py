@@ -167,10 +167,10 @@ def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
     units, as a trained model's): every decode step's logits, fed the reference's tokens,
     within TOL_DECODE of the spread; the figure is printed (the bandwidth issue's precision
     target is DECODE_TARGET at the 7B width)."""
-    from nq.tools import verify
+    from nq.tools import references, verify
     name, nf, eng, ref = model
     prompts = np.random.default_rng(5).integers(0, min(nf.config.vocab_size, 500), (4, 12)).tolist()
-    row = verify.decode_tier(eng, verify.NumpyReference(nf), prompts, 48)
+    row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 48)
     with capsys.disabled():
         print(f"\n{name}: decode tier {row.detail}")
     assert row.passed, row

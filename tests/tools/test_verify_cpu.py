@@ -4,16 +4,16 @@ and the refusal without a GPU.  The unit and layer tiers need the GPU (run on th
 import numpy as np
 import pytest
 
-from nq.tools import verify
+from nq.tools import references, verify
 from nq.cli import main
 from nq.loader.format import NanoqwenFile
 from nq.ref import NumpyBackend
 
 
 def test_compare_explains_near_ties_and_flags_the_rest():
-    ref = [verify.Greedy([1, 2, 3], [5.0, 5.0, 5.0], [10.0] * 3),
-           verify.Greedy([1, 2, 3], [5.0, 0.001, 5.0], [10.0] * 3),   # a near-tie at step 1
-           verify.Greedy([4, 5, 6], [5.0, 5.0, 5.0], [10.0] * 3)]     # a clear choice at step 0
+    ref = [references.Greedy([1, 2, 3], [5.0, 5.0, 5.0], [10.0] * 3),
+           references.Greedy([1, 2, 3], [5.0, 0.001, 5.0], [10.0] * 3),   # a near-tie at step 1
+           references.Greedy([4, 5, 6], [5.0, 5.0, 5.0], [10.0] * 3)]     # a clear choice at step 0
     res = verify.compare([[1, 2, 3], [1, 9, 9], [7, 5, 6]], ref)
     assert res["identical"] == 1 and res["unexplained"] == 1
     near, clear = res["mismatches"]
@@ -25,7 +25,7 @@ def test_compare_explains_near_ties_and_flags_the_rest():
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 def test_graph_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
     nf = NanoqwenFile(tiny_nanoqwen)
-    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    ref = references.TorchReference(nf, "cpu") if kind == "torch" else references.NumpyReference(nf)
     prompts = np.random.default_rng(0).integers(0, 490, (4, 6)).tolist()
     row, res = verify.graph_tier(NumpyBackend.from_file(nf, max_len=64), ref, prompts, 8)
     assert res["identical"] == 4, res["mismatches"]
@@ -35,7 +35,7 @@ def test_graph_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 def test_prefill_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
     nf = NanoqwenFile(tiny_nanoqwen)
-    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    ref = references.TorchReference(nf, "cpu") if kind == "torch" else references.NumpyReference(nf)
     rows = verify.prefill_tier(NumpyBackend.from_file(nf, max_len=64), ref, [1, 5, 13],
                               vocab=nf.config.vocab_size)
     assert [r.name for r in rows] == ["1-token prompt, last logits", "5-token prompt, last logits",
@@ -59,7 +59,7 @@ def test_prefill_tier_fails_a_wrong_position(tiny_nanoqwen):
             self.inner.reset()
             return self.inner.prefill(self.ids[:-1])
 
-    rows = verify.prefill_tier(OneBehind(), verify.NumpyReference(nf), [9],
+    rows = verify.prefill_tier(OneBehind(), references.NumpyReference(nf), [9],
                               vocab=nf.config.vocab_size)
     assert not any(r.passed for r in rows) and all(r.error > verify.TOL_PREFILL for r in rows)
 
@@ -90,7 +90,7 @@ def test_torch_dequantize_matches_numpy():
     from nq.loader.quant import dequantize_packed, quantize_pack
     w = np.random.default_rng(3).standard_normal((24, 256)).astype(np.float32)
     qw, sc = quantize_pack(w)
-    got = verify.dequantize_packed_torch(torch, qw, sc, "cpu").numpy()
+    got = references.dequantize_packed_torch(torch, qw, sc, "cpu").numpy()
     np.testing.assert_array_equal(got, dequantize_packed(qw, sc))
 
 
@@ -99,7 +99,7 @@ def test_decode_tier_harness_numpy_engine_vs_reference(tiny_nanoqwen, kind):
     if kind == "torch":
         pytest.importorskip("transformers")
     nf = NanoqwenFile(tiny_nanoqwen)
-    ref = verify.TorchReference(nf, "cpu") if kind == "torch" else verify.NumpyReference(nf)
+    ref = references.TorchReference(nf, "cpu") if kind == "torch" else references.NumpyReference(nf)
     prompts = np.random.default_rng(1).integers(0, 490, (3, 5)).tolist()
     row = verify.decode_tier(NumpyBackend.from_file(nf, max_len=64), ref, prompts, 6)
     assert row.tier == "decode" and row.name == "3 prompts x 5 teacher-forced decode steps, logits"
@@ -127,6 +127,6 @@ def test_decode_tier_feeds_the_reference_tokens_not_the_engine_s(tiny_nanoqwen):
             self.last = self.inner.decode((int(np.argmax(self.last)) + 1) % 490)
             return self.last
 
-    rows = verify.decode_tier(OwnChoice(), verify.NumpyReference(nf),
+    rows = verify.decode_tier(OwnChoice(), references.NumpyReference(nf),
                               np.random.default_rng(2).integers(0, 490, (2, 5)).tolist(), 5)
     assert not rows.passed and rows.error > verify.TOL_DECODE, rows
