@@ -98,11 +98,11 @@ def record_compiles():
 def build_step_kernels(cfg) -> None:
     """Build (and so compile) every launcher of cfg's default decode step, the weight upload's
     kernels and the stand-alone small kernels.  Keep this list in step with
-    nq/runtime/engine.py's `_build_steps` when a kernel joins or leaves the step."""
+    nq/runtime/step.py's `build_steps` when a kernel joins or leaves the step."""
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
     from nq.kernels.attention import combine, decode, plan
     from nq.kernels.int4 import make_qkv_rope_gemv, retile
-    from nq.runtime.engine import ATTN_OPTIONS
+    from nq.runtime.step import ATTN_OPTIONS
     from nq.runtime.weights import gemvs
 
     gemvs(cfg)

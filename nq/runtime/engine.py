@@ -6,7 +6,7 @@ One decode step (this file never holds a kernel body; nq/kernels does):
     embed      x = emb[state.token]                                   x: (hidden,) fp32
     per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
                q, KV page[pos] = rope(qkv)                            in its epilogue (qkv_rope;
-                                                                      FUSE_ROPE=False: rope_kv)
+                                                                      step.FUSE_ROPE=False: rope_kv)
                o    = paged_attention(q, pages[0..pos])               attn_split + attn_combine
                x   += o @ Wo                                          GEMV, residual epilogue
                a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
@@ -47,39 +47,6 @@ def memset_zero(arr, stream) -> None:
     from nq.runtime.graphs import _check, stream_handle
     ptr = arr.__cuda_array_interface__["data"][0]
     _check(cu.cuMemsetD8Async(ptr, 0, arr.nbytes, stream_handle(stream)))
-
-
-# attention.decode_launcher options of the step, chosen in the whole step graph by
-# scripts/step_variants.py.  Measured in the step (docs/PERF.md): early copies -0.007 ms;
-# min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
-# at 8K; two rows a bulk copy (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K.
-ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2}
-# gate_up_l2 (0: off; opt-in, not yet measured): attn_split asks L2 for this fraction of every
-# 16-row tile of the same layer's gate_up weights while the attention's latency leaves DRAM
-# idle (nq/kernels/attention/decode.py, "l2_prefetch"); whole 1 KB groups, at least one.
-ATTN_STEP_OPTIONS = {"gate_up_l2": 0.0}
-# True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
-# a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
-FUSE_ROPE = True
-
-
-def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
-    """decode_launcher's l2_prefetch for this layer's gate_up weights: the first `fraction` of
-    each 16-row tile of the tensor-core layout (whole 1 KB groups, at least one); None when
-    fraction is 0.  ValueError for a fraction outside [0, 1] or the CUDA-core layout."""
-    from nq.config import GROUP_SIZE
-    from nq.kernels.int4.tiling import MmaTiling
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"gate_up_l2={fraction}: a fraction of each weight tile, 0..1")
-    if fraction == 0.0:
-        return None
-    if not isinstance(gemv.tiling, MmaTiling):
-        raise ValueError("gate_up_l2 prefetches gate_up's tensor-core layout (16-row tiles); "
-                         "this engine runs the CUDA-core gate_up (NQ_MMA_GATE_UP=0)")
-    group = 16 * GROUP_SIZE // 2                      # a 16-row tile's 128 columns: 1 KB
-    run = cfg.hidden_size // GROUP_SIZE * group       # a tile: every group of its 16 rows
-    head = max(group, int(fraction * run) // group * group)
-    return (gu_w.reshape(-1), run, head)
 
 
 class Engine:
@@ -174,55 +141,9 @@ class Engine:
 
     def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
                      fuse_rope: bool | None = None) -> list:
-        """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
-        Shapes are checked here, once.  tilings / attn: see `variant`."""
-        from nq.kernels import attention, embed, feed, lm_head, rope_kv
-        from nq.kernels import sampling as argmax
-        from nq.kernels.int4 import make_qkv_rope_gemv
-        from nq.runtime.weights import gemvs
-
-        c, weights = self.cfg, self.w
-        opts = dict(ATTN_OPTIONS, **ATTN_STEP_OPTIONS, **(attn or {}))
-        gate_up_l2 = float(opts.pop("gate_up_l2"))
-        tilings = dict(tilings or {})
-        rope_tiling = tilings.pop("qkv_rope", None)
-        g = gemvs(c, tilings, check_layout)
-        qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
-            FUSE_ROPE if fuse_rope is None else fuse_rope) else None
-        if (qkv_rope is not None and check_layout
-                and qkv_rope.tiling.layout() != g["qkv"].tiling.layout()):
-            raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
-                             f"the uploaded qkv weights ({g['qkv'].tiling.tag()}); keep ks")
-        steps = [("embed", feed.feed_launcher(self.prompt, self.feed_meta, self.state)),
-                 ("embed", embed.embed_launcher(weights.embed, self.state, self.x))]
-        for i, L in enumerate(weights.layers):
-            kv_i = self.kv[i]
-            if qkv_rope is not None:
-                steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
-                    self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.state, self.inv_freq,
-                    self.d_table, kv_i, self.q, st)))
-            else:
-                steps += [
-                    ("qkv_gemv", lambda st, L=L: g["qkv"](self.x, L.input_norm, L.qkv_w, L.qkv_s,
-                                                          L.qkv_b, self.qkv, st)),
-                    ("rope_kv_append", rope_kv.rope_kv_launcher(
-                        c, self.qkv, self.state, self.inv_freq, self.d_table, kv_i, self.q))]
-            steps += [
-                ("paged_attention", attention.decode_launcher(
-                    c, self.q, self.state, self.d_table, kv_i, self.o, self.part_acc,
-                    self.part_ml, **opts,
-                    l2_prefetch=gate_up_prefetch(c, g["gate_up"], L.gu_w, gate_up_l2))),
-                ("o_proj", lambda st, L=L: g["o_proj"](self.o, L.o_w, L.o_s, self.x, st)),
-                ("gate_up_swiglu", lambda st, L=L: g["gate_up"](self.x, L.post_norm, L.gu_w,
-                                                                L.gu_s, self.a, st)),
-                ("down", lambda st, L=L: g["down"](self.a, L.down_w, L.down_s, self.x, st)),
-            ]
-        head = lm_head.make_lm_head(c, weights.lm_head)   # fp16, or int8 rows + scales
-        steps.append(("lm_head", lambda st: head(self.x, weights.norm, weights.lm_head,
-                                                 self.logits, st)))
-        steps.append(("sample", argmax.argmax_launcher(self.logits, self.state, self.out_ids,
-                                                       argmax.argmax_workspace())))
-        return steps
+        """(region, launch) in step order (nq/runtime/step.py); tilings / attn: see `variant`."""
+        from nq.runtime.step import build_steps
+        return build_steps(self, tilings, attn, check_layout, fuse_rope)
 
     def variant(self, tilings=None, attn=None, check_layout: bool = True,
                 fuse_rope: bool | None = None) -> None:

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.gpu
 
 def test_breakdown_is_complete_and_adds_up_to_the_itl():
     from nq.tools.bench import measure_breakdown
-    from nq.runtime.engine import FUSE_ROPE, Engine
+    from nq.runtime.engine import Engine
+    from nq.runtime.step import FUSE_ROPE
 
     eng = Engine.random(tiny_config(num_layers=2), max_len=256)
     b = measure_breakdown(eng, ctx=40, replays=20, steps=16)

@@ -437,7 +437,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     (1, 2, 4, 8, 16 or 32); min_pps: fewest pages a split (plan.py); early: read the split plan
     and copy every page but the last before griddepcontrol.wait -- only a launch with a
     programmatic (PDL) edge can start early, so elsewhere it changes nothing; in the step graph
-    it saved 0.007..0.009 ms (docs/PERF.md 0.3) and the engine turns it on (ATTN_OPTIONS).
+    it saved 0.007..0.009 ms (docs/PERF.md 0.3) and the engine turns it on (nq/runtime/step.py
+    ATTN_OPTIONS).
     l2_prefetch: (w, run_bytes, head_bytes) -- before anything else, the CTAs ask L2 for the
     first head_bytes of every run_bytes-long run of the uint32 words w (the engine: the same
     layer's gate_up weights, a run a 16-row tile; module doc).

@@ -43,7 +43,7 @@ ALIGN = 16       # ldmatrix rows and bulk copies need 16-byte shared addresses
 # One consumer warp computes a page for all GQA heads in ~50 tensor-core instructions, so more
 # consumers only add merge work; short contexts stay launch- and latency-bound (~10 us).
 # In the whole step graph (docs/PERF.md 0.3) 2 rows a copy and min_pps 2 won instead: the
-# engine passes them (nq/runtime/engine.py ATTN_OPTIONS).
+# engine passes them (nq/runtime/step.py ATTN_OPTIONS).
 CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
 ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)

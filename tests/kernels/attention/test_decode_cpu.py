@@ -181,7 +181,7 @@ def test_engine_options_are_launcher_keywords():
     """The engine's ATTN_OPTIONS (what the 7B step runs) are knobs decode_launcher still has."""
     import inspect
 
-    from nq.runtime.engine import ATTN_OPTIONS
+    from nq.runtime.step import ATTN_OPTIONS
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
@@ -220,7 +220,7 @@ def test_l2_prefetch_plan_refuses_what_the_kernel_cannot_take():
 def test_engine_gate_up_prefetch_geometry():
     from nq.config import PRESETS
     from nq.kernels.int4.tiling import MmaTiling
-    from nq.runtime.engine import gate_up_prefetch
+    from nq.runtime.step import gate_up_prefetch
 
     class Gemv:
         tiling = MmaTiling(warps=2, threads=256)
