@@ -58,12 +58,10 @@ warpgroup-collective, and the rows of a CTA's two warpgroups are 9 tokens apart,
 most); keys past a row are masked to NEG_BIG, and every row sees key 0 in tile 0, so m is a
 real score from then on and a fully masked tile adds p = 0.
 
-Registers (ptxas sm_90a, numba-cuda 0.30 / CUDA 13.0; test_prefill_attn_wgmma_cpu.py prints
-them): 253-255 at d128, 229-235 at d64 -- 64 O + 64 S + 32 Q + 32 P (P_{j-1} is live while
-S_j is in softmax) + the copy addresses and the softmax's reduction chains; no spills in the
-default loop, no local memory, no serialised wgmma (each a test).
-Accumulators and fragments are local arrays indexed only by unrolled constants (nq/ptx/
-wgmma.py's rule).  256 threads at up to 255 registers is one CTA an SM, as 193 KiB asks.
+Registers (ptxas sm_90a; the CPU test prints them): 253-255 at d128, 229-235 at d64 -- 64 O,
+64 S, 32 Q, 32 P, addresses, the softmax's chains; no spill in the default loop, no local
+memory, no serialised wgmma (each a test); fragments are local arrays indexed by unrolled
+constants (nq/ptx/wgmma.py's rule).  One CTA an SM, as 193 KiB asks.
 
 Performance (H200, 2026-12-02, a21c076): one layer at m 2048 runs at 383 / 402 TFLOP/s of
 the causal work from start 6144 / 30000 (272 from 0), 28 layers of a 7B prompt's attention
@@ -72,12 +70,8 @@ body exists twice (tiles below the diagonal skip the mask), why the refill names
 a constant-stride byte offset, the overlap=True loop (measured slower, off) and each
 prediction against its outcome: docs/KERNELS_ATTN.md, "Prefill attention on wgmma".
 
-overlap=True (launcher option; tile j): barrier; fence; S_j = Q K_j (commit); O *= alpha_{j-1};
-fence; O += P_{j-1} V_{j-1} (commit); wait_group 1; softmax S_j; the refill of tile j + nstage
-- 2, unconditional (past the end a zero-filled copy of a clamped page); wait_group 0 tying O
-and P (nq/ptx/wgmma.wgmma_wait_group_acc_a); P_j = fp16(S_j).  Hazards as in the default loop:
-the refill writes the stage of tile j - 2, which every warpgroup retired before tile j's
-barrier.
+overlap=True (off: slower) orders a tile S_j; O *= alpha; P V; wait 1; softmax; refill; wait 0
+tying O and P (wgmma_wait_group_acc_a); docs/KERNELS_ATTN.md has its hazards and figures.
 """
 from __future__ import annotations
 
@@ -182,13 +176,11 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
 
     def load_tile(kv, table, sbase, pos0, kv_len, last_pg, goff, soff, rr):
         """This thread's cp.async copies of the K and V tile of keys pos0..pos0+bn-1 into the
-        stage at shared address sbase (tile_offset's layout); keys at or past kv_len are zero
-        filled and read nothing.  goff: the thread's byte offset inside a page (its kv head,
-        row rr % PAGE, chunk); soff: its chunk's offset in a tile row (row % 8 == rr % 8 every
-        pass, so one swizzle); rr: its first row.  A pass is one table load, one multiply and
-        two copies: every stride is a constant (cp_async_cg_shared_global_16_zfill_off)."""
-        # 32-bit index arithmetic, an unsigned table index (numba's int64 index with its
-        # negative-index fix-up cost ~16 instructions a table load)
+        stage at sbase (tile_offset's layout), zero filled from kv_len on.  goff: its byte
+        offset in a page (kv head, row rr % PAGE, chunk); soff: its chunk's place in a tile row
+        (one swizzle: row % 8 == rr % 8 every pass).  A pass is a table load, a multiply and
+        two copies, every stride a constant; 32-bit indices (numba's int64 index and its
+        negative-index fix-up cost ~16 instructions a table load)."""
         p0 = int32(pos0)
         pg0 = uint32(p0 // PG + rr // PG)
         lpg = uint32(last_pg)
@@ -236,16 +228,15 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         wgmma_commit_group()
 
     def make_softmax(masked):
-        """softmax(sacc, pos0, qp0, qp1, t, m0, m1): mask S (keys past a row's position ->
-        NEG_BIG; masked=False for a tile wholly at or below every row's position, where the
-        mask is the identity and its 2 x 64 compare-selects are saved), the row max over the
-        lane quad, p = exp2(s - m_new) in place, this lane's share of the row sums.  Returns
-        (m0, m1, alpha0, alpha1, sum0, sum1); alpha = exp2(m_old - m_new) rescales O and l.
-        The max and the sums run as CHAINS independent chains a row (a 32-long chain of
-        dependent FMNMX / FADD is latency, with 2 warps a scheduler to hide it)."""
+        """softmax(sacc, pos0, qp0, qp1, t, m0, m1) -> (m0, m1, alpha0, alpha1, sum0, sum1):
+        mask S (keys past a row's position -> NEG_BIG; masked=False below the diagonal, where
+        it is the identity), the quad's row max, p = exp2(s - m_new) in place, this lane's
+        row sums (CHAINS independent chains a row: 2 warps a scheduler hide no 32-long one);
+        alpha = exp2(m_old - m_new) rescales O and l."""
         def softmax(sacc, pos0, qp0, qp1, t, m0, m1):
             if masked:
-                lim0 = int32(qp0 - pos0 - 2 * t)   # key pos0 + 8 nt + 2t + e visible iff 8 nt + e <= lim
+                # key pos0 + 8 nt + 2t + e is visible iff 8 nt + e <= lim
+                lim0 = int32(qp0 - pos0 - 2 * t)
                 lim1 = int32(qp1 - pos0 - 2 * t)
                 for nt in range(NTS):
                     for e in range(2):
@@ -317,10 +308,8 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
     softmax_masked, softmax_full = dev(make_softmax(True)), dev(make_softmax(False))
 
     def make_step(softmax):
-        """Tile j >= 1 of the loop (module doc) with the given softmax.  The kernel runs the
-        tiles wholly at or below its rows' diagonal through softmax_full and the rest through
-        softmax_masked: two copies of the loop body, no branch inside one.  Returns the
-        loop's carried scalars."""
+        """Tile j >= 1 of the loop (module doc) with the given softmax -> the loop's carried
+        scalars; two copies (full / masked), so no branch sits inside a loop body."""
         def step(kv, table, qf, pf, sacc, oacc, j, rd, wr, ring, last, m0, m1, l0, l1, al0,
                  al1, n_tiles, kv_len, last_pg, qp0, qp1, t, goff, soff, rr):
             tile_landed()
@@ -426,8 +415,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         l1 = ps1
         pack(sacc, pf)                            # O is 0: no rescale
         rd = ring                                 # the stage of tile j - 1 (its V)
-        # tiles 1 .. n_full - 1 end at or below every row's position (start + t0 the lowest):
-        # the mask is the identity there
+        # tiles 1 .. n_full - 1 end at or below every row's position (start + t0): no mask
         n_full = max(1, min(n_tiles, (start + t0 + 1) // bn))
         for j in range(1, n_full):
             rd, wr, m0, m1, l0, l1, al0, al1 = step_full(
