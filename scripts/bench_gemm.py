@@ -33,6 +33,7 @@ from numba import cuda  # noqa: E402
 from nq.config import PRESETS  # noqa: E402
 from nq.kernels.int4 import gemm as M  # noqa: E402
 from nq.kernels.int4 import gemm_wgmma as W  # noqa: E402
+from nq.kernels.int4 import wg_tiles as T  # noqa: E402
 
 try:
     import torch
@@ -51,11 +52,11 @@ CANDIDATES = [M.SMALL, M.MEDIUM, M.LARGE,
               M.Tiles(2, 8, 4, 2, 1, 4),     # LARGE with a fourth stage (160 KB)
               M.Tiles(2, 8, 4, 1, 1, 4),     # 128 x 64 with 4 warps: two blocks an SM
               M.Tiles(2, 8, 2, 2, 1, 4)]     # 64 x 128 with 4 warps: two blocks an SM
-WG_CANDIDATES = [W.WG_WIDE, W.WG_TALL, W.WG_SHORT,
-                 W.WgTiles(1, 2, 128, 4),      # WG_TALL with one chunk in flight
-                 W.WgTiles(1, 2, 64, 4),       # WG_SHORT with one chunk in flight
-                 W.WgTiles(2, 2, 128, 4, 2),   # WG_WIDE with two chunks in flight
-                 W.WgTiles(1, 4, 64, 3, 2)]    # four warpgroups, 256 rows x 64 tokens
+WG_CANDIDATES = [T.WG_WIDE, T.WG_TALL, T.WG_SHORT,
+                 T.WgTiles(1, 2, 128, 4),      # WG_TALL with one chunk in flight
+                 T.WgTiles(1, 2, 64, 4),       # WG_SHORT with one chunk in flight
+                 T.WgTiles(2, 2, 128, 4, 2),   # WG_WIDE with two chunks in flight
+                 T.WgTiles(1, 4, 64, 3, 2)]    # four warpgroups, 256 rows x 64 tokens
 ROTATE_BYTES = 240 << 20
 
 
@@ -159,7 +160,7 @@ def bench_projection(kind, ms, candidates, reps, rng, wg_candidates=()):
             if m <= W.WGMMA_MIN_M:
                 continue                       # the launcher runs mma.sync there
             try:
-                W.check(kind, n, k, layout, tiles)
+                T.check(kind, n, k, layout, tiles)
             except ValueError:
                 continue                       # e.g. gate_up needs ta = 2
             g = W.WgmmaGemm(kind, n, k, layout, tiles)
@@ -169,7 +170,7 @@ def bench_projection(kind, ms, candidates, reps, rng, wg_candidates=()):
                 for qw, sc in weights:
                     g(x, qw, sc, *extra, out, m, stream=stream)
             t = median_time(batch, reps) / copies
-            wdef = tiles == W.default_tiles(kind, m)
+            wdef = tiles == T.default_tiles(kind, m)
             row = {"kind": kind, "m": m, "n": rows, "k": k, "tiles": "wgmma:" + tiles.tag(),
                    "default": False, "wgmma_default": wdef, "ms": t * 1e3,
                    "tflops": flop / t * 1e-12, "weight_copies": copies}
@@ -228,7 +229,7 @@ def main():
             candidates = list(dict.fromkeys(default.pick(m)[0] for m in ms))
         wg = []
         if args.wgmma:
-            wg = (list(dict.fromkeys(W.default_tiles(kind, m) for m in ms))
+            wg = (list(dict.fromkeys(T.default_tiles(kind, m) for m in ms))
                   if args.quick and not args.wg_all else WG_CANDIDATES)
         plan.append((kind, candidates, wg))
     precompile(ms, plan)

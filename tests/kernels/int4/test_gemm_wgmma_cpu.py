@@ -8,6 +8,7 @@ import pytest
 
 from nq.config import PRESETS
 from nq.kernels.int4 import gemm_wgmma as W
+from nq.kernels.int4 import wg_tiles as T
 
 ptx_util = pytest.importorskip("ptx_util")
 
@@ -19,24 +20,24 @@ SHAPES_7B = [("qkv", QKV, H, ("rows", 14)), ("gate_up", I, H, ("rows", 4)),
 
 def test_refusals():
     with pytest.raises(ValueError, match="ta = 2"):
-        W.build_gemm_wgmma("gate_up", 64, 256, "mma", W.WgTiles(1, 1, 128, 4))
+        W.build_gemm_wgmma("gate_up", 64, 256, "mma", T.WgTiles(1, 1, 128, 4))
     with pytest.raises(ValueError, match="shared memory"):
-        W.build_gemm_wgmma("plain", 64, 256, "mma", W.WgTiles(2, 2, 256, 4))
+        W.build_gemm_wgmma("plain", 64, 256, "mma", T.WgTiles(2, 2, 256, 4))
     with pytest.raises(ValueError, match="multiple of 8"):
-        W.build_gemm_wgmma("plain", 64, 256, "mma", W.WgTiles(1, 1, 100, 3))
+        W.build_gemm_wgmma("plain", 64, 256, "mma", T.WgTiles(1, 1, 100, 3))
     with pytest.raises(ValueError, match="stages"):
-        W.build_gemm_wgmma("plain", 64, 256, "mma", W.WgTiles(1, 1, 128, 2))
+        W.build_gemm_wgmma("plain", 64, 256, "mma", T.WgTiles(1, 1, 128, 2))
     with pytest.raises(ValueError, match="layout"):
-        W.build_gemm_wgmma("plain", 64, 256, "rows", W.WgTiles(1, 1, 128, 3))
+        W.build_gemm_wgmma("plain", 64, 256, "rows", T.WgTiles(1, 1, 128, 3))
 
 
-CANDIDATES = [W.WgTiles(1, 2, 64, 4), W.WgTiles(2, 1, 128, 4), W.WgTiles(2, 2, 64, 4),
-              W.WgTiles(1, 1, 256, 3)]
-CASES = ([(s, t) for s in SHAPES_7B for _, t in W.tiles_by_m(s[0])]
+CANDIDATES = [T.WgTiles(1, 2, 64, 4), T.WgTiles(2, 1, 128, 4), T.WgTiles(2, 2, 64, 4),
+              T.WgTiles(1, 1, 256, 3)]
+CASES = ([(s, t) for s in SHAPES_7B for _, t in T.tiles_by_m(s[0])]
          + [(SHAPES_7B[i], t) for i in (1, 2) for t in CANDIDATES
             if SHAPES_7B[i][0] != "gate_up" or t.ta == 2 or t.wg % 2 == 0]
          # qkv in its rope-ordered mma layout (NQ_MMA_QKV=1)
-         + [(("qkv", QKV, H, ("mma_rope", 128)), t) for _, t in W.tiles_by_m("qkv")])
+         + [(("qkv", QKV, H, ("mma_rope", 128)), t) for _, t in T.tiles_by_m("qkv")])
 
 
 @pytest.mark.slow
@@ -72,9 +73,9 @@ SIM_SCRIPT = textwrap.dedent('''
     from nq.kernels.int4 import gemm as M
     from nq.kernels.int4 import gemm_wgmma as W
     from nq.kernels.int4.layout import mma_layout, tile_rows
+    from nq.kernels.int4.wg_tiles import WgTiles as T
     from nq.loader.quant import dequantize_packed
 
-    T = W.WgTiles
     rng = np.random.default_rng(0)
 
     def case(name, kind, n, k, layout, tiles, m, band_bytes=W.L2_BAND_BYTES):
@@ -133,15 +134,15 @@ def test_tiles_by_m():
     """DEFAULT_TILES' table: the first entry whose max_m holds M; an explicit tiling runs every M;
     the grid follows the tiles the M takes (gate_up: 64 features a block on WG_TALL, 128 on
     WG_WIDE)."""
-    assert W.default_tiles("gate_up", 512) == W.WG_TALL
-    assert W.default_tiles("gate_up", 1024) == W.WG_TALL
-    assert W.default_tiles("gate_up", 1025) == W.WG_WIDE
-    assert W.default_tiles("gate_up") == W.WG_WIDE
-    assert W.default_tiles("o_proj", 8192) == W.WG_SHORT
+    assert T.default_tiles("gate_up", 512) == T.WG_TALL
+    assert T.default_tiles("gate_up", 1024) == T.WG_TALL
+    assert T.default_tiles("gate_up", 1025) == T.WG_WIDE
+    assert T.default_tiles("gate_up") == T.WG_WIDE
+    assert T.default_tiles("o_proj", 8192) == T.WG_SHORT
     g = W.WgmmaGemm("gate_up", I, H, ("rows", 4))
-    assert g.tiles_for(300) == W.WG_TALL and g.tiles_for(4096) == W.WG_WIDE
+    assert g.tiles_for(300) == T.WG_TALL and g.tiles_for(4096) == T.WG_WIDE
     (band, nb, bands), _ = g.grid(512)
-    assert nb == I // 64 and band * bands >= 512 // W.WG_TALL.bt
+    assert nb == I // 64 and band * bands >= 512 // T.WG_TALL.bt
     assert g.grid(4096)[0][1] == -(-I // 128)
-    fixed = W.WgmmaGemm("gate_up", I, H, ("rows", 4), W.WG_WIDE)
-    assert fixed.tiles_for(100) == fixed.tiles_for(8192) == W.WG_WIDE
+    fixed = W.WgmmaGemm("gate_up", I, H, ("rows", 4), T.WG_WIDE)
+    assert fixed.tiles_for(100) == fixed.tiles_for(8192) == T.WG_WIDE

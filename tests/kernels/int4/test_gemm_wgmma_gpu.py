@@ -19,6 +19,7 @@ from numba import cuda  # noqa: E402
 from nq.config import PRESETS  # noqa: E402
 from nq.kernels.int4 import gemm as M  # noqa: E402
 from nq.kernels.int4 import gemm_wgmma as W  # noqa: E402
+from nq.kernels.int4 import wg_tiles as T  # noqa: E402
 from nq.loader.quant import dequantize_packed  # noqa: E402
 
 from gemm_cases import SHAPES, weights  # noqa: E402  (tests/: both GEMMs' cases)
@@ -64,10 +65,10 @@ def test_gemm_wgmma_against_the_reference(model, kind, n, k, layout, m):
 
 
 @pytest.mark.parametrize("tiles", [
-    W.WG_WIDE, W.WG_TALL, W.WgTiles(1, 2, 64, 4), W.WgTiles(2, 1, 128, 4),
-    W.WgTiles(2, 2, 64, 4), W.WgTiles(1, 1, 256, 3), W.WgTiles(2, 2, 128, 4, 2),
-    W.WgTiles(2, 2, 128, 4, 3), W.WgTiles(1, 2, 64, 4, 2), W.WgTiles(1, 2, 128, 4, 2),
-    W.WgTiles(1, 4, 64, 3, 2)],
+    T.WG_WIDE, T.WG_TALL, T.WgTiles(1, 2, 64, 4), T.WgTiles(2, 1, 128, 4),
+    T.WgTiles(2, 2, 64, 4), T.WgTiles(1, 1, 256, 3), T.WgTiles(2, 2, 128, 4, 2),
+    T.WgTiles(2, 2, 128, 4, 3), T.WgTiles(1, 2, 64, 4, 2), T.WgTiles(1, 2, 128, 4, 2),
+    T.WgTiles(1, 4, 64, 3, 2)],
     ids=lambda t: t.tag())
 @pytest.mark.parametrize("kind", ["o_proj", "gate_up"])
 def test_candidate_tiles(kind, tiles):
@@ -76,7 +77,7 @@ def test_candidate_tiles(kind, tiles):
     n, k, layout = ((cfg.hidden_size, cfg.q_size, "mma") if kind == "o_proj"
                     else (cfg.intermediate_size, cfg.hidden_size, ("rows", 4)))
     try:
-        W.check(kind, n, k, layout, tiles)
+        T.check(kind, n, k, layout, tiles)
     except ValueError as e:
         pytest.skip(str(e))
     g = W.WgmmaGemm(kind, n, k, layout, tiles)
