@@ -183,13 +183,17 @@ class Gemm:
         raise ValueError(f"gemm: no tile configuration takes M={m}; end the list with "
                          f"(None, tiles)")
 
-    def prepare(self) -> int:
-        """Compile (or load from the kernel cache) every tile configuration now, rather than
-        when an M first needs it; inside a parallel_compiles block the misses join its batch.
-        Returns how many configurations."""
-        for _, tiles in self.configs:
+    def prepare(self, up_to: int | None = None) -> int:
+        """Compile (or load from the kernel cache) now, rather than when an M first needs it,
+        every tile configuration that runs some M <= up_to (None: every one); inside a
+        parallel_compiles block the misses join its batch.  Returns how many."""
+        n = 0
+        for max_m, tiles in self.configs:
             compiled(self.kind, self.n, self.k, self.layout, tiles)
-        return len(self.configs)
+            n += 1
+            if up_to is not None and (max_m is None or max_m >= up_to):
+                break
+        return n
 
     def grid(self, tiles, m):
         """(blocks, band): NB weight blocks x ceil(m / BM) token blocks, and the token blocks of a

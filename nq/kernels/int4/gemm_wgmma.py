@@ -464,7 +464,7 @@ class WgmmaGemm:
     def prepare(self) -> int:
         """Compile (or load) every kernel of this GEMM now -- the mma.sync tiles for small M and
         the wgmma kernels of its table -- as gemm.Gemm.prepare; returns how many."""
-        n = self.small.prepare() if self.small is not None else 0
+        n = self.small.prepare(up_to=self.min_m) if self.small is not None else 0
         for _, t in self.table:
             compiled(self.kind, self.n, self.k, self.layout, t)
         return n + len(self.table)

@@ -146,3 +146,19 @@ def test_tiles_by_m():
     assert g.grid(4096)[0][1] == -(-I // 128)
     fixed = W.WgmmaGemm("gate_up", I, H, ("rows", 4), T.WG_WIDE)
     assert fixed.tiles_for(100) == fixed.tiles_for(8192) == T.WG_WIDE
+
+
+def test_prepare_requests_only_the_tiles_an_m_can_reach(monkeypatch):
+    """WgmmaGemm.prepare: the wgmma table's kernels and the mma.sync tiles of M <= min_m (SMALL
+    and MEDIUM: LARGE is never picked when M > 64 goes to wgmma); Gemm.prepare alone: all."""
+    from nq.kernels.int4 import gemm as M
+    asked = []
+    monkeypatch.setattr(M, "compiled", lambda kind, n, k, layout, t: asked.append(("mma", t)))
+    monkeypatch.setattr(W, "compiled", lambda kind, n, k, layout, t: asked.append(("wg", t)))
+    H, I = 3584, 18944
+    g = M.make_gemm("gate_up", I, H, "mma", backend="wgmma")
+    assert g.prepare() == 4
+    assert asked == [("mma", M.SMALL), ("mma", M.MEDIUM), ("wg", T.WG_TALL), ("wg", T.WG_WIDE)]
+    asked.clear()
+    assert M.make_gemm("down", H, I, "mma").prepare() == 3       # the mma.sync backend: all
+    assert [t for _, t in asked] == [M.SMALL, M.MEDIUM, M.LARGE]
