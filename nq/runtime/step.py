@@ -39,7 +39,7 @@ def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
 
 
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
-            fuse_rope: bool | None = None) -> list:
+                fuse_rope: bool | None = None) -> list:
     """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
     Shapes are checked here, once.  tilings / attn: see `Engine.variant`."""
     from nq.kernels import attention, embed, feed, lm_head, rope_kv
