@@ -19,6 +19,13 @@ ATTN_STEP_OPTIONS = {"gate_up_l2": 0.0}
 FUSE_ROPE = True
 
 
+def attention_options(attn=None) -> tuple[dict, float]:
+    """(decode_launcher keywords, gate_up_l2): the step's defaults with `attn` over them (an
+    experiment's {keyword: value}, scripts/step_variants.py)."""
+    opts = {**ATTN_OPTIONS, **ATTN_STEP_OPTIONS, **(attn or {})}
+    return opts, float(opts.pop("gate_up_l2"))
+
+
 def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
     """decode_launcher's l2_prefetch for this layer's gate_up weights: the first `fraction` of
     each 16-row tile of the tensor-core layout (whole 1 KB groups, at least one); None when
@@ -48,8 +55,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     from nq.runtime.weights import gemvs
 
     c, weights = eng.cfg, eng.w
-    opts = dict(ATTN_OPTIONS, **ATTN_STEP_OPTIONS, **(attn or {}))
-    gate_up_l2 = float(opts.pop("gate_up_l2"))
+    opts, gate_up_l2 = attention_options(attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)

@@ -217,6 +217,14 @@ def test_l2_prefetch_plan_refuses_what_the_kernel_cannot_take():
         decode.prefetch_plan(w[:-4], 28672, 8192)
 
 
+def test_step_attention_options_take_an_experiment_over_the_defaults():
+    from nq.runtime.step import ATTN_OPTIONS, attention_options
+    opts, l2 = attention_options()
+    assert opts == ATTN_OPTIONS and l2 == 0.0
+    opts, l2 = attention_options({"gate_up_l2": 0.3, "early": False})
+    assert l2 == 0.3 and opts == {**ATTN_OPTIONS, "early": False} and "gate_up_l2" not in opts
+
+
 def test_engine_gate_up_prefetch_geometry():
     from nq.config import PRESETS
     from nq.kernels.int4.tiling import MmaTiling
