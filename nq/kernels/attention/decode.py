@@ -56,8 +56,9 @@ cp.async.bulk.prefetch.L2 a lane for the head of one run of w: the engine's runs
 16-row tiles in the tensor-core layout (28 KB at the 7B width, their groups in the order the
 GEMV's warps stream them), so every GEMV warp finds the first part of its stream in L2 and no
 block is left to read all of its own from DRAM.  The weights are written by nothing in the
-step, so the requests go out before griddepcontrol.wait.  Off, the kernel gets a 4-word
-placeholder for pfw and the prefetch code is not compiled in.
+step, so the requests go out before griddepcontrol.wait.  The kernel with it is a separate
+specialisation (one more parameter, the prefetch, then the same body: `split_main`); off, the
+step's kernel is the one without either.
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 144 / 104).
@@ -89,11 +90,12 @@ from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG
                                        ROWS_PER_COPY, barrier_bytes, check_attention_args,
                                        page_slot_bytes, smem_bytes)
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
+from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem, dev
 from nq.paged import PAGE, STATE_POS
 
 SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
-             "float32[:, :, ::1], float32[:, :, ::1], uint32[::1])")
+             "float32[:, :, ::1], float32[:, :, ::1])")
+SPLIT_SIG_PF = SPLIT_SIG[:-1] + ", uint32[::1])"   # + l2_prefetch's weights
 NO_PREFETCH = (0, 0, 0)     # (runs, words a run, bytes a run's head): l2_prefetch off
 
 
@@ -137,10 +139,9 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
 
-    def attn_split(q, state, table, kv, part_acc, part_ml, pfw):
+    def split_main(q, state, table, kv, part_acc, part_ml):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
-        # pfw (uint32 words): the weights l2_prefetch pulls into L2 (a placeholder when off)
         # PDL: no griddepcontrol.launch_dependents (module doc); the trigger at exit.
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, plan.row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: the consumers' merge scratch
@@ -152,15 +153,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        if PF_HEAD:
-            # l2_prefetch: warp 0 of every CTA (the ones past n_splits too) asks L2 for the
-            # head of a run each, before any wait -- the weights are written by nothing
-            if tid < 32:
-                ctas = cuda.gridDim.x * cuda.gridDim.y
-                r = (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * 32 + tid
-                while r < PF_RUNS:
-                    cp_async_bulk_prefetch_l2(pfw, r * PF_RUN_WORDS, PF_HEAD)
-                    r += ctas * 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
         if tid == 0:
             for stage in range(NST):
@@ -372,6 +364,24 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     part_ml[split, h, 0] = m
                     part_ml[split, h, 1] = l
 
+    split_main = dev(split_main)
+
+    if PF_HEAD:
+        def attn_split(q, state, table, kv, part_acc, part_ml, pfw):
+            # pfw (uint32 words): l2_prefetch's weights.  Warp 0 of every CTA (those past
+            # n_splits too) asks L2 for the head of a run a lane before anything else -- the
+            # weights are written by nothing in the step, so no wait comes first
+            tid = cuda.threadIdx.x
+            if tid < 32:
+                ctas = cuda.gridDim.x * cuda.gridDim.y
+                r = (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * 32 + tid
+                while r < PF_RUNS:
+                    cp_async_bulk_prefetch_l2(pfw, r * PF_RUN_WORDS, PF_HEAD)
+                    r += ctas * 32
+            split_main(q, state, table, kv, part_acc, part_ml)
+    else:
+        def attn_split(q, state, table, kv, part_acc, part_ml):
+            split_main(q, state, table, kv, part_acc, part_ml)
     return attn_split
 
 
@@ -393,13 +403,8 @@ def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: i
     stream, smem_bytes(...)]."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
            bool(early), tuple(prefetch))
-    return compile_kernel(split_body(*key), SPLIT_SIG, split_name(*key), fastmath=True)
-
-
-@functools.cache
-def _placeholder():
-    """The 4 words attn_split's pfw takes when l2_prefetch is off (never read)."""
-    return cuda.device_array(4, dtype=np.uint32)
+    sig = SPLIT_SIG_PF if prefetch[2] else SPLIT_SIG
+    return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
 
 def prefetch_plan(w, run_bytes: int, head_bytes: int) -> tuple:
@@ -449,11 +454,10 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
     ms = part_acc.shape[0]
-    pf, pfw = NO_PREFETCH, None
+    pf, extra = NO_PREFETCH, ()
     if l2_prefetch is not None:
         pfw, run_bytes, head_bytes = l2_prefetch
-        pf = prefetch_plan(pfw, int(run_bytes), int(head_bytes))
-    pfw = _placeholder() if pfw is None else pfw
+        pf, extra = prefetch_plan(pfw, int(run_bytes), int(head_bytes)), (pfw,)
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
                          pf)
     merge = combine.combine_kernel(d, ms, min_pps)
@@ -464,7 +468,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml,
-                                                  pfw)
+                                                  *extra)
         merge[hq, d * combine.SPLIT_GROUPS, stream](state, part_acc, part_ml, o)
 
     return launch

@@ -189,14 +189,14 @@ def test_engine_options_are_launcher_keywords():
 
 
 def test_l2_prefetch_ptx_and_name():
-    # off: no prefetch instruction (the placeholder pfw is never read) and the default name;
-    # on: one cp.async.bulk.prefetch.L2 in a loop over the runs, the plan in the name
+    # off: no prefetch instruction and the default name and signature; on: one more
+    # parameter, one cp.async.bulk.prefetch.L2 in a loop over the runs, the plan in the name
     off = _ptx(7, 128, 4, 1, early=True, max_splits=66)
     assert count(off, "cp.async.bulk.prefetch.L2.global") == 0
     pf = (2368, 7168, 8192)        # the 7B's gate_up: 16-row tiles of 28 KB, 8 KB of each
     body = decode.split_body(7, 128, 4, 1, plan.NSTAGE, plan.ROWS_PER_COPY, 66, plan.MIN_PPS,
                              True, pf)
-    on = compile_ptx_sm90(body, decode.SPLIT_SIG, fastmath=True)
+    on = compile_ptx_sm90(body, decode.SPLIT_SIG_PF, fastmath=True)
     assert count(on, "cp.async.bulk.prefetch.L2.global") == 1
     assert_no_local_memory(on)
     assert decode.split_name(7, 128, 4, 1, 3, 2, 66, 2, True) == \
