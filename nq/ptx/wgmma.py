@@ -248,17 +248,22 @@ def _acc_intrinsic(name, nacc, template, kinds, doc, twin, off=0):
                 builder.store(builder.extract_value(res, j), ptrs[j])
         return context.get_dummy_value()
 
-    params = [inspect.Parameter("typingctx", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("acc", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [inspect.Parameter(f"arg{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-               for i in range(len(kinds))]
-    typer.__signature__ = inspect.Signature(params)
+    typer.__doc__ = doc
+    return _finish(intrinsic, typer, name, ["acc"] + [f"arg{i}" for i in range(len(kinds))],
+                   twin, template)
+
+
+def _finish(intrinsic, typer, name, args, twin, template):
+    """The intrinsic of `typer` with the signature (typingctx, *args) numba reads, named
+    `name` (the kernel cache names closure values by qualname), carrying its twin and PTX."""
+    typer.__signature__ = inspect.Signature(
+        [inspect.Parameter(x, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+         for x in ["typingctx"] + list(args)])
     typer.__name__ = typer.__qualname__ = name
     typer.__module__ = __name__
-    typer.__doc__ = doc
     intr = intrinsic(typer)
     try:
-        intr.__qualname__ = name      # the kernel cache names closure values by qualname
+        intr.__qualname__ = name
     except AttributeError:
         pass
     intr.twin = twin
@@ -345,19 +350,7 @@ def _acc_a_intrinsic(nacc, na):
             builder.store(builder.extract_value(res, j), p)
         return context.get_dummy_value()
 
-    params = [inspect.Parameter(x, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-              for x in ("typingctx", "acc", "a", "n")]
-    typer.__signature__ = inspect.Signature(params)
-    typer.__name__ = typer.__qualname__ = name
-    typer.__module__ = __name__
-    intr = intrinsic(typer)
-    try:
-        intr.__qualname__ = name      # the kernel cache names closure values by qualname
-    except AttributeError:
-        pass
-    intr.twin = twin
-    intr.ptx_template = twin.ptx_template
-    return intr
+    return _finish(intrinsic, typer, name, ["acc", "a", "n"], twin, twin.ptx_template)
 
 
 def wgmma_fence_acc(nacc: int):
