@@ -71,13 +71,7 @@ def cp_async_cg_shared_global_16_zfill(dst, src, src_idx, src_bytes):
     attention clears the K/V tile slots past the end of the context this way, without a branch
     (stale pool slots may hold NaN, and 0 x NaN is NaN in the tensor core too).
     """
-    dst, n = int(dst), int(src_bytes)
-    assert dst % 16 == 0 and 0 <= n <= 16, "cp.async: 16-byte aligned dst, src_bytes <= 16"
-    _sim.shared_bytes(dst, 16)
-    data = np.zeros(16, np.uint8)
-    if n:
-        data[:n] = _bytes_at(src, src_idx, 16, align=16)[:n]
-    _queues().open.append((dst, data))
+    _queue_zfill(dst, src_bytes, lambda: _bytes_at(src, src_idx, 16, align=16))
 
 
 @ptx("{ .reg .u64 nq_a; add.u64 nq_a, %1, %2; cp.async.cg.shared.global [%0], [nq_a], 16, %3; }",
@@ -93,16 +87,26 @@ def cp_async_cg_shared_global_16_zfill_off(dst, src, byte_offset, src_bytes):
     multiply, and ptxas folds the constant parts into the address.  Same alignment, zero fill
     and landing rules as the indexed form.
     """
-    dst, n, off = int(dst), int(src_bytes), int(byte_offset)
-    assert dst % 16 == 0 and 0 <= n <= 16, "cp.async: 16-byte aligned dst, src_bytes <= 16"
-    _sim.shared_bytes(dst, 16)
+    off = int(byte_offset)
     a = np.asarray(getattr(src, "_ary", src))
     assert a.flags.c_contiguous, "the twins model C-contiguous arrays only"
     assert (a.ctypes.data + off) % 16 == 0, "16-byte access at a misaligned address"
-    assert 0 <= off and (n == 0 or off + 16 <= a.nbytes), "cp.async: source past the array"
+
+    def source():
+        assert 0 <= off and off + 16 <= a.nbytes, "cp.async: source past the array"
+        return a.reshape(-1).view(np.uint8)[off:off + 16]
+    _queue_zfill(dst, src_bytes, source)
+
+
+def _queue_zfill(dst, src_bytes, source):
+    """The zero-filling copies' twin: 16 bytes to land at dst, the first src_bytes of them
+    from source() (read only when src_bytes > 0), the rest zeros."""
+    dst, n = int(dst), int(src_bytes)
+    assert dst % 16 == 0 and 0 <= n <= 16, "cp.async: 16-byte aligned dst, src_bytes <= 16"
+    _sim.shared_bytes(dst, 16)
     data = np.zeros(16, np.uint8)
     if n:
-        data[:n] = a.reshape(-1).view(np.uint8)[off:off + n]
+        data[:n] = source()[:n]
     _queues().open.append((dst, data))
 
 
