@@ -31,6 +31,7 @@ def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
     each 16-row tile of the tensor-core layout (whole 1 KB groups, at least one); None when
     fraction is 0.  ValueError for a fraction outside [0, 1] or the CUDA-core layout."""
     from nq.config import GROUP_SIZE
+    from nq.kernels.int4.layout import TILE
     from nq.kernels.int4.tiling import MmaTiling
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"gate_up_l2={fraction}: a fraction of each weight tile, 0..1")
@@ -39,7 +40,7 @@ def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
     if not isinstance(gemv.tiling, MmaTiling):
         raise ValueError("gate_up_l2 prefetches gate_up's tensor-core layout (16-row tiles); "
                          "this engine runs the CUDA-core gate_up (NQ_MMA_GATE_UP=0)")
-    group = 16 * GROUP_SIZE // 2                      # a 16-row tile's 128 columns: 1 KB
+    group = TILE * GROUP_SIZE // 2                    # a 16-row tile's 128 columns: 1 KB
     run = cfg.hidden_size // GROUP_SIZE * group       # a tile: every group of its 16 rows
     head = max(group, int(fraction * run) // group * group)
     return (gu_w.reshape(-1), run, head)

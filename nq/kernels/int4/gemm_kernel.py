@@ -17,6 +17,7 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import kernel_name
 from nq.kernels.common import SMEM_OPTIN_LIMIT, dev
 from nq.kernels.int4.dequant import dequant_word
+from nq.kernels.int4.layout import TILE          # weight rows of an mma A tile (m16)
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
                     cvta_to_shared_u32, ld_global_nc_u16, ld_shared_v4_u32_at, ldmatrix_x4,
@@ -24,7 +25,6 @@ from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_cg_shared_glo
 
 KINDS = ("plain", "qkv", "o_proj", "down", "gate_up")
 ALIGN = None if SIMULATOR else 128   # cp.async and ldmatrix need 16 (the simulator takes none)
-TILE = 16                       # weight rows of an mma A tile (m16)
 _NEG1032 = 0xE408E408           # fp16x2 (-1032, -1032): dequant.py's lo-nibble offset
 _MASK_LO = 0x000F000F
 _MAGIC_LO = 0x64086408
