@@ -132,12 +132,7 @@ class Prefill:
     def run(self, first: int, start: int, n: int, stream) -> None:
         """Enqueue the prefill of the n prompt tokens eng.prompt[first : first+n] at positions
         start .. start+n-1 (their pages reserved, the block table on the device)."""
-        from nq.kernels.build import parallel_compiles
-        with parallel_compiles():  # tiles not cached yet: the four kinds compile side by side
-            for m in {min(self.chunk, n), n % self.chunk} - {0}:
-                for gemm in self.gemm.values():
-                    gemm.pick(m)
-        for i0 in range(0, n, self.chunk):
+        for i0 in range(0, n, self.chunk):   # every tile an M can pick was prepared at build
             self._chunk(first + i0, start + i0, min(self.chunk, n - i0), stream)
 
     def _chunk(self, first: int, start: int, m: int, stream) -> None:
