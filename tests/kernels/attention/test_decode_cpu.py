@@ -220,9 +220,37 @@ def test_l2_prefetch_plan_refuses_what_the_kernel_cannot_take():
 def test_step_attention_options_take_an_experiment_over_the_defaults():
     from nq.runtime.step import ATTN_OPTIONS, attention_options
     opts, l2 = attention_options()
-    assert opts == ATTN_OPTIONS and l2 == 0.0
+    assert opts == ATTN_OPTIONS and l2 is None
     opts, l2 = attention_options({"gate_up_l2": 0.3, "early": False})
-    assert l2 == 0.3 and opts == {**ATTN_OPTIONS, "early": False} and "gate_up_l2" not in opts
+    assert l2 == ("gate_up", 0.3) and opts == {**ATTN_OPTIONS, "early": False}
+    assert "gate_up_l2" not in opts and "o_proj_l2" not in opts
+    assert attention_options({"o_proj_l2": 1})[1] == ("o_proj", 1.0)
+    with pytest.raises(ValueError, match="pick one"):
+        attention_options({"o_proj_l2": 1.0, "gate_up_l2": 0.3})
+
+
+def test_engine_o_proj_prefetch_takes_whole_tiles():
+    from nq.config import PRESETS
+    from nq.kernels.int4.tiling import MmaTiling
+    from nq.runtime.step import layer_prefetch
+
+    class Gemv:
+        tiling = MmaTiling(warps=2, threads=256)
+
+    class Layer:
+        o_w = np.zeros((3584, 3584 // 8), np.uint32)
+
+    cfg = PRESETS["7b"]
+    flat, run, head = layer_prefetch(cfg, {"o_proj": Gemv()}, Layer, ("o_proj", 1.0))
+    assert flat.size == Layer.o_w.size and run == head == 16 * cfg.q_size // 2
+    assert decode.prefetch_plan(flat, run, head) == (cfg.hidden_size // 16, run // 4, run)
+    assert layer_prefetch(cfg, {}, Layer, None) is None
+
+    class CudaCore:
+        tiling = object()
+
+    with pytest.raises(ValueError, match="CUDA-core o_proj$"):
+        layer_prefetch(cfg, {"o_proj": CudaCore()}, Layer, ("o_proj", 0.5))
 
 
 def test_engine_gate_up_prefetch_geometry():
