@@ -123,6 +123,10 @@ def print_startup() -> None:
               f"{f', {STATS.parallel_s:.2f} s in parallel processes' if STATS.parallel_s else ''}"
               f"), {STATS.loaded} loaded from the cache ({STATS.load_s:.2f} s)"
               + (f", {STATS.rebuilt} stale rebuilt" if STATS.rebuilt else ""), file=sys.stderr)
+        for n, procs, wall, first, (slow, slow_s), total in STATS.batches:
+            print(f"  a batch: {n} kernels in {procs} processes, {wall:.2f} s (the first began "
+                  f"after {first:.2f} s; slowest {slow} {slow_s:.2f} s; {total:.1f} s in all)",
+                  file=sys.stderr)
 
 
 def print_run_stats(stats) -> None:

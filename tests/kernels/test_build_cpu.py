@@ -144,13 +144,17 @@ print("deferred", len(jobs), "still empty", sum(not k.overloads for k in kernels
 t = time.perf_counter()
 failed = build._compile_in_children(jobs, 2)
 print("parallel_s", time.perf_counter() - t, "failed", failed)
+n, procs, wall, first, (slow, slow_s), total = build.STATS.batches[-1]
+costs = build._read_costs()
+print("batch", n, procs, sorted(costs) == sorted(j.name for j in jobs),
+      slow in costs and costs[slow] == max(costs.values()), 0 < slow_s <= wall, 0 <= first < wall)
 
 # the same jobs compiled one after another in this process, into another folder
 serial = Path(os.environ["NQ_CACHE"]) / "serial"
 build._child_init((9, 0))
 build._CHILD_JOBS = [dataclasses.replace(j, path=serial / j.path.name) for j in jobs]
 t = time.perf_counter()
-errors = [build._child_compile(i) for i in range(len(jobs))]
+errors = [build._child_compile(i)[0] for i in range(len(jobs))]
 print("serial_s", time.perf_counter() - t, "errors", errors)
 def same_code(a, b):
     # the entry symbol carries numba's count of functions defined so far in the process
@@ -172,6 +176,23 @@ print("RESULT", json.dumps(out))
 """
 
 
+def test_a_batch_hands_out_the_slowest_kernels_first(env):
+    names = ["gemv_a", "prefill_attn_wgmma_x", "fill_u32", "gemm_wgmma_b", "gemm_c"]
+    # nothing remembered: the first guesses by family, the rest in the given order
+    assert build.longest_first(names) == [1, 3, 0, 4, 2]
+    # remembered costs win, and an unknown name takes its family's largest known cost
+    costs = {"gemv_a": 0.5, "gemm_c": 9.0, "fill_u32": 0.2, "gemv_z": 7.0}
+    assert build.longest_first(names, costs) == [4, 1, 3, 0, 2]
+    build._remember_costs({"gemm_c": 9.0})
+    build._remember_costs({"fill_u32": 0.25})                 # merged, not replaced
+    assert build._read_costs() == {"gemm_c": 9.0, "fill_u32": 0.25}
+    assert build.longest_first(names)[0] == 4
+    size = build._costs_path().stat().st_size
+    assert build.clear_cache() == (1, size) and not build._costs_path().exists()
+    build._costs_path().write_text("{not json")               # a torn file: order hint lost
+    assert build._read_costs() == {}
+
+
 def test_parallel_compiles_store_the_entries_a_serial_compile_stores(tmp_path):
     """build.parallel_compiles' children (forked, offline sm_90 compiles: no GPU here) leave
     the same cache entries -- key, inputs, cc, size, and the cubin's bytes but for the entry
@@ -186,6 +207,7 @@ def test_parallel_compiles_store_the_entries_a_serial_compile_stores(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert "deferred 4 still empty 4" in lines, r.stdout
+    assert "batch 4 2 True True True True" in lines, r.stdout   # timings kept, costs remembered
     assert "failed []" in r.stdout and "errors ['', '', '', '']" in r.stdout, r.stdout
     result = json.loads(next(line for line in lines if line.startswith("RESULT"))[7:])
     assert len(result) == 4
