@@ -115,6 +115,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
                          f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
                          f"shared memory it stages in; use the CUDA-core {kind} (a Tiling)")
+    if t.preload not in (1, 2) or (t.preload == 2 and kind not in ("o_proj", "down")):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: preload (groups a warp loads before "
+                         f"griddepcontrol.wait) is 1, or 2 for o_proj and down")
     if (kind in ROPE_KINDS) != bool(t.rope):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
                          f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
@@ -141,6 +144,8 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     fields = dataclasses.asdict(t)
     if not t.rope:
         del fields["rope"]                 # the names of the kernels before it stand
+    if t.preload == 1:
+        del fields["preload"]
     extra = {} if eps is None else {"eps": eps}
     if heads is not None:
         extra.update(zip(("heads", "kv_heads"), heads[:2]))
@@ -211,6 +216,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     HALF = max(D // 2, 1)
     TPH = max(D // TILE, 1)
     PARTNER = HALF if D else 8
+    PRELOAD = t.preload
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -358,6 +364,25 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
+    def mainloop2(qw, sc, abase, bases, kw, t4, first, second, invf):
+        """mainloop with PRELOAD 2: the warp's first two groups were both loaded before
+        griddepcontrol.wait (o_proj's 14 warps own two groups each: all of them), and each
+        pair's loads are issued a pair ahead of its math; the last pair issues none."""
+        ca, cb = first
+        na, nb = second
+        z = float32(0.0)
+        acc = (z, z, z, z)
+        for it in range(PAIRS):
+            ga = kw + 2 * it * TILE_WARPS
+            gb = ga + TILE_WARPS
+            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
+            if it + 1 < PAIRS:
+                ca, cb = load_both(qw, sc, bases, min(gb + TILE_WARPS, GROUPS - 1))
+            acc = add_group(acc, na, nb, abase, gb, t4, invf)
+            if it + 1 < PAIRS:
+                na, nb = load_both(qw, sc, bases, min(gb + 2 * TILE_WARPS, GROUPS - 1))
+        return acc
+
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
         # matrix: the last block's spare tile loads words that exist and is not written)
@@ -433,6 +458,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))  # weights wait for nothing
+        second = first
+        if PRELOAD == 2:
+            second = load_both(qw, sc, bases, min(kw + TILE_WARPS, GROUPS - 1))
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage(a, act)
@@ -441,7 +469,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         # 32-bit value the PTX comes out in another order)
         abase = uint64(cvta_to_shared_u32(act))
         # (red stands in for invf, which only gate_up reads)
-        acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
+        if PRELOAD == 2:
+            acc = mainloop2(qw, sc, abase, bases, kw, t4, first, second, red)
+        else:
+            acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
@@ -504,11 +535,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
-        put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
+        stage_norm, add_group, mainloop, mainloop2, roles, file_row, tile_bases, out_row, \
+        pair_row, put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
         gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
-                             group_dot, stage, stage_norm, add_group, mainloop, roles,
+                             group_dot, stage, stage_norm, add_group, mainloop, mainloop2, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)

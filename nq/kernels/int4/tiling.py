@@ -78,6 +78,7 @@ class MmaTiling:
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
+    preload: int = 1     # o_proj / down: groups of a warp loaded before griddepcontrol.wait (1, 2)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -90,7 +91,8 @@ class MmaTiling:
     def tag(self) -> str:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_rope{self.rope}" if self.rope else ""))
+                + (f"_rope{self.rope}" if self.rope else "")
+                + (f"_pl{self.preload}" if self.preload != 1 else ""))
 
 
 def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:
