@@ -31,9 +31,12 @@ ENABLED = os.environ.get("NQ_FAST_LAUNCH", "1") != "0" and not SIMULATOR
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(grid, block, smem):
+def _config(grid, block, smem, cluster=None):
+    """cuda.core's launch configuration; with cluster, grid counts clusters, not blocks."""
     from cuda.core import LaunchConfig
-    return LaunchConfig(grid=grid, block=block, shmem_size=int(smem))
+    if cluster is None:
+        return LaunchConfig(grid=grid, block=block, shmem_size=int(smem))
+    return LaunchConfig(grid=grid, cluster=cluster, block=block, shmem_size=int(smem))
 
 
 _LAST_STREAM: list = [None, None]   # (numba stream, its cuda.core stream): a prefill uses one
@@ -83,10 +86,19 @@ class FastLaunch:
             self._ready = False
             return False
 
-    def __call__(self, grid, block, stream, smem, *ints) -> None:
+    def __call__(self, grid, block, stream, smem, *ints, cluster=None) -> None:
+        """Launch; cluster=(cx, cy, cz) launches thread block clusters of that shape, grid
+        then counting clusters (cuda.core's convention)."""
         if self._ready is None:
             self._prepare()
         if self._ready is False:
+            if cluster is not None:
+                grid = tuple(g * c for g, c in zip((_dims(grid) + (1, 1))[:3],
+                                                   (_dims(cluster) + (1, 1))[:3]))
+                if not SIMULATOR or any(c != 1 for c in _dims(cluster)):
+                    raise RuntimeError(
+                        "a cluster launch needs cuda.core's launcher (NQ_FAST_LAUNCH=0 turns "
+                        "it off: unset it), or the simulator with clusters of one CTA")
             self._plain(grid, block, stream, smem, ints)
             return
         kernel, params, slots, launch = self._ready
@@ -95,7 +107,9 @@ class FastLaunch:
         call = list(params)
         for (i, ctype), v in zip(slots, ints):
             call[i] = ctype(int(v))
-        launch(_core_stream(stream), _config(_dims(grid), _dims(block), smem), kernel, *call)
+        launch(_core_stream(stream),
+               _config(_dims(grid), _dims(block), smem, cluster and _dims(cluster)),
+               kernel, *call)
 
     def _plain(self, grid, block, stream, smem, ints) -> None:
         it = iter(ints)

@@ -24,11 +24,15 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     dp4a      dp4a_s32
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
+    cluster   cluster_ctarank, barrier_cluster_sync, mapa_shared_cluster_u32, ld_shared_cluster_f32
+              (thread block clusters and distributed shared memory)
 """
 from nq.ptx._asm import SIMULATOR
 from nq.ptx.async_copy import (cp_async_cg_shared_global_16, cp_async_cg_shared_global_16_zfill,
                                cp_async_cg_shared_global_16_zfill_off,
                                cp_async_commit_group, cp_async_wait_group)
+from nq.ptx.cluster import (barrier_cluster_sync, cluster_ctarank, ld_shared_cluster_f32,
+                            mapa_shared_cluster_u32)
 from nq.ptx.bulk import cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
 from nq.ptx.dp4a import dp4a_s32
 from nq.ptx.mulhi import mul_hi_u32
@@ -70,4 +74,5 @@ __all__ = [
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
     "dp4a_s32", "mul_hi_u32",
     "griddepcontrol_wait", "griddepcontrol_launch_dependents",
+    "cluster_ctarank", "barrier_cluster_sync", "mapa_shared_cluster_u32", "ld_shared_cluster_f32",
 ]

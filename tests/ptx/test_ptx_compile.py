@@ -278,12 +278,40 @@ def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert count(extras_ptx, "call") == 0
 
 
-def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx):
+def cluster_set(out):
+    # each CTA writes its rank to shared memory; after the cluster barrier a thread reads the
+    # next rank's value through distributed shared memory
+    cell = cuda.shared.array(1, dtype=np.float32)
+    r = P.cluster_ctarank()
+    if cuda.threadIdx.x == 0:
+        cell[0] = np.float32(r)
+    P.barrier_cluster_sync()
+    peer = P.mapa_shared_cluster_u32(P.cvta_to_shared_u32(cell), (r + 1) % 2)
+    out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = P.ld_shared_cluster_f32(peer)
+    P.barrier_cluster_sync()
+
+
+@pytest.fixture(scope="module")
+def cluster_ptx():
+    return compile_ptx_sm90(cluster_set, "void(float32[::1])")
+
+
+@pytest.mark.parametrize("instruction", [
+    "%cluster_ctarank", "barrier.cluster.arrive.release.aligned",
+    "barrier.cluster.wait.acquire.aligned", "mapa.shared::cluster.u32", "ld.shared::cluster.f32",
+])
+def test_cluster_set_emits_each_instruction(cluster_ptx, instruction):
+    assert_uses(cluster_ptx, instruction)
+    assert_no_local_memory(cluster_ptx)
+    assert count(cluster_ptx, "call") == 0
+
+
+def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, cluster_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     from test_async_copy import async_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 48
-    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx())
+    assert len(names) == 52
+    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx)
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")

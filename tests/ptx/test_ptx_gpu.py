@@ -386,3 +386,40 @@ def test_extras():
     np.testing.assert_array_equal(o16, (out[:, 6].view(np.float32) * 2).astype(np.float16))
     np.testing.assert_array_equal(addr, [4 * (8 * (i // 4) + i % 8) for i in lanes])
     np.testing.assert_array_equal(d[6].copy_to_host(), np.ones(32, np.uint32))
+
+
+# ---- thread block clusters: rank, barrier, distributed shared memory -------------------------
+@cuda.jit
+def k_cluster(out, ranks):
+    # every CTA writes (rank + 1) * 1000 + thread into its shared cells; after the cluster
+    # barrier thread t reads cell t of the CTA one rank up (mod the cluster size)
+    cells = cuda.shared.array(64, dtype=np.float32)
+    r = P.cluster_ctarank()
+    t = cuda.threadIdx.x
+    cells[t] = np.float32((r + 1) * 1000 + t)
+    P.barrier_cluster_sync()
+    size = ranks.size          # the cluster size: one cluster spans the grid's x
+    peer = P.mapa_shared_cluster_u32(P.cvta_to_shared_u32_at(cells, t), (r + 1) % size)
+    out[cuda.blockIdx.y, cuda.blockIdx.x, t] = P.ld_shared_cluster_f32(peer)
+    if t == 0:
+        ranks[cuda.blockIdx.x] = r
+    P.barrier_cluster_sync()   # no CTA leaves while its peer may still read its cells
+
+
+@pytest.mark.skipif(SIM, reason="the simulator launches no clusters (the twins: a cluster of one)")
+@pytest.mark.parametrize("size", [2, 8, 16])
+def test_cluster_rank_barrier_and_distributed_shared_memory(size):
+    from nq.kernels.attention.cluster import allow_large_cluster
+    from nq.kernels.fastlaunch import FastLaunch
+    k_cluster.compile("void(float32[:, :, ::1], uint32[::1])")
+    out = cuda.to_device(np.zeros((3, size, 64), np.float32))
+    ranks = cuda.to_device(np.zeros(size, np.uint32))
+    if size > 8:
+        allow_large_cluster(k_cluster)
+    FastLaunch(k_cluster, out, ranks)((1, 3), 64, 0, 0, cluster=(size, 1, 1))
+    cuda.synchronize()
+    np.testing.assert_array_equal(ranks.copy_to_host(), np.arange(size))
+    want = ((np.arange(size)[:, None] + 1) % size + 1) * 1000 + np.arange(64)[None, :]
+    got = out.copy_to_host()
+    for y in range(3):   # three clusters along y, each its own ring
+        np.testing.assert_array_equal(got[y], want.astype(np.float32))

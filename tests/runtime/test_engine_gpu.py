@@ -204,6 +204,28 @@ def test_l2_prefetch_changes_no_result(model):
         np.testing.assert_array_equal(logits, runs[0][1])
 
 
+def test_cluster_attention_in_the_step(model):
+    """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
+    the default step's greedy ids, and its last logits within 1e-3 of their spread (the two
+    merge the same split partials in another order: not bit for bit)."""
+    name, nf, eng, ref = model
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    runs = []
+    try:
+        for attn in ({}, {"cluster": 16}, {"cluster": 8}):
+            eng.variant(attn=attn)
+            eng.reset()
+            ids = list(eng.generate_ids(prompt, 24, GREEDY))
+            runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
+    finally:
+        eng.variant()
+    ids0, l0 = runs[0]
+    spread = l0.max() - l0.min()
+    for ids, logits in runs[1:]:
+        assert ids == ids0
+        assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
+
+
 def test_fill_kernels_match_their_reference():
     from numba import cuda
 

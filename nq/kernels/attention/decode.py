@@ -97,12 +97,15 @@ SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1
              "float32[:, :, ::1], float32[:, :, ::1])")
 SPLIT_SIG_PF = SPLIT_SIG[:-1] + ", uint32[::1])"   # + l2_prefetch's weights
 NO_PREFETCH = (0, 0, 0)     # (runs, words a run, bytes a run's head): l2_prefetch off
+# cluster (cluster.py): no partials in global memory; o is written by the kernel itself
+SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
+                "float16[::1])")
 
 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               prefetch: tuple = NO_PREFETCH):
+               prefetch: tuple = NO_PREFETCH, cluster: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -117,6 +120,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
+    CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     PF_RUNS, PF_RUN_WORDS, PF_HEAD = prefetch   # l2_prefetch (module doc); PF_HEAD 0: off
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
@@ -356,16 +360,23 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                             acc[2 * j] += smf[fo + g * D + 8 * j + 2 * t] * w
                             acc[2 * j + 1] += smf[fo + g * D + 8 * j + 2 * t + 1] * w
                     m = mx
+            # the partial's place: [split, h] of the global part_acc / part_ml, or with a
+            # cluster [0, g] of this CTA's own exchange arrays (cluster.py merges them)
+            ps = 0 if CLUSTER else split
+            ph = g if CLUSTER else h
             if row_ok:
                 for j in range(NT):
-                    part_acc[split, h, 8 * j + 2 * t] = acc[2 * j]
-                    part_acc[split, h, 8 * j + 2 * t + 1] = acc[2 * j + 1]
+                    part_acc[ps, ph, 8 * j + 2 * t] = acc[2 * j]
+                    part_acc[ps, ph, 8 * j + 2 * t + 1] = acc[2 * j + 1]
                 if t == 0:
-                    part_ml[split, h, 0] = m
-                    part_ml[split, h, 1] = l
+                    part_ml[ps, ph, 0] = m
+                    part_ml[ps, ph, 1] = l
 
     split_main = dev(split_main)
 
+    if CLUSTER:
+        from nq.kernels.attention.cluster import cluster_tail
+        return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
     if PF_HEAD:
         def attn_split(q, state, table, kv, part_acc, part_ml, pfw):
             # pfw (uint32 words): l2_prefetch's weights.  Warp 0 of every CTA (those past
@@ -386,10 +397,13 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, prefetch=NO_PREFETCH) -> str:
+               early, prefetch=NO_PREFETCH, cluster=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
-    stages (st), rows per copy (rpc); l2_prefetch adds pf = runs x words a run x head bytes."""
+    stages (st), rows per copy (rpc); l2_prefetch adds pf = runs x words a run x head bytes,
+    a cluster launch cl = CTAs a cluster (cluster.py)."""
     extra = {"pf": "x".join(map(str, prefetch))} if prefetch[2] else {}
+    if cluster:
+        extra["cl"] = cluster
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -398,12 +412,15 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 prefetch: tuple = NO_PREFETCH):
+                 prefetch: tuple = NO_PREFETCH, cluster: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
-    stream, smem_bytes(...)]."""
+    stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
+    (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
            bool(early), tuple(prefetch))
-    sig = SPLIT_SIG_PF if prefetch[2] else SPLIT_SIG
+    if cluster:
+        key += (int(cluster),)
+    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_PF if prefetch[2] else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
 
@@ -428,7 +445,7 @@ def prefetch_plan(w, run_bytes: int, head_bytes: int) -> tuple:
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, l2_prefetch: tuple | None = None):
+                    early: bool = False, l2_prefetch: tuple | None = None, cluster: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -447,12 +464,23 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     l2_prefetch: (w, run_bytes, head_bytes) -- before anything else, the CTAs ask L2 for the
     first head_bytes of every run_bytes-long run of the uint32 words w (the engine: the same
     layer's gate_up weights, a run a 16-row tile; module doc).
+    cluster: C > 0 runs one kernel instead, clusters of C splits merging their partials in
+    distributed shared memory (cluster.py; opt-in, for short contexts); part_acc and part_ml
+    are then not used, and l2_prefetch is refused.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
+    if cluster:
+        if l2_prefetch is not None:
+            raise ValueError("attention: cluster and l2_prefetch together are not built; "
+                             "choose one")
+        from nq.kernels.attention.cluster import cluster_launcher
+        return cluster_launcher(cfg, q, state, table, kv_layer, o, cluster=int(cluster),
+                                consumers=consumers, nstage=nstage,
+                                rows_per_copy=rows_per_copy, min_pps=min_pps, early=early)
     ms = part_acc.shape[0]
     pf, extra = NO_PREFETCH, ()
     if l2_prefetch is not None:

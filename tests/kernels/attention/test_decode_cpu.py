@@ -130,7 +130,7 @@ SIM_SCRIPT = textwrap.dedent('''
                 cuda.to_device(pool))
         return args, ref
 
-    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, pf=None):
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, pf=None, cl=0):
         args, ref = inputs(cfg, length, seed)
         o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
         pa, pm = attention.decode_workspace(cfg, ms)
@@ -141,12 +141,13 @@ SIM_SCRIPT = textwrap.dedent('''
                                       pf[1], pf[2])
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           l2_prefetch=l2)
+                                           l2_prefetch=l2, cluster=cl)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
-                f"_e{int(early)}_p{min_pps}" + ("" if pf is None else "_pf"))
+                f"_e{int(early)}_p{min_pps}" + ("" if pf is None else "_pf")
+                + (f"_cl{cl}" if cl else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -163,9 +164,14 @@ SIM_SCRIPT = textwrap.dedent('''
     # l2_prefetch: 150 runs over 2 CTAs x 32 lanes (a lane asks for up to 3), the last run's
     # head ending 16 bytes before the buffer does; the result as without it
     case(g2, 72, 2, 1, 3, 2, 7, early=True, min_pps=2, pf=(150, 272, 256))
+    # the cluster kernel in clusters of one CTA (what the simulator launches): the partial in
+    # shared memory, merged by the cluster's one CTA into o; every output of the kv head
+    # (GQA x D over 64 or 96 threads) by one CTA, two kv heads
+    case(g7, 72, 1, 1, 3, 2, 8, early=True, min_pps=2, cl=1)
+    case(g2, 17, 1, 2, 2, 1, 9, cl=1)
 ''')
 
-SIM_CASES = 8
+SIM_CASES = 10
 
 
 @pytest.mark.slow
@@ -185,7 +191,35 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "l2_prefetch"}
+                                         "l2_prefetch", "cluster"}
+
+
+@pytest.mark.parametrize("cluster", [16, 8])
+def test_cluster_ptx(cluster):
+    """The cluster kernel: partials never leave shared memory (no global stores but o's fp16),
+    two cluster barriers, the peers' partials read through mapa + ld.shared::cluster, and an
+    early trigger of o_proj; no local memory; its name spells the cluster."""
+    body = decode.split_body(7, 128, 4, 1, plan.NSTAGE, 2, cluster, 2, True, cluster=cluster)
+    ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_CL, fastmath=True)
+    assert_uses(ptx, "mma.sync.aligned.m16n8k16", "mapa.shared::cluster.u32",
+                "ld.shared::cluster.f32", "%cluster_ctarank")
+    assert count(ptx, "barrier.cluster.arrive.release.aligned") == 2
+    assert count(ptx, "barrier.cluster.wait.acquire.aligned") == 2
+    assert count(ptx, "griddepcontrol.launch_dependents") == 1
+    assert count(ptx, "st.global.f32") == 0 and count(ptx, "st.global.u16") > 0
+    assert count(ptx, "atom.") == 0
+    assert_no_local_memory(ptx)
+    if have_ptxas():
+        regs, spills = ptxas_report(ptx)
+        assert spills == 0 and regs <= 192
+    assert decode.split_name(7, 128, 4, 1, 3, 2, cluster, 2, True, cluster=cluster) == \
+        f"attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits{cluster}_minpps2_early1_cl{cluster}"
+
+
+def test_cluster_refusals():
+    from nq.kernels.attention.cluster import cluster_tail
+    with pytest.raises(ValueError, match="max_splits must be the cluster size"):
+        cluster_tail(None, 7, 128, 1, 66, 2, 16)
 
 
 def test_l2_prefetch_ptx_and_name():

@@ -147,6 +147,69 @@ def test_graph_replay_follows_device_length(early):
         np.testing.assert_array_equal(d["o"].copy_to_host(), got)
 
 
+# ---- the cluster kernel (cluster.py): one kernel, partials merged in distributed shared memory
+
+@pytest.mark.parametrize("length", [1, 16, 17, 49, 512, 1000, 9000])
+@pytest.mark.parametrize("kw", [dict(cluster=16, early=True, min_pps=2, rows_per_copy=2),
+                                dict(cluster=16), dict(cluster=8, consumers=2),
+                                dict(cluster=4, early=True), dict(cluster=2)],
+                         ids=["engine-c16", "c16", "c8-two-consumers", "c4-early", "c2"])
+def test_cluster_attention_matches_reference(length, kw):
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=length + 31)
+    np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["tiny", "g8", "g1"])
+@pytest.mark.parametrize("length", [1, 49, 3001])
+def test_cluster_attention_other_shapes(name, length):
+    cfg = CFGS[name]
+    d, ref = _setup(cfg, length, seed=length + 37)
+    np.testing.assert_allclose(_run(cfg, d, cluster=8), ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("length", [17, 1000])
+@pytest.mark.parametrize("stale", [np.nan, np.inf], ids=["nan", "inf"])
+def test_cluster_attention_ignores_a_stale_tail(length, stale):
+    cfg = CFGS["7b"]
+    d, ref = _setup(cfg, length, seed=length + 41)
+    _poison_tail(d, length, stale)
+    got = _run(cfg, d, cluster=16)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_cluster_graph_replay_follows_device_length():
+    """Captured once (a cluster launch through cuda.core), replayed at three lengths: each
+    answer right, and bit for bit an eager launch's at the same length."""
+    from numba import cuda
+
+    from nq.runtime.graphs import CapturedGraph
+    cfg = CFGS["7b"]
+    d, _ = _setup(cfg, 700, seed=5)
+    launch = _launcher(cfg, d, cluster=16, early=True, min_pps=2)
+    stream = cuda.stream()
+    launch(stream)
+    stream.synchronize()
+    g = CapturedGraph(stream, lambda: launch(stream))
+    pool, table = d["kv"].copy_to_host(), d["table"].copy_to_host()
+    q = d["q"].copy_to_host().reshape(cfg.num_heads, cfg.head_dim)
+    for length in (700, 33, 350):
+        st = np.zeros(d["state"].shape, np.int32)
+        st[STATE_POS] = length - 1
+        d["state"].copy_to_device(st, stream=stream)
+        g.replay(stream)
+        stream.synchronize()
+        k, v = gather_kv(pool, table, length)
+        ref = attention.attention_reference(q, k, v)
+        got = d["o"].copy_to_host()
+        np.testing.assert_allclose(got.astype(np.float64).reshape(ref.shape), ref, rtol=RTOL,
+                                   atol=ATOL)
+        launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(d["o"].copy_to_host(), got)
+
+
 def test_launcher_rejects_bad_shapes():
     from numba import cuda
     cfg = CFGS["tiny"]
@@ -160,3 +223,5 @@ def test_launcher_rejects_bad_shapes():
                                                                np.float32))
     with pytest.raises(ValueError, match="unsupported consumers"):
         attention.decode_launcher(*args, pa, pm, rows_per_copy=3)
+    with pytest.raises(ValueError, match="cluster=3"):
+        attention.decode_launcher(*args, pa, pm, cluster=3)
