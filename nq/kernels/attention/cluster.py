@@ -20,8 +20,9 @@ still merge.  Then:
     barrier.cluster (every partial is written: release / acquire)
     CTA of rank r, thread i: outputs r*T + i, r*T + i + C*T, ... of the kv head's G x D
         mx = max_s m_s; o = sum_s acc_s exp2(m_s - mx) / sum_s l_s exp2(m_s - mx)
-        reading split s's m, l and acc through mapa + ld.shared::cluster, s = 0 .. n_splits-1
-        in order (deterministic: the same sums every run, as attn_combine)
+        reading every rank's m, l and acc through mapa + ld.shared::cluster first (3C loads
+        in flight), then summing s = 0 .. n_splits-1 in order (deterministic: the same sums
+        every run, as attn_combine)
     barrier.cluster (no CTA leaves while a peer still reads its shared memory)
 
 At 512 tokens and C = 16 the plan is the step's (min_pps 2: 16 splits of 2 pages).  At longer
@@ -74,16 +75,26 @@ def cluster_tail(split_main, gqa: int, head_dim: int, consumers: int, max_splits
         ml0 = cvta_to_shared_u32_at(xml, (0, 0, 0))
         for i in range(cluster_ctarank() * THREADS + cuda.threadIdx.x, OUTS, C * THREADS):
             g = i // D
+            # every rank's m, l and acc loaded first, C loads of each in flight (a loop over
+            # n_splits with its loads in it waited a DSMEM round trip a split); ranks past
+            # n_splits hold no partial (maybe NaN): dropped by select, never by weight
+            ms = cuda.local.array(C, float32)
+            ls = cuda.local.array(C, float32)
+            xs = cuda.local.array(C, float32)
+            for s in range(C):
+                ml = mapa_shared_cluster_u32(ml0 + 8 * g, s)
+                ms[s] = ld_shared_cluster_f32(ml)
+                ls[s] = ld_shared_cluster_f32(ml + 4)
+                xs[s] = ld_shared_cluster_f32(mapa_shared_cluster_u32(acc0 + 4 * i, s))
             mx = NEG
-            for s in range(n_splits):
-                mx = max(mx, ld_shared_cluster_f32(mapa_shared_cluster_u32(ml0 + 8 * g, s)))
+            for s in range(C):
+                mx = max(mx, ms[s] if s < n_splits else NEG)
             den = float32(0.0)
             num = float32(0.0)
-            for s in range(n_splits):
-                ml = mapa_shared_cluster_u32(ml0 + 8 * g, s)
-                w = math.exp2(ld_shared_cluster_f32(ml) - mx)
-                den += ld_shared_cluster_f32(ml + 4) * w
-                num += ld_shared_cluster_f32(mapa_shared_cluster_u32(acc0 + 4 * i, s)) * w
+            for s in range(C):
+                w = math.exp2(ms[s] - mx)
+                den += ls[s] * w if s < n_splits else float32(0.0)
+                num += xs[s] * w if s < n_splits else float32(0.0)
             o[kvh * OUTS + i] = float16(num / den)
         cuda.syncwarp(0xFFFFFFFF)             # converged for the .aligned barrier
         barrier_cluster_sync()                # peers are done reading this CTA's partial
