@@ -238,6 +238,17 @@ def _apply_smem(disp) -> None:
 
 # ---- the compile path ----------------------------------------------------------------------
 
+def in_cache(body, sig: str, name: str, **options) -> bool:
+    """True when compile_kernel(body, sig, name, **options) would load a valid cache entry
+    (its key matches and its checksum holds) rather than compile: what a start may leave to
+    the first launch that needs the kernel.  False with the cache off or under the simulator."""
+    if SIMULATOR or not cache_enabled():
+        return False
+    key, _ = cache_key(body, sig, name, options)
+    path = _entry_path(key, name)
+    return path.exists() and read_entry(path, key) is not None
+
+
 def compile_kernel(body, sig: str, name: str, **options):
     """The kernel named `name`, compiled for sig (or loaded from the kernel cache); options:
     launch_bounds, fastmath, lineinfo (numba.cuda.jit's)."""

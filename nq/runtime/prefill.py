@@ -103,11 +103,12 @@ class Prefill:
             "gate_up": make_gemm("gate_up", I, H, layout_of(g["gate_up"]), backend=gemm_backend),
             "down": make_gemm("down", H, I, layout_of(g["down"]), backend=gemm_backend),
         }
-        # every tile configuration now, not at the first prompt that needs it: the engine builds
-        # this inside its parallel_compiles block, so a first start compiles the prefill's
-        # kernels beside the step's (on the H200, 2026-12-02, a cold first prompt of 1,998
-        # tokens spent 5.4 s compiling the four wgmma GEMMs one kind a process, after the
-        # start's batch of 21 had taken 5.3 s); a later start loads them in ms
+        # every tile configuration compiled now, not at the first prompt that needs it: the
+        # engine builds this inside its parallel_compiles block, so a first start compiles the
+        # prefill's kernels beside the step's (on the H200, 2026-12-02, a cold first prompt of
+        # 1,998 tokens spent 5.4 s compiling the four wgmma GEMMs one kind a process, after the
+        # start's batch of 21 had taken 5.3 s).  Cached ones are not loaded here: each loads at
+        # the first prompt that needs it (a short prompt, only the small tiles)
         for gemm in self.gemm.values():
             gemm.prepare()
         self.embed = rows.embed_rows_launcher(w.embed, self.ids, self.x)

@@ -94,6 +94,24 @@ def _writer(args):
     return True
 
 
+def test_in_cache_says_whether_a_compile_would_load(env, monkeypatch):
+    body, sig, name = _factory(3, 0.5), "void(float32[::1])", "probe_kernel"
+    assert not build.in_cache(body, sig, name)
+    key, _ = build.cache_key(body, sig, name, {})
+    cubin = b"\x7fELF" + bytes(300)
+    header = {"key": key, "sha256": hashlib.sha256(cubin).hexdigest()}
+    path = build._entry_path(key, name)
+    build._write_entry(path, header, cubin)
+    assert build.in_cache(body, sig, name)
+    assert not build.in_cache(body, sig, name, fastmath=True)     # other options: another key
+    assert not build.in_cache(_factory(4, 0.5), sig, name)        # another constant
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")           # corrupt: would be rebuilt
+    assert not build.in_cache(body, sig, name)
+    build._write_entry(path, header, cubin)
+    monkeypatch.setenv("NQ_NO_KERNEL_CACHE", "1")
+    assert not build.in_cache(body, sig, name)
+
+
 def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         assert all(pool.map(_writer, [(tmp_path, i) for i in range(8)]))

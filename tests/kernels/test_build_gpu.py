@@ -89,5 +89,7 @@ def test_an_engine_from_a_warm_cache_decodes_as_a_cold_one(tmp_path):
 
     cold, warm = start(), start()
     assert cold[0] > 10 and cold[1] == 0          # every kernel of the step compiled once
-    assert warm[0] == 0 and warm[1] == cold[0]    # and then every one loaded, none compiled
+    # and then none compiled: the step's loaded, and of the prefill's GEMM tiles only those a
+    # 17-token prompt runs (Gemm.prepare leaves cached tiles to their first use)
+    assert warm[0] == 0 and 10 < warm[1] < cold[0]
     assert warm[2:] == cold[2:]                   # the same logits, bit for bit, and tokens

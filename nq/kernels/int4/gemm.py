@@ -107,7 +107,7 @@ import functools
 
 import numpy as np
 
-from nq.kernels.build import compile_kernel
+from nq.kernels.build import compile_kernel, in_cache
 from nq.kernels.common import allow_smem
 from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
                                          gather_fragment, gemm_launch, layout_tag,
@@ -184,13 +184,16 @@ class Gemm:
                          f"(None, tiles)")
 
     def prepare(self, up_to: int | None = None) -> int:
-        """Compile (or load from the kernel cache) now, rather than when an M first needs it,
-        every tile configuration that runs some M <= up_to (None: every one); inside a
-        parallel_compiles block the misses join its batch.  Returns how many."""
+        """Compile now, rather than when an M first needs it, every tile configuration that runs
+        some M <= up_to (None: every one) and is not in the kernel cache; inside a
+        parallel_compiles block the misses join its batch.  A cached one is left to load at
+        its first use (a short prompt needs only the small tile).  Returns how many compiled."""
         n = 0
         for max_m, tiles in self.configs:
-            compiled(self.kind, self.n, self.k, self.layout, tiles)
-            n += 1
+            body, sig, name = build_gemm(self.kind, self.n, self.k, self.layout, tiles)
+            if not in_cache(body, sig, name, launch_bounds=(tiles.threads,)):
+                compiled(self.kind, self.n, self.k, self.layout, tiles)
+                n += 1
             if up_to is not None and (max_m is None or max_m >= up_to):
                 break
         return n

@@ -75,7 +75,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from nq.config import GROUP_SIZE
-from nq.kernels.build import compile_kernel, kernel_name
+from nq.kernels.build import compile_kernel, in_cache, kernel_name
 from nq.kernels.common import allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
 from nq.kernels.int4.gemm_kernel import (TILE, gather_fragment, gemm_launch, layout_tag, rope_of,
@@ -462,12 +462,16 @@ class WgmmaGemm:
         return self.table[-1][1]
 
     def prepare(self) -> int:
-        """Compile (or load) every kernel of this GEMM now -- the mma.sync tiles for small M and
-        the wgmma kernels of its table -- as gemm.Gemm.prepare; returns how many."""
+        """Compile now every kernel of this GEMM not in the kernel cache -- the mma.sync tiles
+        for small M and the wgmma kernels of its table -- as gemm.Gemm.prepare (a cached one
+        loads at its first use); returns how many compiled."""
         n = self.small.prepare(up_to=self.min_m) if self.small is not None else 0
         for _, t in self.table:
-            compiled(self.kind, self.n, self.k, self.layout, t)
-        return n + len(self.table)
+            body, sig, name = build_gemm_wgmma(self.kind, self.n, self.k, self.layout, t)
+            if not in_cache(body, sig, name, **COMPILE_OPTIONS, launch_bounds=(t.threads,)):
+                compiled(self.kind, self.n, self.k, self.layout, t)
+                n += 1
+        return n
 
     def grid(self, m):
         """(grid, band): (band, NB, bands) blocks -- band token blocks (as many as keep band x

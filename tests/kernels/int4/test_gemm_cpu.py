@@ -256,3 +256,20 @@ def test_gemm_launch_keeps_one_fast_launch_a_kernel_and_buffer_set():
     assert other is not f and other.args[-3] is b2[4]      # out is the second set's
     with pytest.raises(ValueError, match="at least m=9 rows"):
         gemm_launch(g, "gemm_t", k1, 9, *b1)
+
+
+def test_prepare_compiles_the_misses_and_leaves_cached_tiles_to_their_first_use(monkeypatch):
+    """Gemm.prepare (the engine's start): a tile not in the kernel cache is compiled now (in
+    the start's parallel batch); a cached one is not even loaded -- it loads when an M first
+    needs it, so a warm start does not pay for tiles a short prompt never runs."""
+    from nq.kernels.int4 import gemm as G
+    calls, cached = [], {G.SMALL}
+    monkeypatch.setattr(G, "in_cache", lambda body, sig, name, **o:
+                        any(name == G.build_gemm("down", 64, 256, "mma", t)[2] for t in cached))
+    monkeypatch.setattr(G, "compiled", lambda kind, n, k, layout, tiles: calls.append(tiles))
+    g = G.Gemm("down", 64, 256, "mma")
+    assert g.prepare() == 2 and calls == [G.MEDIUM, G.LARGE]
+    calls.clear()
+    assert g.prepare(up_to=16) == 0 and calls == []          # only SMALL runs M <= 16: cached
+    cached.clear()
+    assert g.prepare(up_to=40) == 2 and calls == [G.SMALL, G.MEDIUM]
