@@ -107,9 +107,9 @@ class FastLaunch:
         call = list(params)
         for (i, ctype), v in zip(slots, ints):
             call[i] = ctype(int(v))
-        launch(_core_stream(stream),
-               _config(_dims(grid), _dims(block), smem, cluster and _dims(cluster)),
-               kernel, *call)
+        config = (_config(_dims(grid), _dims(block), smem) if cluster is None else
+                  _config(_dims(grid), _dims(block), smem, _dims(cluster)))
+        launch(_core_stream(stream), config, kernel, *call)
 
     def _plain(self, grid, block, stream, smem, ints) -> None:
         it = iter(ints)

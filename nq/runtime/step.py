@@ -10,67 +10,19 @@ from __future__ import annotations
 # min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
 # at 8K; two rows a bulk copy (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K.
 ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2}
-# gate_up_l2 / o_proj_l2 (0: off; opt-ins, waiting for the H200: docs/PERF.md): attn_split asks
-# L2 for this fraction of every 16-row tile of the same layer's gate_up (or o_proj) weights
-# while the attention's latency leaves DRAM idle (nq/kernels/attention/decode.py,
-# "l2_prefetch"); whole 1 KB groups, at least one.  One of the two at a time: the kernel takes
-# one weight array.  o_proj's 6.4 MB (7B) fit L2 whole; gate_up's 68 MB do not.
-ATTN_STEP_OPTIONS = {"gate_up_l2": 0.0, "o_proj_l2": 0.0}
-L2_TARGETS = ("gate_up", "o_proj")   # the GEMVs an attention may prefetch, by ATTN_STEP_OPTIONS key
+# Retired after the H200 measured them (2026-12-02; a3fddf4 holds them): the attention asking
+# L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
+# while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge
+# in a thread block cluster, nq/kernels/attention/cluster.py; +0.022 ms at 512 as first built).
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
 
 
-def attention_options(attn=None) -> tuple[dict, tuple[str, float] | None]:
-    """(decode_launcher keywords, (GEMV, fraction) its L2 prefetch targets, or None): the
-    step's defaults with `attn` over them (an experiment's {keyword: value},
-    scripts/step_variants.py).  ValueError when both gate_up_l2 and o_proj_l2 are set."""
-    opts = {**ATTN_OPTIONS, **ATTN_STEP_OPTIONS, **(attn or {})}
-    wanted = [(t, float(opts.pop(f"{t}_l2"))) for t in L2_TARGETS]
-    wanted = [(t, f) for t, f in wanted if f != 0.0]
-    if len(wanted) > 1:
-        raise ValueError(f"attention L2 prefetch: {' and '.join(f'{t}_l2' for t, _ in wanted)} "
-                         "are both set; the kernel prefetches one weight array, pick one")
-    return opts, (wanted[0] if wanted else None)
-
-
-def weight_prefetch(gemv, w, in_features: int, fraction: float, name: str = "gate_up"):
-    """decode_launcher's l2_prefetch for a GEMV's weights in the tensor-core layout: the first
-    `fraction` of each 16-row tile (whole 1 KB groups, at least one); None when fraction is 0.
-    ValueError for a fraction outside [0, 1] or a GEMV on the CUDA-core layout."""
-    from nq.config import GROUP_SIZE
-    from nq.kernels.int4.layout import TILE
-    from nq.kernels.int4.tiling import MmaTiling
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"{name}_l2={fraction}: a fraction of each weight tile, 0..1")
-    if fraction == 0.0:
-        return None
-    if not isinstance(gemv.tiling, MmaTiling):
-        hint = " (NQ_MMA_GATE_UP=0)" if name == "gate_up" else ""
-        raise ValueError(f"{name}_l2 prefetches {name}'s tensor-core layout (16-row tiles); "
-                         f"this engine runs the CUDA-core {name}{hint}")
-    group = TILE * GROUP_SIZE // 2                    # a 16-row tile's 128 columns: 1 KB
-    run = in_features // GROUP_SIZE * group           # a tile: every group of its 16 rows
-    head = max(group, int(fraction * run) // group * group)
-    return (w.reshape(-1), run, head)
-
-
-def gate_up_prefetch(cfg, gemv, gu_w, fraction: float):
-    """weight_prefetch for a layer's gate_up (its input is the hidden state)."""
-    return weight_prefetch(gemv, gu_w, cfg.hidden_size, fraction, "gate_up")
-
-
-def layer_prefetch(cfg, g: dict, L, target) -> tuple | None:
-    """The l2_prefetch of layer L's attention: `target` is attention_options' (GEMV, fraction)
-    or None; g the step's GEMVs by kind."""
-    if target is None:
-        return None
-    kind, fraction = target
-    if kind == "gate_up":
-        return gate_up_prefetch(cfg, g["gate_up"], L.gu_w, fraction)
-    return weight_prefetch(g["o_proj"], L.o_w, cfg.q_size,
-                           fraction, "o_proj")
+def attention_options(attn=None) -> dict:
+    """decode_launcher's keywords: the step's defaults with `attn` over them (an experiment's
+    {keyword: value}, scripts/step_variants.py)."""
+    return {**ATTN_OPTIONS, **(attn or {})}
 
 
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
@@ -83,7 +35,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     from nq.runtime.weights import gemvs
 
     c, weights = eng.cfg, eng.w
-    opts, l2_target = attention_options(attn)
+    opts = attention_options(attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
@@ -110,8 +62,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         steps += [
             ("paged_attention", attention.decode_launcher(
                 c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
-                eng.part_ml, **opts,
-                l2_prefetch=layer_prefetch(c, g, L, l2_target))),
+                eng.part_ml, **opts)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)),
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),

@@ -44,7 +44,7 @@ def launched(monkeypatch):
     from numba.cuda.cudadrv import driver
     monkeypatch.setattr(cuda.core, "launch", lambda *a: calls.append(a))
     monkeypatch.setattr(driver, "_to_core_stream", lambda s: ("stream", s))
-    monkeypatch.setattr(F, "_config", lambda g, b, s: ("config", g, b, s))
+    monkeypatch.setattr(F, "_config", lambda g, b, s, *c: ("config", g, b, s, *c))
     monkeypatch.setattr(F, "ENABLED", True)
     monkeypatch.setattr(F, "_LAST_STREAM", [None, None])
     return calls
@@ -70,6 +70,21 @@ def test_arrays_prepared_once_integers_per_call(launched):
     with pytest.raises(TypeError, match="2 integer arguments"):
         fl(1, 32, "s", 0, 1)
     assert d.plain == []
+
+
+def test_cluster_dims_reach_the_launch_configuration(launched, monkeypatch):
+    x = np.zeros(8, np.float32)
+    d = FakeDispatcher([ARR, nbtypes.int32])
+    F.FastLaunch(d, x, 0)((1, 4), 64, "s", 512, 3, cluster=(16, 1, 1))
+    assert launched[0][1] == ("config", (1, 4), (64,), 512, (16, 1, 1))
+    # the ordinary launch has no cluster argument: refused, unless clusters of one CTA under
+    # the simulator (grid then in blocks)
+    monkeypatch.setattr(F, "ENABLED", False)
+    with pytest.raises(RuntimeError, match="cluster launch needs cuda.core"):
+        F.FastLaunch(d, x, 0)((1, 4), 64, "s", 512, 3, cluster=(16, 1, 1))
+    monkeypatch.setattr(F, "SIMULATOR", True)
+    F.FastLaunch(d, x, 0)((2, 4), 64, "s", 512, 3, cluster=(1, 1, 1))
+    assert d.plain[-1] == (((2, 4, 1), 64, "s", 512), (x, 3))
 
 
 def test_unexpected_argument_types_take_the_ordinary_launch(launched):

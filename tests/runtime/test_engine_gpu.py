@@ -176,34 +176,6 @@ def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
     assert row.passed, row
 
 
-def test_l2_prefetch_changes_no_result(model):
-    """The attention's L2 prefetch of gate_up's or o_proj's weights (ATTN_STEP_OPTIONS
-    "gate_up_l2" / "o_proj_l2", opt-ins) only moves bytes into L2: 48 greedy steps give the
-    same ids and logits, bit for bit, with it as without it."""
-    from nq.kernels.int4.tiling import MmaTiling
-    from nq.runtime.weights import gemvs
-    name, nf, eng, ref = model
-    g = gemvs(eng.cfg)
-    variants = [{}] + [{f"{kind}_l2": frac} for kind, frac in
-                       (("gate_up", 0.3), ("gate_up", 1.0), ("o_proj", 1.0))
-                       if isinstance(g[kind].tiling, MmaTiling)]
-    if len(variants) == 1:
-        pytest.skip("gate_up and o_proj run the CUDA-core layout here: no 16-row tiles to fetch")
-    prompt = [2, 7, 1, 8, 2, 8]
-    runs = []
-    try:
-        for attn in variants:
-            eng.variant(attn=attn)
-            eng.reset()
-            ids = list(eng.generate_ids(prompt, 48, GREEDY))
-            runs.append((ids, eng.logits.copy_to_host()))
-    finally:
-        eng.variant()
-    for ids, logits in runs[1:]:
-        assert ids == runs[0][0]
-        np.testing.assert_array_equal(logits, runs[0][1])
-
-
 def test_cluster_attention_in_the_step(model):
     """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
     the default step's greedy ids, and its last logits within 1e-3 of their spread (the two

@@ -303,7 +303,7 @@ def test_step_variants_parses_variants():
     assert tilings == {"down": MmaTiling(warps=8, threads=1024, min_blocks=1)}
     assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
-    assert sv.parse_variant("attn.gate_up_l2=0.3", defaults)[1] == {"gate_up_l2": 0.3}
+    assert sv.parse_variant("attn.cluster=16", defaults)[1] == {"cluster": 16}
     # mma=0 switches to the CUDA-core tiling first, then its fields apply
     tilings = sv.parse_variant("down.mma=0 down.prefetch=0", defaults, engines)[0]
     assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=0)}

@@ -47,18 +47,10 @@ PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing be
 kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
 0.2, PDL); the implicit trigger at exit is the right one.
 
-l2_prefetch (opt-in, `decode_launcher(l2_prefetch=(w, run_bytes, head_bytes))`; the engine's
-ATTN_STEP_OPTIONS["gate_up_l2"] turns it on with a fraction): at 512 tokens of context a layer's
-attention is ~11 us of latency over 1 MB of K/V, with DRAM idle, and the gate_up GEMV two
-kernels later reads 68 MB in ~23 us.  So before anything else warp 0 of each CTA -- the CTAs
-past the split plan's n_splits too, which otherwise exit at once -- issues one
-cp.async.bulk.prefetch.L2 a lane for the head of one run of w: the engine's runs are gate_up's
-16-row tiles in the tensor-core layout (28 KB at the 7B width, their groups in the order the
-GEMV's warps stream them), so every GEMV warp finds the first part of its stream in L2 and no
-block is left to read all of its own from DRAM.  The weights are written by nothing in the
-step, so the requests go out before griddepcontrol.wait.  The kernel with it is a separate
-specialisation (one more parameter, the prefetch, then the same body: `split_main`); off, the
-step's kernel is the one without either.
+Lost in the step and retired (a3fddf4 holds them; docs/KERNELS_ATTN.md): l2_prefetch, warp 0
+of every CTA asking L2 for the head of each of gate_up's (or o_proj's) weight tiles before any
+wait, and the combine fused into the last CTA of each kv head.  The merge inside a thread block
+cluster is cluster.py (opt-in): split_main is this body, kernel-independent, under either.
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 144 / 104).
@@ -81,7 +73,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float32, uint32, uint64
 
@@ -95,8 +86,6 @@ from nq.paged import PAGE, STATE_POS
 
 SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
              "float32[:, :, ::1], float32[:, :, ::1])")
-SPLIT_SIG_PF = SPLIT_SIG[:-1] + ", uint32[::1])"   # + l2_prefetch's weights
-NO_PREFETCH = (0, 0, 0)     # (runs, words a run, bytes a run's head): l2_prefetch off
 # cluster (cluster.py): no partials in global memory; o is written by the kernel itself
 SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
                 "float16[::1])")
@@ -105,14 +94,14 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               prefetch: tuple = NO_PREFETCH, cluster: int = 0):
+               cluster: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
     stages, RPC token rows a bulk copy, MAXS / MINP the plan's max_splits / min_pps; in the
     body g = lane // 4 (a head of the group), t = lane % 4, c the consumer, stage the ring slot.
     """
-    from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_prefetch_l2, cvta_to_shared_u32_at,
+    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at,
                         fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
@@ -121,7 +110,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
     EARLY = bool(early)
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
-    PF_RUNS, PF_RUN_WORDS, PF_HEAD = prefetch   # l2_prefetch (module doc); PF_HEAD 0: off
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -377,33 +365,16 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     if CLUSTER:
         from nq.kernels.attention.cluster import cluster_tail
         return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
-    if PF_HEAD:
-        def attn_split(q, state, table, kv, part_acc, part_ml, pfw):
-            # pfw (uint32 words): l2_prefetch's weights.  Warp 0 of every CTA (those past
-            # n_splits too) asks L2 for the head of a run a lane before anything else -- the
-            # weights are written by nothing in the step, so no wait comes first
-            tid = cuda.threadIdx.x
-            if tid < 32:
-                ctas = cuda.gridDim.x * cuda.gridDim.y
-                r = (cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * 32 + tid
-                while r < PF_RUNS:
-                    cp_async_bulk_prefetch_l2(pfw, r * PF_RUN_WORDS, PF_HEAD)
-                    r += ctas * 32
-            split_main(q, state, table, kv, part_acc, part_ml)
-    else:
-        def attn_split(q, state, table, kv, part_acc, part_ml):
-            split_main(q, state, table, kv, part_acc, part_ml)
+    def attn_split(q, state, table, kv, part_acc, part_ml):
+        split_main(q, state, table, kv, part_acc, part_ml)
     return attn_split
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, prefetch=NO_PREFETCH, cluster=0) -> str:
+               early, cluster=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
-    stages (st), rows per copy (rpc); l2_prefetch adds pf = runs x words a run x head bytes,
-    a cluster launch cl = CTAs a cluster (cluster.py)."""
-    extra = {"pf": "x".join(map(str, prefetch))} if prefetch[2] else {}
-    if cluster:
-        extra["cl"] = cluster
+    stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py)."""
+    extra = {"cl": cluster} if cluster else {}
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -412,32 +383,16 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 prefetch: tuple = NO_PREFETCH, cluster: int = 0):
+                 cluster: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), tuple(prefetch))
+           bool(early))
     if cluster:
         key += (int(cluster),)
-    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_PF if prefetch[2] else SPLIT_SIG
+    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
-
-
-def prefetch_plan(w, run_bytes: int, head_bytes: int) -> tuple:
-    """(runs, words a run, head bytes) for l2_prefetch of the head of every run_bytes-long run
-    of the uint32 words w (1-d, C-contiguous); ValueError naming what is wrong."""
-    from nq.kernels.common import device_addr
-    if w.dtype != np.uint32 or w.ndim != 1:
-        raise ValueError(f"attention l2_prefetch: the weights must be 1-d uint32 words, got "
-                         f"{w.dtype} {tuple(w.shape)} (pass w.reshape(-1))")
-    if run_bytes <= 0 or run_bytes % 16 or head_bytes % 16 or not 16 <= head_bytes <= run_bytes:
-        raise ValueError(f"attention l2_prefetch: run_bytes={run_bytes}, head_bytes={head_bytes}: "
-                         "want multiples of 16 with 16 <= head_bytes <= run_bytes")
-    if (w.size * 4) % run_bytes or device_addr(w) % 16:
-        raise ValueError(f"attention l2_prefetch: {w.size * 4} bytes of weights are not whole "
-                         f"runs of {run_bytes} bytes at a 16-byte aligned address")
-    return (w.size * 4 // run_bytes, run_bytes // 4, head_bytes)
 
 
 # ---- launcher ------------------------------------------------------------------------------------
@@ -445,7 +400,7 @@ def prefetch_plan(w, run_bytes: int, head_bytes: int) -> tuple:
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, l2_prefetch: tuple | None = None, cluster: int = 0):
+                    early: bool = False, cluster: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -461,12 +416,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     programmatic (PDL) edge can start early, so elsewhere it changes nothing; in the step graph
     it saved 0.007..0.009 ms (docs/PERF.md 0.3) and the engine turns it on (nq/runtime/step.py
     ATTN_OPTIONS).
-    l2_prefetch: (w, run_bytes, head_bytes) -- before anything else, the CTAs ask L2 for the
-    first head_bytes of every run_bytes-long run of the uint32 words w (the engine: the same
-    layer's gate_up weights, a run a 16-row tile; module doc).
     cluster: C > 0 runs one kernel instead, clusters of C splits merging their partials in
     distributed shared memory (cluster.py; opt-in, for short contexts); part_acc and part_ml
-    are then not used, and l2_prefetch is refused.
+    are then not used.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -474,20 +426,12 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
     if cluster:
-        if l2_prefetch is not None:
-            raise ValueError("attention: cluster and l2_prefetch together are not built; "
-                             "choose one")
         from nq.kernels.attention.cluster import cluster_launcher
         return cluster_launcher(cfg, q, state, table, kv_layer, o, cluster=int(cluster),
                                 consumers=consumers, nstage=nstage,
                                 rows_per_copy=rows_per_copy, min_pps=min_pps, early=early)
     ms = part_acc.shape[0]
-    pf, extra = NO_PREFETCH, ()
-    if l2_prefetch is not None:
-        pfw, run_bytes, head_bytes = l2_prefetch
-        pf, extra = prefetch_plan(pfw, int(run_bytes), int(head_bytes)), (pfw,)
-    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         pf)
+    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
     merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
@@ -495,8 +439,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     threads = (consumers + 1) * 32
 
     def launch(stream=0):
-        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml,
-                                                  *extra)
+        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
         merge[hq, d * combine.SPLIT_GROUPS, stream](state, part_acc, part_ml, o)
 
     return launch

@@ -35,6 +35,9 @@ the 7B's qkv runs o_proj's 14 warps a tile, 288 blocks.  The prefill GEMMs read 
 Retired, each after it lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows):
     prefetch=2 (two groups' loads in flight): down +0.039 / +0.037 ms a step at 512 / 8K; code at 13c221c
     splits (split-K, the last block adds the partials): down +0.042..+0.167 ms a step; code at 13c221c
+    preload=2 (a warp's first two groups loaded before griddepcontrol.wait: all of o_proj's):
+        o_proj +0.006 / +0.014, down +0.003 / +0.012 ms a step at 512 / 8K (2026-12-02); code
+        at c936f73
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -115,9 +118,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
                          f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
                          f"shared memory it stages in; use the CUDA-core {kind} (a Tiling)")
-    if t.preload not in (1, 2) or (t.preload == 2 and kind not in ("o_proj", "down")):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: preload (groups a warp loads before "
-                         f"griddepcontrol.wait) is 1, or 2 for o_proj and down")
     if (kind in ROPE_KINDS) != bool(t.rope):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
                          f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
@@ -144,8 +144,6 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     fields = dataclasses.asdict(t)
     if not t.rope:
         del fields["rope"]                 # the names of the kernels before it stand
-    if t.preload == 1:
-        del fields["preload"]
     extra = {} if eps is None else {"eps": eps}
     if heads is not None:
         extra.update(zip(("heads", "kv_heads"), heads[:2]))
@@ -216,7 +214,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     HALF = max(D // 2, 1)
     TPH = max(D // TILE, 1)
     PARTNER = HALF if D else 8
-    PRELOAD = t.preload
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -364,25 +361,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
-    def mainloop2(qw, sc, abase, bases, kw, t4, first, second, invf):
-        """mainloop with PRELOAD 2: the warp's first two groups were both loaded before
-        griddepcontrol.wait (o_proj's 14 warps own two groups each: all of them), and each
-        pair's loads are issued a pair ahead of its math; the last pair issues none."""
-        ca, cb = first
-        na, nb = second
-        z = float32(0.0)
-        acc = (z, z, z, z)
-        for it in range(PAIRS):
-            ga = kw + 2 * it * TILE_WARPS
-            gb = ga + TILE_WARPS
-            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
-            if it + 1 < PAIRS:
-                ca, cb = load_both(qw, sc, bases, min(gb + TILE_WARPS, GROUPS - 1))
-            acc = add_group(acc, na, nb, abase, gb, t4, invf)
-            if it + 1 < PAIRS:
-                na, nb = load_both(qw, sc, bases, min(gb + 2 * TILE_WARPS, GROUPS - 1))
-        return acc
-
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
         # matrix: the last block's spare tile loads words that exist and is not written)
@@ -458,9 +436,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))  # weights wait for nothing
-        second = first
-        if PRELOAD == 2:
-            second = load_both(qw, sc, bases, min(kw + TILE_WARPS, GROUPS - 1))
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage(a, act)
@@ -469,10 +444,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         # 32-bit value the PTX comes out in another order)
         abase = uint64(cvta_to_shared_u32(act))
         # (red stands in for invf, which only gate_up reads)
-        if PRELOAD == 2:
-            acc = mainloop2(qw, sc, abase, bases, kw, t4, first, second, red)
-        else:
-            acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
@@ -535,11 +507,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, add_group, mainloop, mainloop2, roles, file_row, tile_bases, out_row, \
-        pair_row, put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
+        stage_norm, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
+        put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
         gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
-                             group_dot, stage, stage_norm, add_group, mainloop, mainloop2, roles,
+                             group_dot, stage, stage_norm, add_group, mainloop, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)

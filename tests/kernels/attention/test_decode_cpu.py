@@ -130,24 +130,19 @@ SIM_SCRIPT = textwrap.dedent('''
                 cuda.to_device(pool))
         return args, ref
 
-    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, pf=None, cl=0):
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0):
         args, ref = inputs(cfg, length, seed)
         o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
         pa, pm = attention.decode_workspace(cfg, ms)
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
-        # pf (runs, run bytes, head bytes): l2_prefetch over a buffer of exactly that many runs;
-        # the twin refuses a request past its end or misaligned
-        l2 = None if pf is None else (cuda.to_device(np.zeros(pf[0] * pf[1] // 4, np.uint32)),
-                                      pf[1], pf[2])
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           l2_prefetch=l2, cluster=cl)
+                                           cluster=cl)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
-                f"_e{int(early)}_p{min_pps}" + ("" if pf is None else "_pf")
-                + (f"_cl{cl}" if cl else ""))
+                f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -161,9 +156,6 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g8, 20, 1, 2, 3, 1, 5)    # GQA 8 fills the 8 rows, d128: one page per consumer, tail 4
     case(g2, 72, 2, 1, 3, 2, 6, early=True, min_pps=2)  # the engine's options: 5 pages, 3 + 2
     #                                  a split, the last page's stage waits first
-    # l2_prefetch: 150 runs over 2 CTAs x 32 lanes (a lane asks for up to 3), the last run's
-    # head ending 16 bytes before the buffer does; the result as without it
-    case(g2, 72, 2, 1, 3, 2, 7, early=True, min_pps=2, pf=(150, 272, 256))
     # the cluster kernel in clusters of one CTA (what the simulator launches): the partial in
     # shared memory, merged by the cluster's one CTA into o; every output of the kv head
     # (GQA x D over 64 or 96 threads) by one CTA, two kv heads
@@ -171,7 +163,7 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g2, 17, 1, 2, 2, 1, 9, cl=1)
 ''')
 
-SIM_CASES = 10
+SIM_CASES = 9
 
 
 @pytest.mark.slow
@@ -191,7 +183,7 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "l2_prefetch", "cluster"}
+                                         "cluster"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])
@@ -222,92 +214,8 @@ def test_cluster_refusals():
         cluster_tail(None, 7, 128, 1, 66, 2, 16)
 
 
-def test_l2_prefetch_ptx_and_name():
-    # off: no prefetch instruction and the default name and signature; on: one more
-    # parameter, one cp.async.bulk.prefetch.L2 in a loop over the runs, the plan in the name
-    off = _ptx(7, 128, 4, 1, early=True, max_splits=66)
-    assert count(off, "cp.async.bulk.prefetch.L2.global") == 0
-    pf = (2368, 7168, 8192)        # the 7B's gate_up: 16-row tiles of 28 KB, 8 KB of each
-    body = decode.split_body(7, 128, 4, 1, plan.NSTAGE, plan.ROWS_PER_COPY, 66, plan.MIN_PPS,
-                             True, pf)
-    on = compile_ptx_sm90(body, decode.SPLIT_SIG_PF, fastmath=True)
-    assert count(on, "cp.async.bulk.prefetch.L2.global") == 1
-    assert_no_local_memory(on)
-    assert decode.split_name(7, 128, 4, 1, 3, 2, 66, 2, True) == \
-        "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1"
-    assert decode.split_name(7, 128, 4, 1, 3, 2, 66, 2, True, pf).endswith("_pf2368x7168x8192")
-
-
-def test_l2_prefetch_plan_refuses_what_the_kernel_cannot_take():
-    w = np.zeros(4 * 7168, np.uint32)                 # 4 runs of 28 KB
-    assert decode.prefetch_plan(w, 28672, 8192) == (4, 7168, 8192)
-    with pytest.raises(ValueError, match="1-d uint32"):
-        decode.prefetch_plan(w.reshape(4, -1), 28672, 8192)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        decode.prefetch_plan(w, 28672, 8200)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        decode.prefetch_plan(w, 28672, 28672 + 16)
-    with pytest.raises(ValueError, match="whole runs"):
-        decode.prefetch_plan(w[:-4], 28672, 8192)
-
-
 def test_step_attention_options_take_an_experiment_over_the_defaults():
     from nq.runtime.step import ATTN_OPTIONS, attention_options
-    opts, l2 = attention_options()
-    assert opts == ATTN_OPTIONS and l2 is None
-    opts, l2 = attention_options({"gate_up_l2": 0.3, "early": False})
-    assert l2 == ("gate_up", 0.3) and opts == {**ATTN_OPTIONS, "early": False}
-    assert "gate_up_l2" not in opts and "o_proj_l2" not in opts
-    assert attention_options({"o_proj_l2": 1})[1] == ("o_proj", 1.0)
-    with pytest.raises(ValueError, match="pick one"):
-        attention_options({"o_proj_l2": 1.0, "gate_up_l2": 0.3})
-
-
-def test_engine_o_proj_prefetch_takes_whole_tiles():
-    from nq.config import PRESETS
-    from nq.kernels.int4.tiling import MmaTiling
-    from nq.runtime.step import layer_prefetch
-
-    class Gemv:
-        tiling = MmaTiling(warps=2, threads=256)
-
-    class Layer:
-        o_w = np.zeros((3584, 3584 // 8), np.uint32)
-
-    cfg = PRESETS["7b"]
-    flat, run, head = layer_prefetch(cfg, {"o_proj": Gemv()}, Layer, ("o_proj", 1.0))
-    assert flat.size == Layer.o_w.size and run == head == 16 * cfg.q_size // 2
-    assert decode.prefetch_plan(flat, run, head) == (cfg.hidden_size // 16, run // 4, run)
-    assert layer_prefetch(cfg, {}, Layer, None) is None
-
-    class CudaCore:
-        tiling = object()
-
-    with pytest.raises(ValueError, match="CUDA-core o_proj$"):
-        layer_prefetch(cfg, {"o_proj": CudaCore()}, Layer, ("o_proj", 0.5))
-
-
-def test_engine_gate_up_prefetch_geometry():
-    from nq.config import PRESETS
-    from nq.kernels.int4.tiling import MmaTiling
-    from nq.runtime.step import gate_up_prefetch
-
-    class Gemv:
-        tiling = MmaTiling(warps=2, threads=256)
-
-    cfg = PRESETS["7b"]
-    w = np.zeros((2 * cfg.intermediate_size, cfg.hidden_size // 8), np.uint32)
-    assert gate_up_prefetch(cfg, Gemv(), w, 0.0) is None
-    flat, run, head = gate_up_prefetch(cfg, Gemv(), w, 0.3)
-    assert flat.shape == (w.size,) and run == 16 * cfg.hidden_size // 2 == 28672
-    assert head == 8 * 1024                        # 0.3 of 28 groups: 8 whole groups
-    assert gate_up_prefetch(cfg, Gemv(), w, 0.001)[2] == 1024   # at least one group
-    assert decode.prefetch_plan(flat, run, head) == (2 * cfg.intermediate_size // 16, 7168, 8192)
-    with pytest.raises(ValueError, match="0..1"):
-        gate_up_prefetch(cfg, Gemv(), w, 1.5)
-
-    class CudaCore:
-        tiling = object()
-
-    with pytest.raises(ValueError, match="NQ_MMA_GATE_UP=0"):
-        gate_up_prefetch(cfg, CudaCore(), w, 0.3)
+    assert attention_options() == ATTN_OPTIONS
+    assert attention_options({"cluster": 16, "early": False}) == \
+        {**ATTN_OPTIONS, "cluster": 16, "early": False}

@@ -79,8 +79,6 @@ def test_mma_tiling_rule():
     ("down", 3584, 18944, MmaTiling(warps=8, threads=512)),
     ("o_proj", 3584, 3584, MmaTiling(warps=4, threads=256, min_blocks=2)),
     ("down", 5120, 27648, MmaTiling(warps=12, threads=384)),       # the 32B's, dynamic shared
-    ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, preload=2)),
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, preload=2)),
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
@@ -120,9 +118,7 @@ SIM_SCRIPT = textwrap.dedent('''
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
-                          ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
-                          ("pl2", 32, 640, MmaTiling(warps=1, threads=64, preload=2)),
-                          ("pl2_w2", 48, 384, MmaTiling(warps=2, threads=128, preload=2))]:
+                          ("w1", 32, 640, MmaTiling(warps=1, threads=64))]:
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
         a = (rng.standard_normal(k) * 3).astype(np.float16)
@@ -139,24 +135,11 @@ SIM_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_preload_is_o_proj_and_downs_and_leaves_the_default_names():
-    t = MmaTiling(warps=14, threads=448)
-    assert gemv_mma.gemv_mma_name("o_proj", 3584, 3584, t) == \
-        "gemv_mma_o_proj_n3584_k3584_warps14_threads448_min_blocks0"
-    t2 = MmaTiling(warps=14, threads=448, preload=2)
-    assert gemv_mma.gemv_mma_name("o_proj", 3584, 3584, t2).endswith("_preload2")
-    assert t2.tag() == "mma_w14_t448_pl2" and t2.layout() == t.layout()
-    with pytest.raises(ValueError, match="preload"):
-        gemv_mma.check_tiling("gate_up", 37888, 3584, MmaTiling(warps=2, threads=256, preload=2))
-    with pytest.raises(ValueError, match="preload"):
-        gemv_mma.check_tiling("down", 3584, 18944, MmaTiling(warps=16, threads=1024, preload=3))
-
-
 @pytest.mark.slow
 def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "tail", "w4", "w1", "pl2", "pl2_w2"}, stdout
+    assert set(errs) == {"t2_w2", "tail", "w4", "w1"}, stdout
     for name, e in errs.items():
         assert e < 1e-5, (name, e)

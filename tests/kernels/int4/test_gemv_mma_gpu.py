@@ -50,9 +50,6 @@ def run(kind, n, k, tiling, seed):
     ("down", 5120, 27648, T(warps=12, threads=384)),    # 32B: 55 KB staged, dynamic shared memory
     ("o_proj", 48, 384, T(warps=2, threads=128)),       # a clamped tile in the last block
     ("down", 3584, 18944, T(warps=8, threads=256, min_blocks=4)),
-    ("o_proj", 3584, 3584, T(warps=14, threads=448, preload=2)),   # every group before the wait
-    ("o_proj", 3584, 3584, T(warps=4, threads=256, preload=2)),    # 28 groups over 4 warps
-    ("down", 3584, 18944, T(warps=16, threads=1024, preload=2)),   # 10 groups, short last pair
 ])
 def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     got, ref, x = run(kind, n, k, tiling, seed=n + k + tiling.warps)
