@@ -43,6 +43,7 @@ from pathlib import Path
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 
+from nq.kernels import cache_files
 from nq.ptx import SIMULATOR
 
 OPTIONS = ("launch_bounds", "fastmath", "lineinfo")
@@ -372,7 +373,7 @@ def parallel_compiles(workers: int | None = None):
 def finish_batch(jobs: list, workers: int) -> None:
     """Compile jobs' kernels (in `workers` forked processes when more than one), load them."""
     todo = [j for j in jobs if j.argtypes not in j.disp.overloads]
-    todo = [todo[i] for i in longest_first([j.name for j in todo])]
+    todo = [todo[i] for i in cache_files.longest_first([j.name for j in todo])]
     if workers > 1 and len(todo) > 1:
         t0 = time.perf_counter()
         _progress(f"compiling {len(todo)} kernels in {min(workers, len(todo))} processes")
@@ -440,75 +441,8 @@ def _compile_in_children(jobs: list, workers: int) -> list[tuple[str, str]]:
         STATS.batches.append((len(jobs), workers, time.time() - t0,
                               min(a for a, _ in spans.values()) - t0,
                               (slowest, took[slowest]), sum(took.values())))
-        _remember_costs(took)
+        cache_files.remember_costs(took)
     return [(jobs[i].name, err) for i, err in errors.items() if err]
-
-
-# ---- the order a batch is compiled in -------------------------------------------------------
-#
-# The children take the jobs in the order given, so a slow kernel handed out last finishes
-# last, alone: the batch costs its tail.  Longest first (LPT) bounds the batch by its slowest
-# kernel wherever there are enough processes.  A kernel's cost is what it took last time, by
-# name (the name spells its constants, and stays when nq's version changes every key), kept
-# in COSTS_FILE beside the entries; a name never compiled here counts as the family's
-# largest known cost, else as FIRST_GUESS for the families that compiled slowest on the H200.
-
-COSTS_FILE = "compile_seconds.json"
-FIRST_GUESS = {"prefill_attn_wgmma": 4.5, "prefill_attn": 3.0, "attn_split": 3.0,
-               "gemm_wgmma": 2.5, "gemm": 2.0, "gemv": 2.0}
-
-
-def _costs_path() -> Path:
-    return cache_root() / COSTS_FILE
-
-
-def _read_costs() -> dict:
-    try:
-        d = json.loads(_costs_path().read_text())
-        return {str(k): float(v) for k, v in d.items()} if isinstance(d, dict) else {}
-    except (OSError, ValueError, TypeError):
-        return {}
-
-
-def _remember_costs(took: dict) -> None:
-    """Merge took {name: s} into COSTS_FILE (temporary file, then rename: two starts at once
-    leave one whole file, whichever renamed last)."""
-    try:
-        path = _costs_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = {**_read_costs(), **{k: round(v, 3) for k, v in took.items()}}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{os.getpid()}")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(merged, f, indent=0, sort_keys=True)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError:
-        pass          # an order hint only: a read-only cache compiles in the given order
-
-
-def _family(name: str) -> str:
-    for fam in sorted(FIRST_GUESS, key=len, reverse=True):
-        if name.startswith(fam + "_"):
-            return fam
-    return name.split("_")[0]
-
-
-def longest_first(names: list[str], costs: dict | None = None) -> list[int]:
-    """The indices of names in the order a batch should hand them out: the slowest first, by
-    costs ({name: s}, default COSTS_FILE's), an unknown name by its family's largest known
-    cost or FIRST_GUESS; ties keep the given order."""
-    costs = _read_costs() if costs is None else costs
-    fam_max: dict = {}
-    for n, c in costs.items():
-        fam_max[_family(n)] = max(fam_max.get(_family(n), 0.0), c)
-
-    def cost(n):
-        if n in costs:
-            return costs[n]
-        return fam_max.get(_family(n), FIRST_GUESS.get(_family(n), 1.0))
-    return sorted(range(len(names)), key=lambda i: -cost(names[i]))
 
 
 def _child_init(cc) -> None:
@@ -540,34 +474,3 @@ def _child_compile(i: int) -> tuple[str, float, float]:
         return ("" if j.path.exists() else "not cacheable"), t0, time.time()
     except Exception as e:  # noqa: BLE001 -- reported to the parent, which compiles it itself
         return f"{type(e).__name__}: {e}"[:300], t0, time.time()
-
-
-# ---- `nq cache` -----------------------------------------------------------------------------
-
-def cache_entries() -> list[tuple[Path, int, dict | None]]:
-    """(path, size, header or None when invalid) of every entry, newest first."""
-    root = cache_root()
-    if not root.is_dir():
-        return []
-    out = []
-    for p in sorted(root.glob("*.cubin"), key=lambda p: p.stat().st_mtime, reverse=True):
-        entry = read_entry(p)
-        out.append((p, p.stat().st_size, entry[0] if entry else None))
-    return out
-
-
-def clear_cache() -> tuple[int, int]:
-    """Delete every entry, and the temporary files of writers that are gone (a live process's
-    is left to its rename); (files, bytes) removed."""
-    from nq.loader.outfile import remove_stale
-    root = cache_root()
-    n = size = 0
-    if root.is_dir():
-        for p in [*root.glob("*.cubin"), root / COSTS_FILE]:
-            if p.exists():
-                size += p.stat().st_size
-                p.unlink(missing_ok=True)
-                n += 1
-        stale = remove_stale(root, ".tmp-*")
-        n, size = n + len(stale), size + sum(b for _, b in stale)
-    return n, size

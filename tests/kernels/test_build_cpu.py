@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from nq.kernels import build
+from nq.kernels import build, cache_files
 
 
 def test_kernel_name_encodes_every_constant():
@@ -80,8 +80,8 @@ def test_entries_are_checked_before_use(env):
     (path.parent / f".tmp-x-{gone.pid}").write_bytes(b"left by a killed process")
     live = path.parent / f".tmp-y-{os.getpid()}"    # a writer still running keeps its file
     live.write_bytes(b"being written")
-    assert [h for _, _, h in build.cache_entries()] == [None]
-    assert build.clear_cache()[0] == 2 and list(path.parent.iterdir()) == [live]
+    assert [h for _, _, h in cache_files.cache_entries()] == [None]
+    assert cache_files.clear_cache()[0] == 2 and list(path.parent.iterdir()) == [live]
 
 
 def _writer(args):
@@ -149,7 +149,7 @@ def test_every_kernel_compiles_through_build():
 PARALLEL_SCRIPT = r"""
 import dataclasses, json, os, time
 from pathlib import Path
-from nq.kernels import build
+from nq.kernels import build, cache_files
 build._environment = lambda: {"nq": "0", "numba-cuda": "0.30", "cc": [9, 0], "driver": [13, 0]}
 from nq.kernels import fill
 from nq.kernels.int4 import retile
@@ -163,7 +163,7 @@ t = time.perf_counter()
 failed = build._compile_in_children(jobs, 2)
 print("parallel_s", time.perf_counter() - t, "failed", failed)
 n, procs, wall, first, (slow, slow_s), total = build.STATS.batches[-1]
-costs = build._read_costs()
+costs = cache_files.read_costs()
 print("batch", n, procs, sorted(costs) == sorted(j.name for j in jobs),
       slow in costs and costs[slow] == max(costs.values()), 0 < slow_s <= wall, 0 <= first < wall)
 
@@ -197,18 +197,18 @@ print("RESULT", json.dumps(out))
 def test_a_batch_hands_out_the_slowest_kernels_first(env):
     names = ["gemv_a", "prefill_attn_wgmma_x", "fill_u32", "gemm_wgmma_b", "gemm_c"]
     # nothing remembered: the first guesses by family, the rest in the given order
-    assert build.longest_first(names) == [1, 3, 0, 4, 2]
+    assert cache_files.longest_first(names) == [1, 0, 3, 4, 2]
     # remembered costs win, and an unknown name takes its family's largest known cost
     costs = {"gemv_a": 0.5, "gemm_c": 9.0, "fill_u32": 0.2, "gemv_z": 7.0}
-    assert build.longest_first(names, costs) == [4, 1, 3, 0, 2]
-    build._remember_costs({"gemm_c": 9.0})
-    build._remember_costs({"fill_u32": 0.25})                 # merged, not replaced
-    assert build._read_costs() == {"gemm_c": 9.0, "fill_u32": 0.25}
-    assert build.longest_first(names)[0] == 4
-    size = build._costs_path().stat().st_size
-    assert build.clear_cache() == (1, size) and not build._costs_path().exists()
-    build._costs_path().write_text("{not json")               # a torn file: order hint lost
-    assert build._read_costs() == {}
+    assert cache_files.longest_first(names, costs) == [4, 1, 3, 0, 2]
+    cache_files.remember_costs({"gemm_c": 9.0})
+    cache_files.remember_costs({"fill_u32": 0.25})                 # merged, not replaced
+    assert cache_files.read_costs() == {"gemm_c": 9.0, "fill_u32": 0.25}
+    assert cache_files.longest_first(names)[0] == 4
+    size = cache_files.costs_path().stat().st_size
+    assert cache_files.clear_cache() == (1, size) and not cache_files.costs_path().exists()
+    cache_files.costs_path().write_text("{not json")               # a torn file: order hint lost
+    assert cache_files.read_costs() == {}
 
 
 def test_parallel_compiles_store_the_entries_a_serial_compile_stores(tmp_path):
