@@ -25,15 +25,12 @@ def free_total():
     return int(free), int(total)
 
 
-def test_an_engine_too_large_is_refused_before_it_allocates(monkeypatch):
-    # every device allocation of this process goes through Context.memalloc (device_array,
-    # to_device, pinned copies' device side): count them during the refused construction.
-    # (The device's free memory is no witness: other processes on the GPU move it.)
+@pytest.fixture
+def allocations(monkeypatch):
+    """The sizes of this process's device allocations from now on: every one goes through
+    Context.memalloc (device_array, to_device, pinned copies' device side).  The device's free
+    memory is no witness: other processes on the GPU move it (pytest -n runs several)."""
     from numba.cuda.cudadrv import driver
-
-    from nq.runtime.engine import Engine
-    from nq.runtime.weights import random_device_weights
-    w = random_device_weights(CFG, 0)
     allocated = []
     real = driver.Context.memalloc
 
@@ -41,6 +38,16 @@ def test_an_engine_too_large_is_refused_before_it_allocates(monkeypatch):
         allocated.append(int(nbytes))
         return real(self, nbytes)
     monkeypatch.setattr(driver.Context, "memalloc", memalloc)
+    return allocated
+
+
+def test_an_engine_too_large_is_refused_before_it_allocates(allocations):
+    # count the allocations during the refused construction
+    from nq.runtime.engine import Engine
+    from nq.runtime.weights import random_device_weights
+    w = random_device_weights(CFG, 0)
+    allocated = allocations
+    allocated.clear()          # the weights' own
     with pytest.raises(M.DeviceMemoryError) as e:
         Engine(CFG, w, max_len=2_000_000_000)
     msg = str(e.value)
@@ -63,25 +70,17 @@ def test_kv_that_fits_but_not_beside_the_weights_is_refused():
     print(e.value)
 
 
-def test_the_count_covers_what_an_engine_allocates(monkeypatch):
+def test_the_count_covers_what_an_engine_allocates(allocations):
     """Build an engine at a context of 64K tokens: what it allocates is at least its KV cache
-    and at most the count (KV, buffers, prefill workspace, margin).  Its allocations are
-    counted at Context.memalloc, as above: the device's free memory moves with the other
-    processes on the GPU (pytest -n runs several), and read that way this test once saw an
-    engine take -478 MB."""
-    from numba.cuda.cudadrv import driver
-
+    and at most the count (KV, buffers, prefill workspace, margin).  Counted at
+    Context.memalloc (the fixture): read from the device's free memory, this test once saw an
+    engine take -478 MB while other workers freed theirs."""
     from nq.runtime.engine import Engine
     from nq.runtime.prefill import workspace_bytes
     from nq.runtime.weights import random_device_weights
     w = random_device_weights(CFG, 0)
-    allocated = []
-    real = driver.Context.memalloc
-
-    def memalloc(self, nbytes):
-        allocated.append(int(nbytes))
-        return real(self, nbytes)
-    monkeypatch.setattr(driver.Context, "memalloc", memalloc)
+    allocated = allocations
+    allocated.clear()          # the weights' own
     eng = Engine(CFG, w, max_len=65536, prefill_chunk=128)
     eng.stream.synchronize()
     used = sum(allocated)
