@@ -97,6 +97,29 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """What the upload needs of a projection's GEMV: its weight rows, K, and the tiling whose
+    `layout()` the weights are re-tiled into -- no compiled kernel."""
+    name: str
+    n_rows: int
+    k: int
+    tiling: object
+
+
+def weight_layouts(cfg: ModelConfig) -> dict:
+    """{kind: WeightLayout} of the four projections as gemvs(cfg) builds them, compiling
+    nothing: the upload's kernels are then only the re-tiling ones, and a first start compiles
+    the GEMVs in the engine's batch beside the rest (nq/kernels/int4/launch.py gemv_tiling)."""
+    from nq.kernels.int4.launch import gemv_shape, gemv_tiling
+    out = {}
+    for kind in ("qkv", "o_proj", "gate_up", "down"):
+        _, k, rows = gemv_shape(kind, cfg)
+        t = gemv_tiling(kind, cfg)
+        out[kind] = WeightLayout(f"{kind} GEMV ({t.tag()})", rows, k, t)
+    return out
+
+
 def upload(nf, stream=None, background: bool = False, preloaded=None) -> DeviceWeights:
     """Copy a NanoqwenFile's tensors to the device; the projections are re-tiled on the GPU.
 
@@ -122,8 +145,8 @@ def upload(nf, stream=None, background: bool = False, preloaded=None) -> DeviceW
     from nq.timeline import TIMELINE
 
     cfg = nf.config
+    g = weight_layouts(cfg)   # the GEMVs' layouts; their kernels are the engine's to compile
     with parallel_compiles():  # a first start compiles them in parallel processes
-        g = gemvs(cfg)   # their tilings fix the layouts; compiled or loaded here, not in the thread
         compile_retile_rows()
         compile_retile_mma()
         for rope in {getattr(gm.tiling, "rope", 0) for gm in g.values()} - {0}:

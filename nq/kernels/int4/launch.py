@@ -250,12 +250,31 @@ class QkvRopeMmaGemv(_MmaGemv):
                                                       table, kv_layer, q_out)
 
 
+def gemv_shape(kind: str, cfg: ModelConfig) -> tuple[int, int, int]:
+    """(N outputs, K inputs, weight rows) of a projection GEMV of cfg (gate_up: 2N rows,
+    [gate; up]); qkv_rope has qkv's."""
+    c = cfg
+    return {"qkv": (c.qkv_size, c.hidden_size, c.qkv_size),
+            "qkv_rope": (c.qkv_size, c.hidden_size, c.qkv_size),
+            "o_proj": (c.hidden_size, c.q_size, c.hidden_size),
+            "gate_up": (c.intermediate_size, c.hidden_size, 2 * c.intermediate_size),
+            "down": (c.hidden_size, c.intermediate_size, c.hidden_size)}[kind]
+
+
+def gemv_tiling(kind: str, cfg: ModelConfig) -> Tiling | MmaTiling:
+    """The tiling make_<kind>_gemv(cfg) builds without one given: its `layout()` is what the
+    upload writes (nq/runtime/weights.py asks here, compiling nothing)."""
+    n, k, _ = gemv_shape(kind, cfg)
+    if kind in ("qkv", "qkv_rope"):
+        return default_tiling(kind, n, k, head_dim=cfg.head_dim)
+    return default_tiling(kind, n, k)
+
+
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv).
     The tensor cores' kernel where the tiling is an MmaTiling (the default only with
     NQ_MMA_QKV=1: tiling.MMA_QKV)."""
-    tiling = tiling or default_tiling("qkv", cfg.qkv_size, cfg.hidden_size,
-                                      head_dim=cfg.head_dim)
+    tiling = tiling or gemv_tiling("qkv", cfg)
     if isinstance(tiling, MmaTiling):
         return QkvMmaGemv(cfg, tiling)
     return QkvGemv(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
@@ -265,15 +284,14 @@ def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = Non
     """qkv_rope: prepare as qkv's (the same uploaded weights serve both); call (x, norm_w, qw,
     sc, bias, state, inv_freq, table, kv_layer, q_out, stream).  On the tensor cores as
     make_qkv_gemv's."""
-    tiling = tiling or default_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size,
-                                      head_dim=cfg.head_dim)
+    tiling = tiling or gemv_tiling("qkv_rope", cfg)
     if isinstance(tiling, MmaTiling):
         return QkvRopeMmaGemv(cfg, tiling)
     return QkvRopeGemv(cfg, tiling)
 
 
 def _residual(kind: str, cfg: ModelConfig, n_out: int, k: int, tiling):
-    tiling = tiling or default_tiling(kind, n_out, k)
+    tiling = tiling or gemv_tiling(kind, cfg)
     if isinstance(tiling, MmaTiling):
         return ResidualMmaGemv(kind, n_out, k, tiling)
     return ResidualGemv(kind, cfg, n_out, k, n_out, tiling)
@@ -291,7 +309,7 @@ def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None
     (x, norm_w, qw, sc, out, stream).  The tensor cores' kernel where the tiling is an
     MmaTiling (the default unless NQ_MMA_GATE_UP=0: tiling.MMA_GATE_UP)."""
     i = cfg.intermediate_size
-    tiling = tiling or default_tiling("gate_up", i, cfg.hidden_size)
+    tiling = tiling or gemv_tiling("gate_up", cfg)
     if isinstance(tiling, MmaTiling):
         return GateUpMmaGemv(cfg, i, cfg.hidden_size, tiling)
     return GateUpGemv(cfg, i, cfg.hidden_size, 2 * i, tiling)
