@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -44,10 +43,10 @@ from pathlib import Path
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 
 from nq.kernels import cache_files
+from nq.kernels.cache_files import _entry_path, _write_entry, cache_root, read_entry  # noqa: F401
 from nq.ptx import SIMULATOR
 
 OPTIONS = ("launch_bounds", "fastmath", "lineinfo")
-MAGIC = b"NQKERNEL1\n"
 
 
 def _part(v) -> str:
@@ -83,12 +82,6 @@ STATS = BuildStats()
 
 
 # ---- the cache's location and key ----------------------------------------------------------
-
-def cache_root() -> Path:
-    """$NQ_CACHE/kernels ($NQ_CACHE defaults to $XDG_CACHE_HOME/nq or ~/.cache/nq)."""
-    from nq.loader.resolve import cache_dir
-    return cache_dir() / "kernels"
-
 
 def cache_enabled() -> bool:
     return not SIMULATOR and os.environ.get("NQ_NO_KERNEL_CACHE", "") in ("", "0")
@@ -151,40 +144,7 @@ def cache_key(body, sig: str, name: str, options: dict) -> tuple[str, dict]:
     return hashlib.sha256(blob).hexdigest(), inputs
 
 
-# ---- entries ------------------------------------------------------------------------------------
-
-def _entry_path(key: str, name: str) -> Path:
-    return cache_root() / f"{name[:80]}-{key[:24]}.cubin"
-
-
-def _write_entry(path: Path, header: dict, cubin: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{os.getpid()}")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + cubin)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_entry(path: Path, key: str | None = None) -> tuple[dict, bytes] | None:
-    """(header, cubin) of a valid entry (its key, if given, and checksum match), else None."""
-    try:
-        data = path.read_bytes()
-        if not data.startswith(MAGIC):
-            return None
-        head, _, cubin = data[len(MAGIC):].partition(b"\n")
-        header = json.loads(head)
-        if key is not None and header.get("key") != key:
-            return None
-        if header.get("sha256") != hashlib.sha256(cubin).hexdigest() or not cubin:
-            return None
-        return header, cubin
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
+# ---- entries (their file format: cache_files.py) -----------------------------------------------
 
 def _store(kernel, key: str, inputs: dict, path: Path) -> None:
     lib = kernel._codelibrary

@@ -1,19 +1,71 @@
-"""The kernel cache's directory beyond its entries (nq/kernels/build.py writes and reads those):
-`nq cache info` / `nq cache clear`, and the compile costs that order a parallel batch.
+"""The kernel cache's files: where they live, an entry's format (build.py keys, stores and
+loads them), `nq cache info` / `nq cache clear`, and the compile costs that order a parallel
+batch.
 
-The order a batch is handed out in.  The children take the jobs in the order given, so a slow kernel handed out last finishes
-last, alone: the batch costs its tail.  Longest first (LPT) bounds the batch by its slowest
-kernel wherever there are enough processes.  A kernel's cost is what it took last time, by
-name (the name spells its constants, and stays when nq's version changes every key), kept
-in COSTS_FILE beside the entries; a name never compiled here counts as the family's
-largest known cost, else as FIRST_GUESS for the families that compiled slowest on the H200.
+An entry: MAGIC, one line of JSON header (the key and its inputs, the entry symbol, the cubin's
+sha256), then the cubin; written to a temporary file and renamed into place.
+
+The order a batch is handed out in.  build.py's child processes take the jobs in the order
+given, so a slow kernel handed out last finishes last, alone: the batch costs its tail.
+Longest first (LPT) bounds the batch by its slowest kernel wherever there are enough
+processes.  A kernel's cost is what it took last time, by name (the name spells its
+constants, and stays when nq's version changes every key), kept in COSTS_FILE beside the
+entries; a name never compiled here counts as the family's largest known cost, else as
+FIRST_GUESS for the families that compiled slowest on the H200.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
+
+MAGIC = b"NQKERNEL1\n"
+
+
+# ---- where, and an entry ------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    """$NQ_CACHE/kernels ($NQ_CACHE defaults to $XDG_CACHE_HOME/nq or ~/.cache/nq)."""
+    from nq.loader.resolve import cache_dir
+    return cache_dir() / "kernels"
+
+
+def _entry_path(key: str, name: str) -> Path:
+    return cache_root() / f"{name[:80]}-{key[:24]}.cubin"
+
+
+def _write_entry(path: Path, header: dict, cubin: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{os.getpid()}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + cubin)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_entry(path: Path, key: str | None = None) -> tuple[dict, bytes] | None:
+    """(header, cubin) of a valid entry (its key, if given, and checksum match), else None."""
+    try:
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            return None
+        head, _, cubin = data[len(MAGIC):].partition(b"\n")
+        header = json.loads(head)
+        if key is not None and header.get("key") != key:
+            return None
+        if header.get("sha256") != hashlib.sha256(cubin).hexdigest() or not cubin:
+            return None
+        return header, cubin
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+# ---- the order a batch is compiled in -----------------------------------------------------------
 
 COSTS_FILE = "compile_seconds.json"
 # seconds, the families' slowest on the H200's first start (2026-12-02; 16 processes at once)
@@ -22,7 +74,6 @@ FIRST_GUESS = {"prefill_attn_wgmma": 7.3, "prefill_attn": 4.0, "attn_split": 3.5
 
 
 def costs_path() -> Path:
-    from nq.kernels.build import cache_root   # (build imports this module)
     return cache_root() / COSTS_FILE
 
 
@@ -79,7 +130,6 @@ def longest_first(names: list[str], costs: dict | None = None) -> list[int]:
 
 def cache_entries() -> list[tuple[Path, int, dict | None]]:
     """(path, size, header or None when invalid) of every entry, newest first."""
-    from nq.kernels.build import cache_root, read_entry
     root = cache_root()
     if not root.is_dir():
         return []
@@ -93,7 +143,6 @@ def cache_entries() -> list[tuple[Path, int, dict | None]]:
 def clear_cache() -> tuple[int, int]:
     """Delete every entry, and the temporary files of writers that are gone (a live process's
     is left to its rename); (files, bytes) removed."""
-    from nq.kernels.build import cache_root
     from nq.loader.outfile import remove_stale
     root = cache_root()
     n = size = 0

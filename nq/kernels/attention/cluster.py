@@ -110,19 +110,21 @@ def cluster_tail(split_main, gqa: int, head_dim: int, consumers: int, max_splits
     return attn_split
 
 
-def cluster_launcher(cfg, q, state, table, kv_layer, o, *, cluster: int, consumers: int,
-                     nstage: int, rows_per_copy: int, min_pps: int, early: bool):
-    """decode_launcher's cluster form (module doc): `launch(stream=0)` runs the one kernel."""
-    from nq.kernels.attention.decode import split_kernel
-    from nq.kernels.attention.plan import barrier_bytes, smem_bytes
-    from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
-    from nq.kernels.fastlaunch import FastLaunch
+def check_cluster(cluster: int) -> None:
     if cluster not in (1, 2, 4, 8, 16):
         raise ValueError(f"attention cluster={cluster}: 1, 2, 4, 8 or 16 CTAs a cluster (16 "
                          f"is sm_90's largest, non-portable)")
+
+
+def cluster_launcher(cfg, kern, q, state, table, kv_layer, o, *, cluster: int, consumers: int,
+                     nstage: int, rows_per_copy: int):
+    """decode_launcher's cluster form (module doc): `launch(stream=0)` runs kern, the cluster
+    kernel decode.split_kernel(..., cluster=cluster) compiled, in clusters of `cluster`."""
+    from nq.kernels.attention.plan import barrier_bytes, smem_bytes
+    from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
+    from nq.kernels.fastlaunch import FastLaunch
+    check_cluster(cluster)
     hkv = cfg.num_kv_heads
-    kern = split_kernel(cfg.gqa_ratio, cfg.head_dim, hkv, consumers, nstage, rows_per_copy,
-                        cluster, min_pps, bool(early), cluster=cluster)
     nbytes = smem_bytes(cfg.head_dim, consumers, nstage, rows_per_copy)
     exchange = 4 * ROWS * (cfg.head_dim + 2)
     if nbytes + barrier_bytes(nstage) + exchange > STATIC_SMEM_LIMIT:

@@ -426,10 +426,13 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
     if cluster:
-        from nq.kernels.attention.cluster import cluster_launcher
-        return cluster_launcher(cfg, q, state, table, kv_layer, o, cluster=int(cluster),
-                                consumers=consumers, nstage=nstage,
-                                rows_per_copy=rows_per_copy, min_pps=min_pps, early=early)
+        from nq.kernels.attention.cluster import check_cluster, cluster_launcher
+        c = int(cluster)
+        check_cluster(c)
+        kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
+                            bool(early), cluster=c)
+        return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
+                                consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
     merge = combine.combine_kernel(d, ms, min_pps)

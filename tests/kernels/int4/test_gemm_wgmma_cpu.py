@@ -155,6 +155,9 @@ def test_prepare_requests_only_the_tiles_an_m_can_reach(monkeypatch):
     asked = []
     monkeypatch.setattr(M, "compiled", lambda kind, n, k, layout, t: asked.append(("mma", t)))
     monkeypatch.setattr(W, "compiled", lambda kind, n, k, layout, t: asked.append(("wg", t)))
+    cached = set()          # names in the kernel cache: none at first
+    monkeypatch.setattr(M, "in_cache", lambda body, sig, name, **o: name in cached)
+    monkeypatch.setattr(W, "in_cache", lambda body, sig, name, **o: name in cached)
     H, I = 3584, 18944
     g = M.make_gemm("gate_up", I, H, "mma", backend="wgmma")
     assert g.prepare() == 4
@@ -162,3 +165,8 @@ def test_prepare_requests_only_the_tiles_an_m_can_reach(monkeypatch):
     asked.clear()
     assert M.make_gemm("down", H, I, "mma").prepare() == 3       # the mma.sync backend: all
     assert [t for _, t in asked] == [M.SMALL, M.MEDIUM, M.LARGE]
+    # a start with them cached compiles none (each loads at its first use)
+    asked.clear()
+    cached.update(W.build_gemm_wgmma("gate_up", I, H, "mma", t)[2] for t in (T.WG_TALL, T.WG_WIDE))
+    cached.update(M.build_gemm("gate_up", I, H, "mma", t)[2] for t in (M.SMALL, M.MEDIUM))
+    assert g.prepare() == 0 and asked == []
