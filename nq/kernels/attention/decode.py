@@ -47,10 +47,10 @@ PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing be
 kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
 0.2, PDL); the implicit trigger at exit is the right one.
 
-Lost in the step and retired (a3fddf4 holds them; docs/KERNELS_ATTN.md): l2_prefetch, warp 0
-of every CTA asking L2 for the head of each of gate_up's (or o_proj's) weight tiles before any
-wait, and the combine fused into the last CTA of each kv head.  The merge inside a thread block
-cluster is cluster.py (opt-in): split_main is this body, kernel-independent, under either.
+Lost in the step and retired (docs/KERNELS_ATTN.md): l2_prefetch, warp 0 of every CTA asking L2
+for the head of each of gate_up's (or o_proj's) weight tiles before any wait (a3fddf4 holds
+it), and the combine fused into the last CTA of each kv head (13c221c).  The merge inside a
+thread block cluster is cluster.py (opt-in): split_main is this body under either kernel.
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 144 / 104).
@@ -365,6 +365,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     if CLUSTER:
         from nq.kernels.attention.cluster import cluster_tail
         return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
+
     def attn_split(q, state, table, kv, part_acc, part_ml):
         split_main(q, state, table, kv, part_acc, part_ml)
     return attn_split
