@@ -254,11 +254,15 @@ def gemv_shape(kind: str, cfg: ModelConfig) -> tuple[int, int, int]:
     """(N outputs, K inputs, weight rows) of a projection GEMV of cfg (gate_up: 2N rows,
     [gate; up]); qkv_rope has qkv's."""
     c = cfg
-    return {"qkv": (c.qkv_size, c.hidden_size, c.qkv_size),
-            "qkv_rope": (c.qkv_size, c.hidden_size, c.qkv_size),
-            "o_proj": (c.hidden_size, c.q_size, c.hidden_size),
-            "gate_up": (c.intermediate_size, c.hidden_size, 2 * c.intermediate_size),
-            "down": (c.hidden_size, c.intermediate_size, c.hidden_size)}[kind]
+    if kind in ("qkv", "qkv_rope"):
+        return c.qkv_size, c.hidden_size, c.qkv_size
+    if kind == "o_proj":
+        return c.hidden_size, c.q_size, c.hidden_size
+    if kind == "gate_up":
+        return c.intermediate_size, c.hidden_size, 2 * c.intermediate_size
+    if kind == "down":
+        return c.hidden_size, c.intermediate_size, c.hidden_size
+    raise ValueError(f"gemv_shape: {kind!r} is not qkv, qkv_rope, o_proj, gate_up or down")
 
 
 def gemv_tiling(kind: str, cfg: ModelConfig) -> Tiling | MmaTiling:
@@ -277,7 +281,7 @@ def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     tiling = tiling or gemv_tiling("qkv", cfg)
     if isinstance(tiling, MmaTiling):
         return QkvMmaGemv(cfg, tiling)
-    return QkvGemv(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
+    return QkvGemv(cfg, *gemv_shape("qkv", cfg), tiling)
 
 
 def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
@@ -290,7 +294,8 @@ def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = Non
     return QkvRopeGemv(cfg, tiling)
 
 
-def _residual(kind: str, cfg: ModelConfig, n_out: int, k: int, tiling):
+def _residual(kind: str, cfg: ModelConfig, tiling):
+    n_out, k, _ = gemv_shape(kind, cfg)
     tiling = tiling or gemv_tiling(kind, cfg)
     if isinstance(tiling, MmaTiling):
         return ResidualMmaGemv(kind, n_out, k, tiling)
@@ -301,21 +306,21 @@ def make_o_proj_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None)
     """o_proj: prepare([(o_qw, o_sc)]); call (attn_out fp16, qw, sc, x, stream).  The tensor
     cores' kernel where the tiling is an MmaTiling (the default where `mma_tiling` takes the
     shape)."""
-    return _residual("o_proj", cfg, cfg.hidden_size, cfg.q_size, tiling)
+    return _residual("o_proj", cfg, tiling)
 
 
 def make_gate_up_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """gate_up: prepare([(gate_qw, gate_sc), (up_qw, up_sc)]) -> one (2I, K/8) matrix; call
     (x, norm_w, qw, sc, out, stream).  The tensor cores' kernel where the tiling is an
     MmaTiling (the default unless NQ_MMA_GATE_UP=0: tiling.MMA_GATE_UP)."""
-    i = cfg.intermediate_size
+    i, k, rows = gemv_shape("gate_up", cfg)
     tiling = tiling or gemv_tiling("gate_up", cfg)
     if isinstance(tiling, MmaTiling):
-        return GateUpMmaGemv(cfg, i, cfg.hidden_size, tiling)
-    return GateUpGemv(cfg, i, cfg.hidden_size, 2 * i, tiling)
+        return GateUpMmaGemv(cfg, i, k, tiling)
+    return GateUpGemv(cfg, i, k, rows, tiling)
 
 
 def make_down_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """down: prepare([(down_qw, down_sc)]); call (swiglu_out fp16, qw, sc, x, stream); the
     kernel as make_o_proj_gemv's."""
-    return _residual("down", cfg, cfg.hidden_size, cfg.intermediate_size, tiling)
+    return _residual("down", cfg, tiling)
