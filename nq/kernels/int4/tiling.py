@@ -78,6 +78,9 @@ class MmaTiling:
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
+    ring: int = 0        # o_proj / down / gate_up: groups a warp keeps in flight through
+    #                      shared memory (cp.async, gemv_mma.py "The ring"); 0: registers,
+    #                      one group ahead
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -90,7 +93,8 @@ class MmaTiling:
     def tag(self) -> str:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_rope{self.rope}" if self.rope else ""))
+                + (f"_rope{self.rope}" if self.rope else "")
+                + (f"_ring{self.ring}" if self.ring else ""))
 
 
 def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:

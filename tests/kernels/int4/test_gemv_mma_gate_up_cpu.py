@@ -117,11 +117,13 @@ SIM_SCRIPT = textwrap.dedent('''
     # (name, I, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second half
     # iteration empty); 3 tiles over blocks of 2 (the last block's second tile clamped, not
     # written); 4 warps over 3 groups (one warp has none); one warp a tile, 5 groups (three
-    # iterations, the last half empty, and 2 staging rounds of 2 warps)
+    # iterations, the last half empty, and 2 staging rounds of 2 warps); the ring: 3 tiles,
+    # blocks of 2, 5 groups over 2 warps through 3 slots (refills past the end zero-filled)
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
-                          ("w1", 32, 640, MmaTiling(warps=1, threads=64))]:
+                          ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
+                          ("ring", 48, 640, MmaTiling(warps=2, threads=128, ring=3))]:
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)
         x = (rng.standard_normal(k) * 2).astype(np.float32)
@@ -151,7 +153,7 @@ def test_gate_up_under_the_simulator():
     the output's norm (measured 2.6e-4..9.8e-4), so 2e-3 (the CUDA-core kernel, with fp16
     partial sums, needs 5e-3)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "tail", "w4", "w1"}, stdout
+    assert set(errs) == {"t2_w2", "tail", "w4", "w1", "ring"}, stdout
     for name, e in errs.items():
         assert e < 2e-3, (name, e)
 
