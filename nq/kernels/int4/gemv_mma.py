@@ -141,6 +141,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
 
 
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
+FULL = 0xFFFFFFFF
 MAX_RING = 6      # cp.async.wait_group's count stays small (the prologue waits for ring + 1)
 
 
@@ -408,17 +409,22 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return acc
 
     def ring_issue(qw, rbase, bases, grp, slot, lane, warp):
-        # the lane's 32 bytes of group grp (and of its up tile) into the warp's ring slot,
-        # zero-filled past the last group (nothing read; the slot is never used)
+        """Group grp's 1 KB of the warp's tile (and of its up tile) into the warp's slot,
+        zero-filled past the last group (nothing read; the slot is never used).  Lane i
+        copies 16-byte chunks i and 32 + i, so each copy reads 512 contiguous bytes (a lane's
+        own 32 bytes would leave half of each sector to a second copy, which .cg does not
+        keep in L1: twice the L2 traffic); chunk j lands at (j & 1) * 512 + (j >> 1) * 16,
+        where ring_read's lane l finds chunks 2l and 2l + 1 (words 0-3 and 4-7)."""
         wa, sa, wb, sb = bases
         n = uint32(16) if grp < GROUPS else uint32(0)
-        off = min(grp, GROUPS - 1) * 256
-        d = rbase + uint32((warp * RING + slot) * MATS * 1024 + lane * 16)
+        off = min(grp, GROUPS - 1) * 256 - lane * 4       # wa holds the lane's 8 words
+        d = rbase + uint32((warp * RING + slot) * MATS * 1024 + (lane & 1) * 512
+                           + (lane >> 1) * 16)
         cp_async_cg_shared_global_16_zfill(d, qw, wa + off, n)
-        cp_async_cg_shared_global_16_zfill(d + uint32(512), qw, wa + off + 4, n)
+        cp_async_cg_shared_global_16_zfill(d + uint32(256), qw, wa + off + 128, n)
         if MATS == 2:
             cp_async_cg_shared_global_16_zfill(d + uint32(1024), qw, wb + off, n)
-            cp_async_cg_shared_global_16_zfill(d + uint32(1536), qw, wb + off + 4, n)
+            cp_async_cg_shared_global_16_zfill(d + uint32(1280), qw, wb + off + 128, n)
 
     def ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, warp):
         """What needs no activations, issued before griddepcontrol.wait: the tile's scale
@@ -455,11 +461,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 ring_scale(dyn, tl, m, g + 8, gc))
 
     def ring_loop(qw, dyn, rbase, abase, bases, t4, invf):
-        """mainloop's sums from the ring: wait for the oldest group (this lane's copies; a
-        lane reads only the bytes it copied), take it from shared memory, do its math, then
-        refill the slot with the group RING iterations on.  The refill waits for the math,
-        which used every word read from the slot, so the copy cannot land under a read still
-        in flight; RING - 1 groups are in flight while the warp multiplies."""
+        """mainloop's sums from the ring: wait for the oldest group (this lane's copies, then
+        __syncwarp for its neighbours': ring_issue's lanes copy chunks others read), take it
+        from shared memory, do its math, then refill the slot with the group RING iterations
+        on.  The refill comes after a second __syncwarp, so no lane's copy lands under a read
+        of another still in flight; RING - 1 groups are in flight while the warp multiplies."""
         lane, g, t4_, tl, kw, tile = roles()
         warp = cuda.threadIdx.x >> 5
         z = float32(0.0)
@@ -468,11 +474,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             grp = kw + it * TILE_WARPS
             slot = it % RING
             cp_async_wait_group(RING_1)
+            cuda.syncwarp(FULL)
             ca = ring_read(dyn, rbase, slot, lane, warp, tl, g, 0, grp)
             cb = ca
             if MATS == 2:
                 cb = ring_read(dyn, rbase, slot, lane, warp, tl, g, 1, grp)
             acc = add_group(acc, ca, cb, abase, grp, t4, invf)
+            cuda.syncwarp(FULL)
             ring_issue(qw, rbase, bases, grp + RING * TILE_WARPS, slot, lane, warp)
             cp_async_commit_group()
         return acc

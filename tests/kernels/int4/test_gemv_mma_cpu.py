@@ -130,6 +130,7 @@ SIM_SCRIPT = textwrap.dedent('''
 
     kernelapi.FakeCUDAModule.shfl_xor_sync = \\
         lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+    kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
     rng = np.random.default_rng(0)
 
     # (name, N, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second iteration

@@ -99,7 +99,7 @@ SIM_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, "tests")
     import sim_warp
     sim_warp.install()
-    sim_warp.patch_simulator()
+    sim_warp.patch_simulator(syncwarp=True)   # shuffles and the ring's __syncwarp
     from nq.config import tiny_config
     from nq.kernels.int4.launch import GateUpMmaGemv
     from nq.kernels.int4.tiling import MmaTiling
