@@ -90,14 +90,15 @@ from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling
 from nq.paged import PAGE, STATE_POS
-from nq.ptx import (SIMULATOR, cp_async_cg_shared_global_16,
-                    cp_async_cg_shared_global_16_zfill, cp_async_commit_group,
-                    cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
+from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_cg_shared_global_16,
+                    cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
+                    fence_mbarrier_init, fence_proxy_async_shared,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     ld_shared_v2_u32_at, ld_shared_v4_u32_at, mma_sync_m16n8k16_f16_f32,
-                    pack_f16x2_from_f32,
-                    st_global_u16, unpack_f16x2_to_f32)
+                    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
+                    mbarrier_wait_parity, pack_f16x2_from_f32, st_global_u16,
+                    unpack_f16x2_to_f32)
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
@@ -142,7 +143,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
 
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 FULL = 0xFFFFFFFF
-MAX_RING = 6      # cp.async.wait_group's count stays small (the prologue waits for ring + 1)
+MAX_RING = 6      # slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
 
 
 def dynamic_smem(k: int) -> int:
@@ -154,12 +155,13 @@ def dynamic_smem(k: int) -> int:
 
 def ring_smem(kind: str, k: int, t: MmaTiling) -> int:
     """Bytes of dynamic shared memory the ring takes (0 without one): each warp's `ring`
-    slots of 1 KB a weight matrix (gate_up reads two), then the block's tiles' scales."""
+    slots of 1 KB a weight matrix (gate_up reads two), the block's tiles' scales, then an
+    mbarrier a slot."""
     if not t.ring:
         return 0
     warps, mats, groups = t.threads // 32, 2 if kind == "gate_up" else 1, k // GROUP_SIZE
     tiles = warps // t.warps
-    return warps * t.ring * mats * 1024 + tiles * mats * TILE * groups * 2
+    return warps * t.ring * (mats * 1024 + 8) + tiles * mats * TILE * groups * 2
 
 
 def launch_smem(kind: str, k: int, t: MmaTiling) -> int:
@@ -253,14 +255,17 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   ACT_DYN      words of activations at the start of dyn (the 32B's down), else 0
     #   RING_B, SC_W the ring's byte offset in dyn, the scales' word offset after it
     #   SC_CHUNKS    16-byte copies of a tile's scale block (16 rows x GROUPS fp16, contiguous)
+    #   BAR_B        the slots' mbarriers (8 bytes each, [warp][slot]) after the scales
+    #   SLOT_TX      bytes a slot's copies deliver (1 KB a matrix)
     RING = t.ring
-    RING_1 = max(RING - 1, 0)      # (wait_group takes a constant, not an expression)
     ITERS = -(-GROUPS // TILE_WARPS)
     ACT_DYN = ACT_WORDS if dynamic_smem(k) else 0
     RING_B = ACT_DYN * 4
     SC_W = ACT_DYN + WARPS * RING * MATS * 256
     SC_CHUNKS = TILE * GROUPS * 2 // 16
     SC_ITERS = -(-SC_CHUNKS // (32 * TILE_WARPS))
+    BAR_B = SC_W * 4 + TILES * MATS * TILE * GROUPS * 2
+    SLOT_TX = MATS * 1024
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -408,30 +413,28 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
-    def ring_issue(qw, rbase, bases, grp, slot, lane, warp):
-        """Group grp's 1 KB of the warp's tile (and of its up tile) into the warp's slot,
-        zero-filled past the last group (nothing read; the slot is never used).  Lane i
-        copies 16-byte chunks i and 32 + i, so each copy reads 512 contiguous bytes (a lane's
-        own 32 bytes would leave half of each sector to a second copy, which .cg does not
-        keep in L1: twice the L2 traffic); chunk j lands at (j & 1) * 512 + (j >> 1) * 16,
-        where ring_read's lane l finds chunks 2l and 2l + 1 (words 0-3 and 4-7)."""
+    def ring_issue(qw, dyn, bases, grp, slot, warp):
+        """(lane 0) Group grp's 1 KB of the warp's tile (and of its up tile) into the warp's
+        slot: one cp.async.bulk a matrix, counted off the slot's mbarrier.  Past the last
+        group only an arrival, so the slot's phase still completes for a lane that waits."""
         wa, sa, wb, sb = bases
-        n = uint32(16) if grp < GROUPS else uint32(0)
-        off = min(grp, GROUPS - 1) * 256 - lane * 4       # wa holds the lane's 8 words
-        d = rbase + uint32((warp * RING + slot) * MATS * 1024 + (lane & 1) * 512
-                           + (lane >> 1) * 16)
-        cp_async_cg_shared_global_16_zfill(d, qw, wa + off, n)
-        cp_async_cg_shared_global_16_zfill(d + uint32(256), qw, wa + off + 128, n)
-        if MATS == 2:
-            cp_async_cg_shared_global_16_zfill(d + uint32(1024), qw, wb + off, n)
-            cp_async_cg_shared_global_16_zfill(d + uint32(1280), qw, wb + off + 128, n)
+        base = cvta_to_shared_u32(dyn)
+        bar = base + uint32(BAR_B + (warp * RING + slot) * 8)
+        if grp < GROUPS:
+            d = base + uint32(RING_B + (warp * RING + slot) * SLOT_TX)
+            mbarrier_arrive_expect_tx(bar, uint32(SLOT_TX))
+            cp_async_bulk_g2s(d, qw, wa + grp * 256, uint32(1024), bar)   # wa: lane 0's words
+            if MATS == 2:
+                cp_async_bulk_g2s(d + uint32(1024), qw, wb + grp * 256, uint32(1024), bar)
+        else:
+            mbarrier_arrive(bar)
 
     def ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, warp):
         """What needs no activations, issued before griddepcontrol.wait: the tile's scale
-        block (and its up tile's) into shared memory, by the tile's warps, as one cp.async
-        group; then the warp's first RING groups, a group each."""
+        block (and its up tile's) into shared memory by the tile's warps (cp.async, one
+        group: the caller waits for it and a block barrier publishes it); lane 0 arms the
+        warp's slot barriers and starts its first RING groups."""
         sbase = cvta_to_shared_u32(dyn) + uint32(SC_W * 4)
-        rbase = cvta_to_shared_u32(dyn) + uint32(RING_B)
         tt = kw * 32 + lane
         for m in range(MATS):
             src = (tile + m * N_TILES) * TILE * GROUPS
@@ -441,48 +444,54 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 if c < SC_CHUNKS:
                     cp_async_cg_shared_global_16(dst + uint32(c * 16), sc, src + c * 8)
         cp_async_commit_group()
-        for s_ in range(RING):
-            ring_issue(qw, rbase, bases, kw + s_ * TILE_WARPS, s_, lane, warp)
-            cp_async_commit_group()
-        return rbase
+        if lane == 0:
+            bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * RING * 8)
+            for s_ in range(RING):
+                mbarrier_init(bar + uint32(s_ * 8), uint32(1))
+            fence_mbarrier_init()
+            for s_ in range(RING):
+                ring_issue(qw, dyn, bases, kw + s_ * TILE_WARPS, s_, warp)
+        cuda.syncwarp(FULL)
 
     def ring_scale(dyn, tl, m, r, grp):
         # the scale bits of row r of the block's tile tl (m: the up tile), group grp
         e = SC_W * 2 + ((tl * MATS + m) * TILE + r) * GROUPS + grp
         return (dyn[e >> 1] >> uint32((e & 1) * 16)) & uint32(0xFFFF)
 
-    def ring_read(dyn, rbase, slot, lane, warp, tl, g, m, grp):
-        # one matrix's group from the warp's slot: the lane's 8 words, its rows' two scales
-        d = rbase + uint32(((warp * RING + slot) * MATS + m) * 1024 + lane * 16)
+    def ring_read(dyn, slot, lane, warp, tl, g, m, grp):
+        # one matrix's group from the warp's slot (the file's bytes: the lane's 8 words are
+        # its 32 at 32 * lane), and its rows' two scales
+        d = cvta_to_shared_u32(dyn) + uint32(RING_B + (warp * RING + slot) * SLOT_TX
+                                             + m * 1024 + lane * 32)
         w0, w1, w2, w3 = ld_shared_v4_u32_at(d)
-        w4, w5, w6, w7 = ld_shared_v4_u32_at(d + uint32(512))
+        w4, w5, w6, w7 = ld_shared_v4_u32_at(d + uint32(16))
         gc = min(grp, GROUPS - 1)
         return (w0, w1, w2, w3, w4, w5, w6, w7, ring_scale(dyn, tl, m, g, gc),
                 ring_scale(dyn, tl, m, g + 8, gc))
 
-    def ring_loop(qw, dyn, rbase, abase, bases, t4, invf):
-        """mainloop's sums from the ring: wait for the oldest group (this lane's copies, then
-        __syncwarp for its neighbours': ring_issue's lanes copy chunks others read), take it
-        from shared memory, do its math, then refill the slot with the group RING iterations
-        on.  The refill comes after a second __syncwarp, so no lane's copy lands under a read
-        of another still in flight; RING - 1 groups are in flight while the warp multiplies."""
+    def ring_loop(qw, dyn, abase, bases, t4, invf):
+        """mainloop's sums from the ring: wait for the slot's phase (its bulk copies have
+        landed), take the group from shared memory, do its math; then, the warp converged
+        (__syncwarp: every lane's reads are done), lane 0 refills the slot with the group
+        RING iterations on.  RING - 1 groups are in flight while the warp multiplies."""
         lane, g, t4_, tl, kw, tile = roles()
         warp = cuda.threadIdx.x >> 5
+        bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * RING * 8)
         z = float32(0.0)
         acc = (z, z, z, z)
         for it in range(ITERS):
             grp = kw + it * TILE_WARPS
             slot = it % RING
-            cp_async_wait_group(RING_1)
-            cuda.syncwarp(FULL)
-            ca = ring_read(dyn, rbase, slot, lane, warp, tl, g, 0, grp)
+            mbarrier_wait_parity(bar + uint32(slot * 8), uint32((it // RING) & 1))
+            ca = ring_read(dyn, slot, lane, warp, tl, g, 0, grp)
             cb = ca
             if MATS == 2:
-                cb = ring_read(dyn, rbase, slot, lane, warp, tl, g, 1, grp)
+                cb = ring_read(dyn, slot, lane, warp, tl, g, 1, grp)
             acc = add_group(acc, ca, cb, abase, grp, t4, invf)
             cuda.syncwarp(FULL)
-            ring_issue(qw, rbase, bases, grp + RING * TILE_WARPS, slot, lane, warp)
-            cp_async_commit_group()
+            if lane == 0:
+                fence_proxy_async_shared()     # the slot's reads before the copy's writes
+                ring_issue(qw, dyn, bases, grp + RING * TILE_WARPS, slot, warp)
         return acc
 
     def roles():
@@ -578,14 +587,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         """block_sums with the weights through the ring (o_proj, down)."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
-        rbase = ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
+        ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage(a, act)
-        cp_async_wait_group(RING)       # this thread's scale copies; the barrier: everyone's
+        cp_async_wait_group(0)          # this thread's scale copies; the barrier: everyone's
         cuda.syncthreads()
         abase = uint64(cvta_to_shared_u32(act))
-        acc = ring_loop(qw, dyn, rbase, abase, bases, t4, red)
+        acc = ring_loop(qw, dyn, abase, bases, t4, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
@@ -595,13 +604,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         """gate_up_sums with the weights through the ring."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
-        rbase = ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
+        ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
-        cp_async_wait_group(RING)       # the scales; stage_norm's closing barrier: everyone's
+        cp_async_wait_group(0)          # the scales; stage_norm's closing barrier: everyone's
         rstd = stage_norm(x, norm_w, act, invf, ssum)
         abase = uint64(cvta_to_shared_u32(act))
-        acc = ring_loop(qw, dyn, rbase, abase, bases, t4, invf)
+        acc = ring_loop(qw, dyn, abase, bases, t4, invf)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()

@@ -58,14 +58,15 @@ def test_layout_round_trip_and_refusals():
         gemv_mma.build_kernel("down", 64, 128 * 1000, MmaTiling(warps=16, threads=512))
     assert gemv_mma.dynamic_smem(18944) == 0                # up to the 14B: static, as measured
     assert gemv_mma.dynamic_smem(27648) == 2 * 27648        # the 32B's down: 55 KB, dynamic
-    # the ring: each warp's slots (1 KB a group and matrix), then its tiles' scale blocks
+    # the ring: each warp's slots (1 KB a group and matrix), its tiles' scale blocks, then
+    # an 8-byte mbarrier a slot
     r = MmaTiling(warps=16, threads=1024, ring=4)
     assert r.tag() == "mma_w16_t1024_ring4" and r.layout() == ("mma", 16)
-    assert gemv_mma.launch_smem("down", 18944, r) == 32 * 4 * 1024 + 2 * 16 * 148 * 2
+    assert gemv_mma.launch_smem("down", 18944, r) == 32 * 4 * 1032 + 2 * 16 * 148 * 2
     assert gemv_mma.launch_smem("gate_up", 3584, MmaTiling(warps=2, threads=256, ring=3)) \
-        == 8 * 3 * 2 * 1024 + 4 * 2 * 16 * 28 * 2
+        == 8 * 3 * 2056 + 4 * 2 * 16 * 28 * 2
     assert gemv_mma.launch_smem("down", 27648, MmaTiling(warps=12, threads=384, ring=3)) \
-        == 2 * 27648 + 12 * 3 * 1024 + 16 * 216 * 2
+        == 2 * 27648 + 12 * 3 * 1032 + 16 * 216 * 2
     assert "ring" not in gemv_mma.gemv_mma_name("down", 3584, 18944, t)   # names stand
     for bad in (1, 7):
         with pytest.raises(ValueError, match="ring"):
@@ -107,8 +108,9 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
                          "ld.shared.v2.u32", "ld.global.nc.v4.u32", "lop3.b32",
                          "griddepcontrol.wait")
     ptx_util.assert_no_local_memory(ptx)
-    if tiling.ring:   # weights through cp.async (zero-filling past the end), none to registers
-        ptx_util.assert_uses(ptx, "cp.async.cg.shared.global", "cp.async.wait_group")
+    if tiling.ring:   # weights through bulk copies counted off a slot's mbarrier
+        ptx_util.assert_uses(ptx, "cp.async.bulk.shared::cluster.global",
+                             "mbarrier.try_wait.parity", "cp.async.wait_group")
     # one mma and four lop3 per word, eight words a group
     assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") % 8 == 0
     assert ptx_util.count(ptx, "lop3.b32") == 4 * ptx_util.count(ptx, "mma.sync.aligned.m16n8k16")
@@ -136,9 +138,9 @@ SIM_SCRIPT = textwrap.dedent('''
     # (name, N, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second iteration
     # is its second half, empty); 3 tiles over blocks of 2 (the last block's second tile is
     # clamped and not written); 4 warps a tile over 3 groups (one warp has none); one warp a
-    # tile over 5 groups (three iterations, the last one half empty); the ring (cp.async
+    # tile over 5 groups (three iterations, the last one half empty); the ring (bulk copies
     # through shared memory): 3 tiles over blocks of 2, 5 groups over 2 warps with 2 slots
-    # (warp 1's last refill past the end, zero-filled); one warp through 3 slots of 8 groups
+    # (warp 1's last slot only arrived on); one warp through 3 slots of 8 groups
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),

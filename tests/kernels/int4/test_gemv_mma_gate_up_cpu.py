@@ -118,7 +118,7 @@ SIM_SCRIPT = textwrap.dedent('''
     # iteration empty); 3 tiles over blocks of 2 (the last block's second tile clamped, not
     # written); 4 warps over 3 groups (one warp has none); one warp a tile, 5 groups (three
     # iterations, the last half empty, and 2 staging rounds of 2 warps); the ring: 3 tiles,
-    # blocks of 2, 5 groups over 2 warps through 3 slots (refills past the end zero-filled)
+    # blocks of 2, 5 groups over 2 warps through 3 slots (past the end only arrivals)
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
