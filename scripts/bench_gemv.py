@@ -41,16 +41,13 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
             T(7, threads=288)],
     # o_proj, down and gate_up default to the tensor cores; the CUDA-core default second
     "o_proj": [default_tiling("o_proj", H, H), default_tiling("o_proj", H, H, mma=False),
-               T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448),
-               MmaTiling(warps=14, threads=448, ring=2)],
+               T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448)],
     "gate_up": [default_tiling("gate_up", I, H), default_tiling("gate_up", I, H, mma=False),
                 T(4, threads=128, span=128), T(4, threads=256, span=128),
-                MmaTiling(warps=2, threads=128), MmaTiling(warps=2, threads=256, ring=3),
-                MmaTiling(warps=2, threads=256, ring=4)],
+                MmaTiling(warps=2, threads=128)],
     "down": [default_tiling("down", H, I), default_tiling("down", H, I, mma=False),
-             MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512),
-             MmaTiling(warps=16, threads=1024, ring=4), MmaTiling(warps=16, threads=512, ring=4)],
-}   # (ring: the weights through gemv_mma's cp.async ring)
+             MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512)],
+}
 
 
 def log(*a):
