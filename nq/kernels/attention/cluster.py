@@ -26,8 +26,9 @@ still merge.  Then:
     barrier.cluster (no CTA leaves while a peer still reads its shared memory)
 
 At 512 tokens and C = 16 the plan is the step's (min_pps 2: 16 splits of 2 pages).  At longer
-contexts the C splits hold more pages each than the 66-split kernel's, so this loses there:
-the split between the two is a choice of context, not yet made by the engine.
+contexts the C splits hold more pages each than the 66-split kernel's, so this loses there;
+on the H200 it lost at 512 too, with the merge's loads issued first (+0.027 ms a step,
+2026-12-02, docs/KERNELS_ATTN.md), so the engine keeps split + combine at every length.
 
 C > 8 is a non-portable cluster size: the launcher opts the kernel in
 (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED) before its first launch.  Launched through

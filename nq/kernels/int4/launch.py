@@ -269,9 +269,7 @@ def gemv_tiling(kind: str, cfg: ModelConfig) -> Tiling | MmaTiling:
     """The tiling make_<kind>_gemv(cfg) builds without one given: its `layout()` is what the
     upload writes (nq/runtime/weights.py asks here, compiling nothing)."""
     n, k, _ = gemv_shape(kind, cfg)
-    if kind in ("qkv", "qkv_rope"):
-        return default_tiling(kind, n, k, head_dim=cfg.head_dim)
-    return default_tiling(kind, n, k)
+    return default_tiling(kind, n, k, head_dim=cfg.head_dim)   # (only qkv's layouts read it)
 
 
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
