@@ -117,6 +117,14 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*warps "
                          f"(warps = those a tile's groups are split over) and at most 1024")
     partials = (t.threads // 32) * TILE * 4
+    if t.hilo and kind not in NORM_KINDS:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: hilo (h staged as fp16 hi + lo) is for "
+                         f"{NORM_KINDS}, which stage rmsnorm(x) themselves; {kind}'s activations "
+                         f"arrive in fp16")
+    if t.hilo and 4 * k > STATIC_SMEM_LIMIT:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs {4 * k} "
+                         f"bytes, over the {STATIC_SMEM_LIMIT} bytes of static shared memory; "
+                         f"use hilo=0")
     if k * 2 + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
@@ -148,8 +156,9 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    if not t.rope:
-        del fields["rope"]                 # the names of the kernels before it stand
+    for f in ("rope", "hilo"):
+        if not fields[f]:
+            del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
     if heads is not None:
         extra.update(zip(("heads", "kv_heads"), heads[:2]))
@@ -199,6 +208,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   NORM_ITERS   gate_up, qkv: groups a warp stages (warp w: w, w + WARPS, ...)
     #   D, HALF, TPH qkv: head_dim (t.rope; 0 elsewhere), D / 2, a head's tiles (D / 16)
     #   PARTNER      the file row of a tile's row g + 8, from row g's: 8, or qkv's D / 2
+    #   HILO         gate_up, qkv: h staged twice, hi = fp16(v) and lo = fp16(v - hi) at
+    #                word LO_WORDS on; lanes of odd g read lo (B's odd columns), so a D row's
+    #                even + odd columns are the fp32-accurate h's dot product (module doc)
+    #   ACT_ALLOC    the staged words: ACT_WORDS, twice that with HILO
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
@@ -220,6 +233,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     HALF = max(D // 2, 1)
     TPH = max(D // TILE, 1)
     PARTNER = HALF if D else 8
+    HILO = bool(t.hilo)
+    LO_WORDS = ACT_WORDS if HILO else 0
+    ACT_ALLOC = ACT_WORDS + LO_WORDS
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -277,6 +293,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         da, db = chunk(ca[5], cb[5], b + uint32(160), da, db)
         da, db = chunk(ca[6], cb[6], b + uint32(192), da, db)
         da, db = chunk(ca[7], cb[7], b + uint32(224), da, db)
+        if HILO:   # columns 2t (hi) + 2t+1 (lo) of rows g and g+8
+            return ((da[0] + da[1]) * cvt_f32_f16(ca[8]), (da[2] + da[3]) * cvt_f32_f16(ca[9]),
+                    (db[0] + db[1]) * cvt_f32_f16(cb[8]), (db[2] + db[3]) * cvt_f32_f16(cb[9]))
         return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
                 db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
 
@@ -321,8 +340,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
                 w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
                 w += 2 * j if j < 4 else 2 * j - 7
-                act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
-                act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                hi01 = pack_f16x2_from_f32(p0 * f, p1 * f)
+                act[w] = hi01
+                hi23 = pack_f16x2_from_f32(p2 * f, p3 * f)
+                act[w + 2] = hi23   # pair j + 1: two words on
+                if HILO:           # what fp16 left of each value (exact in fp32), rounded
+                    h0, h1 = unpack_f16x2_to_f32(hi01)
+                    h2, h3 = unpack_f16x2_to_f32(hi23)
+                    act[LO_WORDS + w] = pack_f16x2_from_f32(p0 * f - h0, p1 * f - h1)
+                    act[LO_WORDS + w + 2] = pack_f16x2_from_f32(p2 * f - h2, p3 * f - h3)
                 if lane == 0:
                     invf[grp] = fi
         ss = wsum(ss)
@@ -476,6 +502,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         if ROPE:
             page = table[pos // PAGE]
         abase = uint64(cvta_to_shared_u32(act))
+        if HILO:   # lanes of odd g hold B's odd columns: lo
+            abase += uint64((g & 1) * LO_WORDS * 4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
@@ -504,6 +532,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         griddepcontrol_launch_dependents()
         rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
         abase = uint64(cvta_to_shared_u32(act))
+        if HILO:   # lanes of odd g hold B's odd columns: lo
+            abase += uint64((g & 1) * LO_WORDS * 4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
@@ -543,7 +573,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         qkv_body = dev(qkv_body)
         if ROPE:
             def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+                act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
                 red = cuda.shared.array(PARTIALS, float32)
                 invf = cuda.shared.array(GROUPS, float32)
                 ssum = cuda.shared.array(WARPS, float32)
@@ -554,7 +584,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                             "float16[:, :, :, :, ::1], float32[::1])")
 
         def kernel(x, norm_w, qw, sc, bias, out):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)
@@ -564,7 +594,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
 
     if kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)

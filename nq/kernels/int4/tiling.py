@@ -78,6 +78,7 @@ class MmaTiling:
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
+    hilo: int = 0        # gate_up, qkv: h staged as fp16 hi + lo in B's even / odd columns
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -90,7 +91,7 @@ class MmaTiling:
     def tag(self) -> str:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_rope{self.rope}" if self.rope else ""))
+                + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else ""))
 
 
 def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:
@@ -129,8 +130,9 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     in decode (next to sweep: qkv_rope.warps 7 / threads 448 and 896)."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
+    hilo = int(4 * k <= STATIC_SMEM_LIMIT)   # gate_up, qkv: h as fp16 hi + lo where it fits
     if kind == "gate_up":
-        return MmaTiling(warps=2, threads=256) if 2 * k <= STATIC_SMEM_LIMIT else None
+        return MmaTiling(warps=2, threads=256, hilo=hilo) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE
     rope = 0
     if kind in ROPE_KINDS:
@@ -143,7 +145,7 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
         warps = max(1, groups // 2)
     else:
         warps = max((d for d in range(8, 17) if groups % d == 0), default=16)
-    return MmaTiling(warps=warps, threads=32 * warps, rope=rope)
+    return MmaTiling(warps=warps, threads=32 * warps, rope=rope, hilo=hilo if rope else 0)
 
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,

@@ -2,6 +2,7 @@
 GPU: its tiling and refusals, the switch's wiring (gemvs, the upload's layout, the prefill's
 layout), its sm_90 PTX, and the kernel under the CUDA simulator against an fp64 reference.
 The CUDA-core gate_up (switch off) is proven unchanged by scripts/ptx_hashes.py, not here."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256": 2 warps a tile, 4 tiles a block
+SEVEN_B = MmaTiling(warps=2, threads=256, hilo=1)   # 13c221c's "ks2 t256": 2 warps a tile, 4 tiles a block
 
 
 def test_gate_up_tiling_follows_the_switch(monkeypatch):
@@ -51,16 +52,22 @@ def test_the_switch_is_read_from_the_environment(value, want):
 def test_gate_up_refusals():
     with pytest.raises(ValueError, match="eps is RMSNorm's"):
         gemv_mma.build_kernel("gate_up", 64, 256, SEVEN_B)
+    plain = dataclasses.replace(SEVEN_B, hilo=0)
     with pytest.raises(ValueError, match="eps is RMSNorm's"):
-        gemv_mma.build_kernel("down", 64, 256, SEVEN_B, 1e-6)
+        gemv_mma.build_kernel("down", 64, 256, plain, 1e-6)
+    with pytest.raises(ValueError, match="hilo .* is for"):   # down's activations are fp16
+        gemv_mma.build_kernel("down", 64, 256, SEVEN_B)
     with pytest.raises(ValueError, match="static"):          # K = 25,600: 50 KB staged
-        gemv_mma.build_kernel("gate_up", 64, 128 * 200, SEVEN_B, 1e-6)
+        gemv_mma.build_kernel("gate_up", 64, 128 * 200, plain, 1e-6)
+    with pytest.raises(ValueError, match="use hilo=0"):      # K = 12,800: 50 KB as hi + lo
+        gemv_mma.build_kernel("gate_up", 64, 128 * 100, SEVEN_B, 1e-6)
+    assert mma_tiling("gate_up", 64, 128 * 100) == plain     # the rule stages it once
     with pytest.raises(ValueError, match="multiple of 16"):
         gemv_mma.build_kernel("gate_up", 40, 256, SEVEN_B, 1e-6)
     # eps is a constant of the kernel: in its name, so two models never share a cached cubin
     assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6) == \
-        "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_eps1em06"
-    assert gemv_mma.gemv_mma_name("down", 3584, 18944, SEVEN_B) == \
+        "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_hilo1_eps1em06"
+    assert gemv_mma.gemv_mma_name("down", 3584, 18944, plain) == \
         "gemv_mma_down_n3584_k18944_warps2_threads256_min_blocks0"
 
 
@@ -118,10 +125,14 @@ SIM_SCRIPT = textwrap.dedent('''
     # iteration empty); 3 tiles over blocks of 2 (the last block's second tile clamped, not
     # written); 4 warps over 3 groups (one warp has none); one warp a tile, 5 groups (three
     # iterations, the last half empty, and 2 staging rounds of 2 warps)
-    for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
-                          ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
-                          ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
-                          ("w1", 32, 640, MmaTiling(warps=1, threads=64))]:
+    # each also with hilo=1 (h staged as fp16 hi + lo: name_hilo)
+    cases = [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
+             ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
+             ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
+             ("w1", 32, 640, MmaTiling(warps=1, threads=64))]
+    cases += [(name + "_hilo", n, k, MmaTiling(t.warps, t.threads, hilo=1))
+              for name, n, k, t in cases]
+    for name, n, k, t in cases:
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)
         x = (rng.standard_normal(k) * 2).astype(np.float32)
@@ -135,7 +146,11 @@ SIM_SCRIPT = textwrap.dedent('''
         w = dequantize_packed(qw, sc).astype(np.float64)
         ref = ref64(x, nw, cfg.rms_norm_eps, w[:n], w[n:])
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref) if np.isfinite(got).all() else 1.0
+        # and against the reference rounded to fp16, the output's own rounding left out
+        r16 = ref.astype(np.float16).astype(np.float64)
+        e16 = np.linalg.norm(got - r16) / np.linalg.norm(ref) if np.isfinite(got).all() else 1.0
         print(name, float(err), flush=True)
+        print(name + "_f16", float(e16), flush=True)
 ''')
 
 
@@ -149,11 +164,20 @@ def test_gate_up_under_the_simulator():
     gate and up by the same relative amount, up to 2^-11 each, and silu(g) * u ~ g * u for
     large g adds the two; the fp16 store adds up to 2^-11 more: at most 3 * 2^-11 = 1.5e-3 of
     the output's norm (measured 2.6e-4..9.8e-4), so 2e-3 (the CUDA-core kernel, with fp16
-    partial sums, needs 5e-3)."""
+    partial sums, needs 5e-3).
+
+    hilo=1 stages h as hi + lo (hi's rounding error, itself rounded: 2^-22 of each value), so
+    only the fp16 store is left: within 2^-11 = 4.9e-4 of the fp64 output (measured 1.6e-4..
+    3.6e-4), and against that output rounded to fp16 the fp32 sums (~1e-6) can move a row
+    across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
+    2.3e-4..9.0e-4, so the bound tells the two apart)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "tail", "w4", "w1"}, stdout
-    for name, e in errs.items():
-        assert e < 2e-3, (name, e)
+    names = {"t2_w2", "tail", "w4", "w1"}
+    assert set(errs) == {n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}, stdout
+    for name in names:
+        assert errs[name] < 2e-3, (name, errs[name])
+        assert errs[name + "_hilo"] < 6e-4, (name, errs[name + "_hilo"])
+        assert errs[name + "_hilo_f16"] < 1e-4, (name, errs[name + "_hilo_f16"])
 
 
 SWITCH_SCRIPT = textwrap.dedent('''
