@@ -1,0 +1,142 @@
+"""What a kernel boundary costs inside a programmatic (PDL) graph: the bound on "fewer kernels".
+
+The 7B decode step is ~170 kernels; a persistent kernel that walked the layers would remove
+the boundaries, not the bytes.  This script measures what the boundaries cost when every kernel
+only streams bytes (no math, no data dependency), so the difference is the boundaries alone:
+
+  * `one`     one kernel reads all the bytes of the step's projections (3.37 GB for the 7B);
+  * `chain`   the same bytes split as the step splits them -- a layer's qkv, o_proj, gate_up,
+              down and two tiny kernels for the attention's split and combine -- 28 times, each
+              kernel waiting on the one before (griddepcontrol.wait first, as a GEMV's weights
+              after its first group), in one graph with programmatic edges;
+  * `early`   the chain again, each kernel reading its bytes before griddepcontrol.wait
+              (the most a prefetch of the next kernel's weights could give);
+  * `empty`   the chain's kernels with no bytes at all: the boundary's own latency.
+
+    python3 scripts/bench_boundary.py --reps 20
+
+Grid: two blocks of 512 threads an SM (264 on the H200), every thread 64 bytes of loads in flight;
+each kernel's slice is disjoint, so L2 holds none of it on the next replay (the projections,
+3.37 GB, are 70x the L2)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nq.config import PRESETS  # noqa: E402
+
+
+def build(early: bool):
+    from numba import cuda, uint32
+
+    from nq.kernels.build import compile_kernel
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_v4_u32
+
+    def body(buf, start, n16, out):
+        # n16 16-byte vectors from word `start`, four loads in flight a thread; the xor of all
+        # is written only if it equals a value it never has, so nothing is optimised away
+        if not early:
+            griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        stride = cuda.gridDim.x * cuda.blockDim.x
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        acc = uint32(0)
+        while i + 3 * stride < n16:
+            a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, start + 4 * i)
+            b0, b1, b2, b3 = ld_global_nc_v4_u32(buf, start + 4 * (i + stride))
+            c0, c1, c2, c3 = ld_global_nc_v4_u32(buf, start + 4 * (i + 2 * stride))
+            d0, d1, d2, d3 = ld_global_nc_v4_u32(buf, start + 4 * (i + 3 * stride))
+            acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3 ^ c0 ^ c1 ^ c2 ^ c3 ^ d0 ^ d1 ^ d2 ^ d3
+            i += 4 * stride
+        while i < n16:
+            a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, start + 4 * i)
+            acc ^= a0 ^ a1 ^ a2 ^ a3
+            i += stride
+        if early:
+            griddepcontrol_wait()
+        if acc == uint32(0x9E3779B9):
+            out[0] = acc
+
+    return compile_kernel(body, "void(uint32[::1], int64, int64, uint32[::1])",
+                          f"bench_boundary_stream{'_early' if early else ''}",
+                          launch_bounds=(512,))
+
+
+def slices(cfg, layers: int) -> list[int]:
+    """Bytes of each kernel of the step's layers, as the engine splits them (INT4 weights and
+    their fp16 scales; 4 KB for the attention's two kernels, which stream next to nothing)."""
+    h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_size
+
+    def w(n, k):
+        return n * k // 2 + n * (k // 128) * 2
+    layer = [w(q, h), 4096, 4096, w(h, cfg.num_heads * cfg.head_dim), w(2 * i, h), w(h, i)]
+    return layer * layers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--random", default="7b", choices=sorted(PRESETS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--blocks", type=int, default=0, help="0: two a multiprocessor")
+    a = ap.parse_args(argv)
+    import numpy as np
+    from numba import cuda
+
+    from nq.runtime.graphs import CapturedGraph
+
+    cfg = PRESETS[a.random]
+    sizes = [(s + 15) // 16 * 16 for s in slices(cfg, cfg.num_layers)]
+    total = sum(sizes)
+    dev = cuda.get_current_device()
+    blocks = a.blocks or 2 * dev.MULTIPROCESSOR_COUNT
+    buf = cuda.device_array(total // 4, np.uint32)
+    from nq.kernels.fill import fill_u32
+    fill_u32(buf, 12345)
+    out = cuda.device_array(1, np.uint32)
+    stream = cuda.stream()
+    kern = {False: build(False), True: build(True)}
+    print(f"{len(sizes)} kernels, {total / 1e9:.3f} GB, {blocks} blocks of 512", flush=True)
+
+    def chain(early, nbytes):
+        def launches():
+            off = 0
+            for s in sizes:
+                n = s if nbytes else 0
+                kern[early][blocks, 512, stream](buf, off // 4, n // 16, out)
+                off += s
+        return launches
+
+    def one():
+        kern[False][blocks, 512, stream](buf, 0, total // 16, out)
+
+    graphs = {"one": CapturedGraph(stream, one, "one"),
+              "chain": CapturedGraph(stream, chain(False, True), "chain", programmatic=True),
+              "early": CapturedGraph(stream, chain(True, True), "early", programmatic=True),
+              "empty": CapturedGraph(stream, chain(False, False), "empty", programmatic=True),
+              "chain, no PDL": CapturedGraph(stream, chain(False, True), "chain_nopdl")}
+    res = {}
+    for name, g in graphs.items():
+        for _ in range(3):
+            g.replay()
+        evs = [cuda.event() for _ in range(a.reps + 1)]
+        evs[0].record(stream)
+        for r in range(a.reps):
+            g.replay()
+            evs[r + 1].record(stream)
+        evs[-1].synchronize()
+        res[name] = statistics.median(cuda.event_elapsed_time(evs[r], evs[r + 1])
+                                      for r in range(a.reps))
+    n = len(sizes)
+    for name, ms in res.items():
+        extra = ms - res["one"]
+        print(f"{name:14s} {ms:7.3f} ms  {total / ms / 1e9:6.2f} TB/s  "
+              f"{'' if name == 'one' else f'{extra:+.3f} ms against one kernel, {extra / n * 1e3:+.2f} us a boundary'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
