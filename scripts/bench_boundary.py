@@ -11,7 +11,9 @@ only streams bytes (no math, no data dependency), so the difference is the bound
               after its first group), in one graph with programmatic edges;
   * `early`   the chain again, each kernel reading its bytes before griddepcontrol.wait
               (the most a prefetch of the next kernel's weights could give);
-  * `empty`   the chain's kernels with no bytes at all: the boundary's own latency.
+  * `empty`   the chain's kernels with no bytes at all: the boundary's own latency;
+  * `tiles`   the chain's kernels reading their weights in gemv_mma's order and grid
+              (`build_tiles`): the access pattern's cost, without the kernel's math.
 
     python3 scripts/bench_boundary.py --reps 20
 
@@ -66,6 +68,55 @@ def build(early: bool):
                           launch_bounds=(512,))
 
 
+def build_tiles():
+    """The same bytes read in gemv_mma's order: a matrix is tiles of 16 rows, each a run of
+    1 KB groups ([tile][group][lane][32 bytes]); `wpt` warps share a tile's groups (warp w:
+    groups w, w + wpt, ...), a lane reading its 32 bytes of a group as two 16-byte loads, the
+    next group's loads issued before this one's are consumed -- the access pattern without
+    the dequant, the mma or the activations."""
+    from numba import cuda, uint32
+
+    from nq.kernels.build import compile_kernel
+    from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_v4_u32
+
+    def body(buf, start, n_tiles, groups, wpt, out):
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        gw = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
+        lane = cuda.threadIdx.x & 31
+        tile = gw // wpt
+        acc = uint32(0)
+        if tile < n_tiles:
+            base = start + tile * groups * 256 + lane * 8     # words: 256 a group
+            g = gw - tile * wpt
+            while g + wpt < groups:
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, base + g * 256)
+                a4, a5, a6, a7 = ld_global_nc_v4_u32(buf, base + g * 256 + 4)
+                b0, b1, b2, b3 = ld_global_nc_v4_u32(buf, base + (g + wpt) * 256)
+                b4, b5, b6, b7 = ld_global_nc_v4_u32(buf, base + (g + wpt) * 256 + 4)
+                acc ^= a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
+                acc ^= b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7
+                g += 2 * wpt
+            if g < groups:
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, base + g * 256)
+                a4, a5, a6, a7 = ld_global_nc_v4_u32(buf, base + g * 256 + 4)
+                acc ^= a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
+        if acc == uint32(0x9E3779B9):
+            out[0] = acc
+
+    return compile_kernel(body, "void(uint32[::1], int64, int64, int64, int64, uint32[::1])",
+                          "bench_boundary_tiles", launch_bounds=(256,))
+
+
+def tile_shapes(cfg) -> list[tuple[int, int, int]]:
+    """A layer's kernels as (tiles, groups a tile, warps a tile) in the engine's mma tilings
+    (qkv as o_proj, 14 warps; gate_up 2; down 16); the attention's two kernels one tile each."""
+    h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.qkv_size
+    return [(q // 16, h // 128, 14), (1, 4, 1), (1, 4, 1),
+            (h // 16, cfg.num_heads * cfg.head_dim // 128, 14), (2 * i // 16, h // 128, 2),
+            (h // 16, i // 128, 16)]
+
+
 def slices(cfg, layers: int) -> list[int]:
     """Bytes of each kernel of the step's layers, as the engine splits them (INT4 weights and
     their fp16 scales; 4 KB for the attention's two kernels, which stream next to nothing)."""
@@ -110,6 +161,18 @@ def main(argv=None) -> int:
                 off += s
         return launches
 
+    tk = build_tiles()
+    shapes = tile_shapes(cfg) * cfg.num_layers
+
+    def tiles(nbytes):
+        def launches():
+            off = 0
+            for (n_tiles, groups, wpt) in shapes:
+                grid = -(-n_tiles * wpt * 32 // 256)
+                tk[grid, 256, stream](buf, off // 4, n_tiles if nbytes else 0, groups, wpt, out)
+                off += n_tiles * groups * 1024
+        return launches
+
     def one():
         kern[False][blocks, 512, stream](buf, 0, total // 16, out)
 
@@ -117,7 +180,8 @@ def main(argv=None) -> int:
               "chain": CapturedGraph(stream, chain(False, True), "chain", programmatic=True),
               "early": CapturedGraph(stream, chain(True, True), "early", programmatic=True),
               "empty": CapturedGraph(stream, chain(False, False), "empty", programmatic=True),
-              "chain, no PDL": CapturedGraph(stream, chain(False, True), "chain_nopdl")}
+              "chain, no PDL": CapturedGraph(stream, chain(False, True), "chain_nopdl"),
+              "tiles": CapturedGraph(stream, tiles(True), "tiles", programmatic=True)}
     res = {}
     for name, g in graphs.items():
         for _ in range(3):
@@ -131,9 +195,11 @@ def main(argv=None) -> int:
         res[name] = statistics.median(cuda.event_elapsed_time(evs[r], evs[r + 1])
                                       for r in range(a.reps))
     n = len(sizes)
+    tile_bytes = sum(t * g * 1024 for t, g, _ in shapes)
     for name, ms in res.items():
         extra = ms - res["one"]
-        print(f"{name:14s} {ms:7.3f} ms  {total / ms / 1e9:6.2f} TB/s  "
+        nb = tile_bytes if name == "tiles" else total
+        print(f"{name:14s} {ms:7.3f} ms  {nb / ms / 1e9:6.2f} TB/s  "
               f"{'' if name == 'one' else f'{extra:+.3f} ms against one kernel, {extra / n * 1e3:+.2f} us a boundary'}")
     return 0
 

@@ -130,7 +130,7 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     in decode (next to sweep: qkv_rope.warps 7 / threads 448 and 896)."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
-    hilo = int(4 * k <= STATIC_SMEM_LIMIT)   # gate_up, qkv: h as fp16 hi + lo where it fits
+    hilo = int(4 * k + 32 <= STATIC_SMEM_LIMIT)   # gate_up, qkv: h as fp16 hi + lo where it fits
     if kind == "gate_up":
         return MmaTiling(warps=2, threads=256, hilo=hilo) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE
