@@ -18,9 +18,14 @@ read ~25 % faster: on the H200 (2026-12-01) a 512-token prompt went 22.0 -> 18.9
 one 354 -> 314 ms, for +0.036 ms a decode step (1.877 -> 1.914 at 512; `mma_tiling` has the
 figures), and gate_up's decode sums became fp32.
 
-qkv (and qkv_rope) on the tensor cores is opt-in (`MMA_QKV`, NQ_MMA_QKV=1): its mma layout
-reorders each head's rows so that a tile's rows g and g + 8 are a RoPE pair (layout.rope_row;
-`MmaTiling.rope` = head_dim), which the prefill GEMMs read un-permuting in their epilogue.
+qkv (and qkv_rope) run on the tensor cores too (`MMA_QKV`; NQ_MMA_QKV=0 turns it off): its mma
+layout reorders each head's rows so that a tile's rows g and g + 8 are a RoPE pair
+(layout.rope_row; `MmaTiling.rope` = head_dim), which the prefill GEMMs read un-permuting in
+their epilogue.  With qkv's and gate_up's RMSNorm'd activations staged as fp16 hi + lo
+(`MmaTiling.hilo`), every projection sums fp32 products of the fp32 activations it reads,
+which is what brought the decode tier within its 5e-4 target at the 7B width (H200,
+2026-12-02: max 4.82e-4 of the logit spread, from 1.19e-3 with qkv's fp16 partials), for
++0.046 ms a decode step at 512 (`mma_tiling` has the figures).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
-MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # qkv, qkv_rope on it (opt-in)
+MMA_QKV = os.environ.get("NQ_MMA_QKV", "1") != "0"           # qkv, qkv_rope on it (module doc)
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 TILE = 16                        # rows of an mma tile (m16)
 
@@ -122,12 +127,17 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
     activations pass 48 KB of static shared memory (K > 24576).
 
-    qkv and qkv_rope (opt-in, NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every
-    size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since a RoPE
-    pair is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
+    qkv and qkv_rope (the default unless NQ_MMA_QKV=0; one tiling, one layout): o_proj's rule
+    at every size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since
+    a RoPE pair is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
     step_variants.py "qkv_rope.mma=1"): the decode step +0.043 ms at 512, -0.005 at 8K; a
-    prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K: it stays opt-in until a tiling wins
-    in decode (next to sweep: qkv_rope.warps 7 / threads 448 and 896)."""
+    prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K.  Other tilings, hilo, against the
+    CUDA-core qkv_rope (ms a step at 512 / 8K): 14 warps t448 +0.050 / +0.023 (hilo=0 +0.046 /
+    +0.013), 7 warps t448 +0.034 / +0.046, 7 t224 +0.091 / +0.090, 4 t512 +0.142 / +0.104,
+    14 t896 +0.090 / +0.064.  The default since the decode tier's precision target
+    (module doc): the CUDA-core kernel's fp16 partials were half the error.
+
+    hilo (gate_up, qkv): h staged as fp16 hi + lo where both fit static shared memory."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
     hilo = int(4 * k + 32 <= STATIC_SMEM_LIMIT)   # gate_up, qkv: h as fp16 hi + lo where it fits
