@@ -224,7 +224,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #                even + odd columns are the fp32-accurate h's dot product (module doc).
     #                LO_WORDS is 8 words past ACT_WORDS (a multiple of 32): a warp's B load
     #                then reads hi from banks 0-7 and lo from 8-15, one wavefront (unpadded,
-    #                the same banks: 2-way conflicts); lo is stored by stage_lo, which says why
+    #                the same banks: 2-way conflicts); stage_group stores both
     #   ACT_ALLOC    the staged words: ACT_WORDS, twice that with HILO
     TILE_WARPS = t.warps
     THREADS = t.threads
@@ -339,7 +339,25 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
         ss = float32(0.0)
-        for it in range(NORM_ITERS):
+        if HILO:   # the groups written out, up to 8 (stage_group says why)
+            ss += stage_group(x, norm_w, act, invf, warp, lane)
+            if NORM_ITERS > 1:
+                ss += stage_group(x, norm_w, act, invf, WARPS + warp, lane)
+            if NORM_ITERS > 2:
+                ss += stage_group(x, norm_w, act, invf, 2 * WARPS + warp, lane)
+            if NORM_ITERS > 3:
+                ss += stage_group(x, norm_w, act, invf, 3 * WARPS + warp, lane)
+            if NORM_ITERS > 4:
+                ss += stage_group(x, norm_w, act, invf, 4 * WARPS + warp, lane)
+            if NORM_ITERS > 5:
+                ss += stage_group(x, norm_w, act, invf, 5 * WARPS + warp, lane)
+            if NORM_ITERS > 6:
+                ss += stage_group(x, norm_w, act, invf, 6 * WARPS + warp, lane)
+            if NORM_ITERS > 7:
+                ss += stage_group(x, norm_w, act, invf, 7 * WARPS + warp, lane)
+            for it in range(8, NORM_ITERS):
+                ss += stage_group(x, norm_w, act, invf, it * WARPS + warp, lane)
+        for it in range(0 if not HILO else NORM_ITERS, NORM_ITERS):
             grp = it * WARPS + warp
             base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
             x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
@@ -358,41 +376,44 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
                 if lane == 0:
                     invf[grp] = fi
-        if HILO:
-            stage_lo(x, norm_w, act)
         ss = wsum(ss)
         if lane == 0:
             ssum[warp] = ss
         cuda.syncthreads()
         return rstd_of(ssum, WARPS, INV_K, EPS)
 
-    def stage_lo(x, norm_w, act):
-        """hilo: stage_norm's loop once more, storing lo = fp16(v - hi) of each staged v (hi
-        exact in fp32) LO_WORDS on.  A loop of its own: inside stage_norm's, the lo made the
-        body too long for NVVM to unroll, and the group loads then waited on each other
-        (+0.035 ms a step for gate_up, H200); here they hit L1, and v is stage_norm's value
-        bit for bit (the same products, the same f_g)."""
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        for it in range(NORM_ITERS):
-            grp = it * WARPS + warp
-            base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
-            x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-            n0, n1 = unpack_f16x2_to_f32(w01)
-            n2, n3 = unpack_f16x2_to_f32(w23)
-            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-            m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
-            f, fi = pow2_scale(m)
-            if grp < GROUPS:
-                v0, v1, v2, v3 = p0 * f, p1 * f, p2 * f, p3 * f
-                h0, h1 = unpack_f16x2_to_f32(pack_f16x2_from_f32(v0, v1))
-                h2, h3 = unpack_f16x2_to_f32(pack_f16x2_from_f32(v2, v3))
-                j = (lane & 3) * 2
-                w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-                w += 2 * j if j < 4 else 2 * j - 7
-                act[LO_WORDS + w] = pack_f16x2_from_f32(v0 - h0, v1 - h1)
-                act[LO_WORDS + w + 2] = pack_f16x2_from_f32(v2 - h2, v3 - h3)
+    def stage_group(x, norm_w, act, invf, grp, lane):
+        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
+        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
+        squares of x (0 past the last group).  Called once a group, written out: as a loop
+        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
+        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
+        base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
+        x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+        w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+        n0, n1 = unpack_f16x2_to_f32(w01)
+        n2, n3 = unpack_f16x2_to_f32(w23)
+        p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+        m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
+        f, fi = pow2_scale(m)
+        ss = float32(0.0)
+        if grp < GROUPS:
+            ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+            j = (lane & 3) * 2
+            w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+            w += 2 * j if j < 4 else 2 * j - 7
+            v0, v1, v2, v3 = p0 * f, p1 * f, p2 * f, p3 * f
+            hi01 = pack_f16x2_from_f32(v0, v1)
+            hi23 = pack_f16x2_from_f32(v2, v3)
+            act[w] = hi01
+            act[w + 2] = hi23
+            h0, h1 = unpack_f16x2_to_f32(hi01)
+            h2, h3 = unpack_f16x2_to_f32(hi23)
+            act[LO_WORDS + w] = pack_f16x2_from_f32(v0 - h0, v1 - h1)
+            act[LO_WORDS + w + 2] = pack_f16x2_from_f32(v2 - h2, v3 - h3)
+            if lane == 0:
+                invf[grp] = fi
+        return ss
 
     def add_group(acc, ca, cb, abase, grp, t4, invf):
         # acc + group grp's sums (none past the last group; gate_up's and qkv's undo f_g)
@@ -580,11 +601,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, stage_lo, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
+        stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
         put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
         gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
-                             group_dot, stage, stage_norm, stage_lo, add_group, mainloop, roles,
+                             group_dot, stage, stage_norm, stage_group, add_group, mainloop, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)
