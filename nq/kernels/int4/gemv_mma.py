@@ -1,7 +1,7 @@
 """The INT4 GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16; gate_up,
 out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w); and qkv and qkv_rope
-(gemv.py's contracts, fp32 sums).  Every one the default (NQ_MMA_GATE_UP=0 / NQ_MMA_QKV=0 move
-gate_up / qkv back to the CUDA cores).
+(gemv.py's contracts, fp32 sums).  o_proj, down and gate_up by default (NQ_MMA_GATE_UP=0 moves
+gate_up back to the CUDA cores); qkv with NQ_MMA_QKV=1, the fp32-accurate step.
 
 Why: ncu read the CUDA-core GEMV (gemv.py) for down as issue-bound, not memory-bound (0.61
 instructions issued a cycle per scheduler, DRAM at 38 % of peak; docs/KERNELS_GEMV.md).  Per 8
@@ -19,8 +19,8 @@ tiling.MMA_GATE_UP), because the prefill GEMMs read gate_up ~1.3x faster in this
 the row layout: on the H200 (2026-12-01) a 512-token prompt 22.0 -> 18.9 ms and an 8K one 354
 -> 314 ms, for +0.036 ms a decode step; and its sums are fp32.
 
-qkv and qkv_rope (the default since 2026-12-02, for the decode tier's precision target; +0.046
-ms a decode step at 512 on the H200; tiling.mma_tiling has the figures): gemv.py's
+qkv and qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step with hilo below; +0.053 ms a decode
+step at 512 on the H200, 2026-12-02, so not the default; tiling.py has the figures): gemv.py's
 qkv_rope wants one thread to own a RoPE pair, rows i and i + D/2 of a head, and a lane holds
 tile rows g and g + 8; so qkv's mma layout reorders each head's rows (layout.rope_row: tile j
 of a head holds rows 8j..8j+7 and their partners 8j+D/2..), the tiling carries the head_dim
@@ -79,7 +79,8 @@ silu(g) * u in fp32 and one fp16 store, as gemv.py's put_swiglu.  rstd is gemv.p
 arithmetic too (a lane's sum of squares over its groups, the warp's butterfly, the warps' sums
 in order), equal to the bit where the two kernels have as many warps.
 
-hilo (`MmaTiling.hilo`, gate_up's and qkv's default): B has 8 columns and a GEMV needs one,
+hilo (`MmaTiling.hilo`, gate_up's and qkv's with NQ_MMA_QKV=1): B has 8 columns and a GEMV
+needs one,
 so the columns carry the activations twice over: lanes of even g load hi = fp16(v), lanes of
 odd g load lo = fp16(v - hi) (staged 8 words past hi, other banks), and a lane's d0 + d1 (d2 +
 d3) is row g's (g+8's) dot product with v to ~2^-22 of each value instead of 2^-11: the fp32

@@ -214,7 +214,7 @@ class GateUpMmaGemv(_MmaGemv):
 
 
 class QkvMmaGemv(_MmaGemv):
-    """qkv on the tensor cores (the default: tiling.MMA_QKV): QkvGemv's call, `g(x, norm_w, qw, sc,
+    """qkv on the tensor cores (NQ_MMA_QKV=1: tiling.MMA_QKV): QkvGemv's call, `g(x, norm_w, qw, sc,
     bias, out, stream)`, out fp32 (N,) = Wqkv . rmsnorm(x, norm_w) + bias, in natural order;
     the weights in the rope-ordered mma layout (tiling.rope = head_dim), as qkv_rope's."""
 
@@ -232,7 +232,7 @@ class QkvMmaGemv(_MmaGemv):
 
 
 class QkvRopeMmaGemv(_MmaGemv):
-    """qkv_rope on the tensor cores (the default: tiling.MMA_QKV): QkvRopeGemv's call and outputs
+    """qkv_rope on the tensor cores (NQ_MMA_QKV=1: tiling.MMA_QKV): QkvRopeGemv's call and outputs
     (fp32 sums instead of fp16 partials); reads QkvMmaGemv's prepared weights."""
 
     def __init__(self, cfg: ModelConfig, tiling: MmaTiling):
@@ -274,8 +274,8 @@ def gemv_tiling(kind: str, cfg: ModelConfig) -> Tiling | MmaTiling:
 
 def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv).
-    The tensor cores' kernel where the tiling is an MmaTiling (the default unless
-    NQ_MMA_QKV=0: tiling.MMA_QKV)."""
+    The tensor cores' kernel where the tiling is an MmaTiling (the default only with
+    NQ_MMA_QKV=1: tiling.MMA_QKV)."""
     tiling = tiling or gemv_tiling("qkv", cfg)
     if isinstance(tiling, MmaTiling):
         return QkvMmaGemv(cfg, tiling)

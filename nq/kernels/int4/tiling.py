@@ -18,14 +18,15 @@ read ~25 % faster: on the H200 (2026-12-01) a 512-token prompt went 22.0 -> 18.9
 one 354 -> 314 ms, for +0.036 ms a decode step (1.877 -> 1.914 at 512; `mma_tiling` has the
 figures), and gate_up's decode sums became fp32.
 
-qkv (and qkv_rope) run on the tensor cores too (`MMA_QKV`; NQ_MMA_QKV=0 turns it off): its mma
-layout reorders each head's rows so that a tile's rows g and g + 8 are a RoPE pair
-(layout.rope_row; `MmaTiling.rope` = head_dim), which the prefill GEMMs read un-permuting in
-their epilogue.  With qkv's and gate_up's RMSNorm'd activations staged as fp16 hi + lo
-(`MmaTiling.hilo`), every projection sums fp32 products of the fp32 activations it reads,
-which is what brought the decode tier within its 5e-4 target at the 7B width (H200,
-2026-12-02: max 4.82e-4 of the logit spread, from 1.19e-3 with qkv's fp16 partials), for
-+0.046 ms a decode step at 512 (`mma_tiling` has the figures).
+NQ_MMA_QKV=1 (`MMA_QKV`, read once at import) is the fp32-accurate step: qkv (and qkv_rope) on
+the tensor cores too -- its mma layout reorders each head's rows so that a tile's rows g and
+g + 8 are a RoPE pair (layout.rope_row; `MmaTiling.rope` = head_dim), which the prefill GEMMs
+read un-permuting in their epilogue -- and qkv's and gate_up's RMSNorm'd activations staged as
+fp16 hi + lo (`MmaTiling.hilo`), so every projection sums fp32 products of the activations it
+reads at ~fp32 precision.  It brings the decode tier within its 5e-4 target at the 7B width
+(H200, 2026-12-02: max 4.82e-4 of the logit spread, against 1.19e-3 by default) for +0.074 /
++0.042 ms a decode step at 512 / 8K (qkv on the tensor cores +0.053 / +0.022, qkv's hilo
++0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
-MMA_QKV = os.environ.get("NQ_MMA_QKV", "1") != "0"           # qkv, qkv_rope on it (module doc)
+MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # the fp32-accurate step (module doc)
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 TILE = 16                        # rows of an mma tile (m16)
 
@@ -127,20 +128,20 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
     activations pass 48 KB of static shared memory (K > 24576).
 
-    qkv and qkv_rope (the default unless NQ_MMA_QKV=0; one tiling, one layout): o_proj's rule
-    at every size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since
+    qkv and qkv_rope (NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since
     a RoPE pair is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
     step_variants.py "qkv_rope.mma=1"): the decode step +0.043 ms at 512, -0.005 at 8K; a
     prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K.  Other tilings, hilo, against the
     CUDA-core qkv_rope (ms a step at 512 / 8K): 14 warps t448 +0.050 / +0.023 (hilo=0 +0.046 /
     +0.013), 7 warps t448 +0.034 / +0.046, 7 t224 +0.091 / +0.090, 4 t512 +0.142 / +0.104,
-    14 t896 +0.090 / +0.064.  The default since the decode tier's precision target
-    (module doc): the CUDA-core kernel's fp16 partials were half the error.
+    14 t896 +0.090 / +0.064.  The CUDA-core kernel's fp16 partials are half the decode tier's
+    error at the 7B width (module doc).
 
-    hilo (gate_up, qkv): h staged as fp16 hi + lo where both fit static shared memory."""
+    hilo (gate_up, qkv): with NQ_MMA_QKV=1, h staged as fp16 hi + lo where it fits static
+    shared memory."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
-    hilo = int(4 * k + 32 <= STATIC_SMEM_LIMIT)   # gate_up, qkv: h as fp16 hi + lo where it fits
+    hilo = int(MMA_QKV and 4 * k + 32 <= STATIC_SMEM_LIMIT)   # the fp32-accurate step's
     if kind == "gate_up":
         return MmaTiling(warps=2, threads=256, hilo=hilo) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE

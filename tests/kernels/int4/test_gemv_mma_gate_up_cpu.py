@@ -17,7 +17,8 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256, hilo=1)   # 13c221c's "ks2 t256": 2 warps a tile, 4 tiles a block
+SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256": 2 warps a tile, 4 tiles a block
+HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the same in the fp32-accurate step (NQ_MMA_QKV=1)
 
 
 def test_gate_up_tiling_follows_the_switch(monkeypatch):
@@ -25,6 +26,10 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("gate_up", i, h) == SEVEN_B            # what kind.mma=1 switches to
     assert mma_tiling("gate_up", 4864, 896) == SEVEN_B       # 0.5B: 7 groups over 2 warps
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
+    monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
+    assert mma_tiling("gate_up", i, h) == HILO
+    assert mma_tiling("gate_up", 64, 128 * 100) == SEVEN_B   # 50 KB as hi + lo: staged once
+    monkeypatch.setattr(tiling, "MMA_QKV", False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", False)
     off = default_tiling("gate_up", i, h)
     assert off == Tiling(ks=4, threads=192, span=128, min_blocks=3)   # today's, untouched
@@ -52,27 +57,30 @@ def test_the_switch_is_read_from_the_environment(value, want):
 def test_gate_up_refusals():
     with pytest.raises(ValueError, match="eps is RMSNorm's"):
         gemv_mma.build_kernel("gate_up", 64, 256, SEVEN_B)
-    plain = dataclasses.replace(SEVEN_B, hilo=0)
+    plain = SEVEN_B
     with pytest.raises(ValueError, match="eps is RMSNorm's"):
         gemv_mma.build_kernel("down", 64, 256, plain, 1e-6)
     with pytest.raises(ValueError, match="hilo .* is for"):   # down's activations are fp16
-        gemv_mma.build_kernel("down", 64, 256, SEVEN_B)
+        gemv_mma.build_kernel("down", 64, 256, HILO)
     with pytest.raises(ValueError, match="static"):          # K = 25,600: 50 KB staged
         gemv_mma.build_kernel("gate_up", 64, 128 * 200, plain, 1e-6)
     with pytest.raises(ValueError, match="use hilo=0"):      # K = 12,800: 50 KB as hi + lo
-        gemv_mma.build_kernel("gate_up", 64, 128 * 100, SEVEN_B, 1e-6)
-    assert mma_tiling("gate_up", 64, 128 * 100) == plain     # the rule stages it once
+        gemv_mma.build_kernel("gate_up", 64, 128 * 100, HILO, 1e-6)
     with pytest.raises(ValueError, match="multiple of 16"):
         gemv_mma.build_kernel("gate_up", 40, 256, SEVEN_B, 1e-6)
     # eps is a constant of the kernel: in its name, so two models never share a cached cubin
-    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6) == \
+    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, HILO, 1e-6) == \
         "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_hilo1_eps1em06"
+    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6) == \
+        "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_eps1em06"
     assert gemv_mma.gemv_mma_name("down", 3584, 18944, plain) == \
         "gemv_mma_down_n3584_k18944_warps2_threads256_min_blocks0"
 
 
 @pytest.mark.parametrize("n,k,t", [
     (18944, 3584, SEVEN_B),                              # 7B
+    (18944, 3584, HILO),                                 # 7B, the fp32-accurate step
+    (13824, 5120, HILO),                                 # 14B, the fp32-accurate step
     (4864, 896, SEVEN_B),                                # 0.5B
     (13824, 5120, SEVEN_B),                              # 14B
     (18944, 3584, MmaTiling(warps=4, threads=256)),

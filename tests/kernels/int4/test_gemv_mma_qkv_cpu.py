@@ -22,7 +22,8 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
 CFG = PRESETS["7b"]
-SEVEN_B = MmaTiling(warps=14, threads=448, rope=128, hilo=1)   # o_proj's rule at K = 3584
+SEVEN_B = MmaTiling(warps=14, threads=448, rope=128, hilo=1)   # o_proj's rule at K = 3584, hilo
+PLAIN = MmaTiling(warps=14, threads=448, rope=128)   # what "qkv.mma=1" gives without NQ_MMA_QKV
 HEADS_7B = (28, 4, 128)
 
 
@@ -48,6 +49,9 @@ def test_rope_rows_put_a_pair_in_rows_g_and_g_plus_8(d):
 
 def test_qkv_tiling_follows_the_switch(monkeypatch):
     n, h = CFG.qkv_size, CFG.hidden_size
+    monkeypatch.setattr(tiling, "MMA_QKV", False)
+    assert mma_tiling("qkv", n, h, 128) == mma_tiling("qkv_rope", n, h, 128) == PLAIN
+    monkeypatch.setattr(tiling, "MMA_QKV", True)                # the fp32-accurate step: hilo
     assert mma_tiling("qkv", n, h, 128) == mma_tiling("qkv_rope", n, h, 128) == SEVEN_B
     assert SEVEN_B.layout() == ("mma_rope", 128) and SEVEN_B.tag() == "mma_w14_t448_rope128_hilo"
     assert mma_tiling("qkv", n, h) is None                      # no head_dim, no layout

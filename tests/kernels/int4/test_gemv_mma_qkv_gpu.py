@@ -55,14 +55,15 @@ def run(cfg, tiling, seed, pos=4097):
 
 
 @pytest.mark.parametrize("model,tiling", [
-    ("7b", None),                                  # the opt-in's tiling: 14 warps, one tile a block, hilo
-    ("7b", T(warps=14, threads=448, rope=128)),    # h staged once (hilo=0)
+    ("7b", None),                                  # 14 warps, one tile a block (hilo=0 unless NQ_MMA_QKV=1)
+    ("7b", T(warps=14, threads=448, rope=128, hilo=1)),   # NQ_MMA_QKV=1: h as hi + lo
     ("0.5b", None),                                # D = 64, 7 groups over 3 warps
     ("14b", None),                                 # 40 groups over 10 warps
     ("7b", T(warps=7, threads=448, rope=128)),     # two tiles a block
     ("7b", T(warps=4, threads=256, rope=128)),     # 7 groups a warp, a half-empty last iteration
     ("7b", T(warps=7, threads=448, rope=128, hilo=1)),
     ("7b", T(warps=4, threads=512, rope=128, hilo=1)),
+    ("14b", T(warps=10, threads=320, rope=128, hilo=1)),   # 4 staged groups a warp
 ])
 def test_qkv_rope_against_the_reference(model, tiling):
     cfg = PRESETS[model]
