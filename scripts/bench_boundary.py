@@ -13,7 +13,9 @@ only streams bytes (no math, no data dependency), so the difference is the bound
               (the most a prefetch of the next kernel's weights could give);
   * `empty`   the chain's kernels with no bytes at all: the boundary's own latency;
   * `tiles`   the chain's kernels reading their weights in gemv_mma's order and grid
-              (`build_tiles`): the access pattern's cost, without the kernel's math.
+              (`build_tiles`): the access pattern's cost, without the kernel's math;
+  * `persistent`  one kernel walking the chain's slices with a grid-wide barrier between
+              them (`build_persistent`): what a persistent kernel's simplest sync costs.
 
     python3 scripts/bench_boundary.py --reps 20
 
@@ -108,6 +110,56 @@ def build_tiles():
                           "bench_boundary_tiles", launch_bounds=(256,))
 
 
+def build_persistent():
+    """One kernel for the whole chain: the grid streams phase p's slice (offs[p] to offs[p+1],
+    16-byte vectors, four loads in flight a thread as `build`'s), then waits at a grid-wide
+    barrier (a counter every block adds 1 to, thread 0 spinning on it with atomic reads) before
+    phase p + 1 -- the simplest persistent kernel, its barrier standing where a boundary was.
+    Every block must be resident at once (the grid is two blocks of 512 an SM); `reset` zeroes
+    the counter first, inside the same graph."""
+    from numba import cuda, uint32
+
+    from nq.kernels.build import compile_kernel
+    from nq.ptx import ld_global_nc_v4_u32
+
+    def body(buf, offs, n_phases, ctr, out):
+        stride = cuda.gridDim.x * cuda.blockDim.x
+        first = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        acc = uint32(0)
+        for p in range(n_phases):
+            start = offs[p]
+            n16 = (offs[p + 1] - start) // 4
+            i = first
+            while i + 3 * stride < n16:
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, start + 4 * i)
+                b0, b1, b2, b3 = ld_global_nc_v4_u32(buf, start + 4 * (i + stride))
+                c0, c1, c2, c3 = ld_global_nc_v4_u32(buf, start + 4 * (i + 2 * stride))
+                d0, d1, d2, d3 = ld_global_nc_v4_u32(buf, start + 4 * (i + 3 * stride))
+                acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3 ^ c0 ^ c1 ^ c2 ^ c3 ^ d0 ^ d1 ^ d2 ^ d3
+                i += 4 * stride
+            while i < n16:
+                a0, a1, a2, a3 = ld_global_nc_v4_u32(buf, start + 4 * i)
+                acc ^= a0 ^ a1 ^ a2 ^ a3
+                i += stride
+            cuda.syncthreads()
+            if cuda.threadIdx.x == 0:
+                cuda.threadfence()
+                cuda.atomic.add(ctr, 0, uint32(1))
+                target = uint32((p + 1) * cuda.gridDim.x)
+                while cuda.atomic.add(ctr, 0, uint32(0)) < target:
+                    pass
+            cuda.syncthreads()
+        if acc == uint32(0x9E3779B9):
+            out[0] = acc
+
+    def reset(ctr):
+        ctr[0] = 0
+
+    k = compile_kernel(body, "void(uint32[::1], int64[::1], int64, uint32[::1], uint32[::1])",
+                       "bench_boundary_persistent", launch_bounds=(512,))
+    return k, compile_kernel(reset, "void(uint32[::1])", "bench_boundary_reset")
+
+
 def tile_shapes(cfg) -> list[tuple[int, int, int]]:
     """A layer's kernels as (tiles, groups a tile, warps a tile) in the engine's mma tilings
     (qkv as o_proj, 14 warps; gate_up 2; down 16); the attention's two kernels one tile each."""
@@ -176,12 +228,27 @@ def main(argv=None) -> int:
     def one():
         kern[False][blocks, 512, stream](buf, 0, total // 16, out)
 
+    pk, reset = build_persistent()
+    offs = cuda.to_device(np.concatenate([[0], np.cumsum(sizes) // 4]).astype(np.int64))
+    ctr = cuda.device_array(1, np.uint32)
+
+    try:   # every block resident at once, or the barrier never opens
+        pblocks = min(blocks, pk.max_cooperative_grid_blocks(512))
+    except Exception:  # noqa: BLE001 -- one block an SM always fits
+        pblocks = dev.MULTIPROCESSOR_COUNT
+    print(f"persistent: {pblocks} blocks of 512", flush=True)
+
+    def persistent():
+        reset[1, 1, stream](ctr)
+        pk[pblocks, 512, stream](buf, offs, len(sizes), ctr, out)
+
     graphs = {"one": CapturedGraph(stream, one, "one"),
               "chain": CapturedGraph(stream, chain(False, True), "chain", programmatic=True),
               "early": CapturedGraph(stream, chain(True, True), "early", programmatic=True),
               "empty": CapturedGraph(stream, chain(False, False), "empty", programmatic=True),
               "chain, no PDL": CapturedGraph(stream, chain(False, True), "chain_nopdl"),
-              "tiles": CapturedGraph(stream, tiles(True), "tiles", programmatic=True)}
+              "tiles": CapturedGraph(stream, tiles(True), "tiles", programmatic=True),
+              "persistent": CapturedGraph(stream, persistent, "persistent")}
     res = {}
     for name, g in graphs.items():
         for _ in range(3):
