@@ -12,12 +12,9 @@ which replaces the 4 fmas, and one 8-byte B fragment of activations serves the 1
 tile: ~10 instructions per 8 weights instead of ~14.  The default for o_proj and down
 (`tiling.mma_tiling`; the 7B step -0.14 ms, docs/KERNELS_GEMV.md).
 
-gate_up here lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows): +0.017 ms a step
-(2 warps a tile, 256 threads; +0.046 beside the mma down), 4 warps t256 +0.084, 1 warp t128
-+0.51.  It is back, and the default since d292fd2 (NQ_MMA_GATE_UP=0 turns it off:
-tiling.MMA_GATE_UP), because the prefill GEMMs read gate_up ~1.3x faster in this layout than in
-the row layout: on the H200 (2026-12-01) a 512-token prompt 22.0 -> 18.9 ms and an 8K one 354
--> 314 ms, for +0.036 ms a decode step; and its sums are fp32.
+gate_up here costs +0.036 ms a decode step against the CUDA-core kernel, and is the default
+since d292fd2 (NQ_MMA_GATE_UP=0 turns it off) because the prefill GEMMs read its layout ~1.3x
+faster (a 512-token prompt 22.0 -> 18.9 ms on the H200, 2026-12-01); its sums are fp32.
 
 qkv and qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step with hilo below; +0.053 ms a decode
 step at 512 on the H200, 2026-12-02, so not the default; tiling.py has the figures): gemv.py's
@@ -33,18 +30,9 @@ pair's two natural rows + bias.  One tile a block is possible (a pair never leav
 the 7B's qkv runs o_proj's 14 warps a tile, 288 blocks.  The prefill GEMMs read this layout
 ("mma_rope", D) and put their output columns back in order in the epilogue.
 
-Retired, each after it lost in the 7B step graph on the H200 (docs/PERF.md, 0.5 rows):
-    prefetch=2 (two groups' loads in flight): down +0.039 / +0.037 ms a step at 512 / 8K; code at 13c221c
-    splits (split-K, the last block adds the partials): down +0.042..+0.167 ms a step; code at 13c221c
-    preload=2 (a warp's first two groups loaded before griddepcontrol.wait: all of o_proj's):
-        o_proj +0.006 / +0.014, down +0.003 / +0.012 ms a step at 512 / 8K (2026-12-02); code
-        at c936f73
-    ring=R (the weights through shared memory, R groups a warp in flight, the first issued
-        before griddepcontrol.wait): per-lane cp.async (805e084) ran at ~1.45 TB/s alone
-        (gate_up 46 us, down 25 us); one cp.async.bulk a group onto a slot's mbarrier
-        (6362a1e): alone gate_up 30.7 us against 24.3, down 17.3 against 14.6, o_proj 5.4
-        against 5.1; in the step down +0.042 / +0.065 (R 3 / 4), gate_up +0.17 (R 3), o_proj
-        +0.008 / -0.008 ms at 512 / 8K (2026-12-02); deeper rings lost more
+Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
+variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
+ring=R, the weights through shared memory (per-lane cp.async 805e084, cp.async.bulk 6362a1e).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
