@@ -386,3 +386,40 @@ def test_gemm_table_sums_the_layers_and_compares_with_cublas(monkeypatch):
     text = gemm_table.format_gemms(rows)
     assert "| 8192 | 28 layers" in text.replace("  ", " ").replace("  ", " ")
     assert len(text.splitlines()) == 2 + 10
+
+
+def _bench_boundary():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_boundary.py"
+    spec = importlib.util.spec_from_file_location("bench_boundary", path)
+    bb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bb)
+    return bb
+
+
+def test_bench_boundary_reads_the_packed_projections(tiny_nanoqwen):
+    """scripts/bench_boundary.py streams, per layer, what the step's six kernels read: its
+    GEMV slices are the packed file's projection bytes (INT4 words + fp16 scales), layer by
+    layer in the engine's order (qkv, the attention's two, o_proj, gate_up, down); its tile
+    shapes are the same nibbles in 1 KB groups.  (The timing itself needs the GPU.)"""
+    from nq.loader.format import NanoqwenFile
+    bb = _bench_boundary()
+    nf = NanoqwenFile(tiny_nanoqwen)
+    cfg = nf.config
+
+    def nb(layer, *projs):
+        return sum(nf.array(f"layers.{layer}.{p}.{t}").nbytes for p in projs
+                   for t in ("qweight", "scales"))
+    got = bb.slices(cfg, cfg.num_layers)
+    assert len(got) == 6 * cfg.num_layers
+    for i in range(cfg.num_layers):
+        q, a1, a2, o, gu, d = got[6 * i: 6 * i + 6]
+        assert q == nb(i, "q_proj", "k_proj", "v_proj") and o == nb(i, "o_proj")
+        assert gu == nb(i, "gate_proj", "up_proj") and d == nb(i, "down_proj")
+        assert a1 == a2 == 4096
+    words = sum(nf.array(f"layers.0.{p}.qweight").nbytes for p in
+                ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    tiles = bb.tile_shapes(cfg)
+    assert sum(t * g * 1024 for t, g, _ in tiles) == words + 2 * 4096
+
