@@ -24,7 +24,7 @@ import numpy as np
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kernels.common import allow_smem, need
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
-from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, dynamic_smem, gemv_mma_name
+from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
 from nq.kernels.int4.layout import mma_layout, prepare_weights
 from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling
 from nq.paged import STATE_LEN, check_paged_args
@@ -156,7 +156,8 @@ class _MmaGemv:
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
         self.name = gemv_mma_name(kind, n_out, k, tiling, eps, heads)
-        self.smem = dynamic_smem(k)  # 0 up to the 14B; the 32B's down stages 55 KB
+        # 0 up to the 14B without a ring; the 32B's down stages 55 KB, a ring its slots
+        self.smem = launch_smem(kind, k, tiling)
         if self.smem:
             allow_smem(self.kernel, self.smem)
 
