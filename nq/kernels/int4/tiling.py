@@ -219,8 +219,11 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         ("o_proj", 3584, 3584): MmaTiling(warps=14, threads=448),
         # two tiles a block of 32 warps, 16 a tile: -0.091 ms at 512 and 8K against the
         # CUDA-core down, which ncu read as issue-bound; 16 warps t512 -0.069, 32 t1024 +0.022,
-        # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61
-        ("down", 3584, 18944): MmaTiling(warps=16, threads=1024),
+        # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61.  Then early=1 (a warp's first group and
+        # the tile's scales copied to shared memory before griddepcontrol.wait; H200,
+        # 2026-12-02): -0.0165 / -0.0182 / -0.0156 ms at 512 / 8K / 32K (early 2 -0.0145 /
+        # -0.0174 / -0.0160, early 3 +0.017, early 4 +0.051)
+        ("down", 3584, 18944): MmaTiling(warps=16, threads=1024, early=1),
     }
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)

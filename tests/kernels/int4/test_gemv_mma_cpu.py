@@ -81,7 +81,7 @@ def test_mma_tiling_rule():
     """o_proj and down from 16 groups up (the 32B's down with its activations in dynamic shared
     memory); the 7B's measured entries; gate_up's (opt-in) in test_gemv_mma_gate_up_cpu.py;
     nothing for qkv."""
-    assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024)
+    assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024, early=1)
     assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448)
     assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=12, threads=384)    # 14B: 108 groups
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
@@ -91,7 +91,7 @@ def test_mma_tiling_rule():
 
 
 @pytest.mark.parametrize("kind,n,k,tiling", [
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024)),     # the 7B's defaults
+    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1)),   # the 7B default
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448)),
     ("down", 3584, 18944, MmaTiling(warps=8, threads=512)),
     ("o_proj", 3584, 3584, MmaTiling(warps=4, threads=256, min_blocks=2)),

@@ -40,7 +40,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
     assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=256, span=128)
-    assert default_tiling("down", h, i) == MmaTiling(warps=16, threads=1024)
+    assert default_tiling("down", h, i) == MmaTiling(warps=16, threads=1024, early=1)
 
 
 @pytest.mark.parametrize("value,want", [("1", "True"), ("0", "False"), (None, "True")])
