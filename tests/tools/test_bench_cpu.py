@@ -324,7 +324,7 @@ def test_ncu_gemv_parses_tilings():
     spec = importlib.util.spec_from_file_location("ncu_gemv", path)
     ng = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ng)
-    assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512)  # the default's type
+    assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512, early=1)  # the default, new fields
     assert ng.parse_tiling("gate_up", "2,256") == MmaTiling(warps=2, threads=256)
     qkv = default_tiling("qkv", 4608, 3584)                       # a CUDA-core default
     t = ng.parse_tiling("qkv", "7,128,prefetch=0")

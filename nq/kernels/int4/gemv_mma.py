@@ -30,9 +30,20 @@ pair's two natural rows + bias.  One tile a block is possible (a pair never leav
 the 7B's qkv runs o_proj's 14 warps a tile, 288 blocks.  The prefill GEMMs read this layout
 ("mma_rope", D) and put their output columns back in order in the epilogue.
 
+early (`MmaTiling.early=P`, o_proj and down; down's 7B default is P = 1): before
+griddepcontrol.wait, lane 0 of each warp bulk-copies its first P groups (1 KB each) into slots
+of shared memory counted off an mbarrier a slot, and the tile's warps copy its scale block
+(cp.async); after the wait the warp takes those groups from its slots, then the rest through
+the register loop, whose first loads are issued before the wait as without.  It is what is
+left of the ring (below): a persistent step's essence -- weights in flight before the inputs
+are -- inside the kernel as it is.  In the step on the H200 (2026-12-02) down P = 1 -0.016 /
+-0.018 / -0.016 ms at 512 / 8K / 32K, P = 2 about the same, P = 3 +0.017, P = 4 +0.051; o_proj
+P = 1 +0.009, P = 2 +0.026 (docs/PERF.md).
+
 Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
 variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
-ring=R, the weights through shared memory (per-lane cp.async 805e084, cp.async.bulk 6362a1e).
+ring=R, the weights through shared memory, R groups a warp refilled as they were used
+(per-lane cp.async 805e084, cp.async.bulk 6362a1e; early keeps its prologue).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -97,8 +108,8 @@ from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling
 from nq.paged import PAGE, STATE_POS
 from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_cg_shared_global_16,
-                    cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
-                    fence_mbarrier_init, fence_proxy_async_shared,
+                    cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
+                    cvta_to_shared_u32, fence_mbarrier_init,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     ld_shared_v2_u32_at, ld_shared_v4_u32_at, mma_sync_m16n8k16_f16_f32,
@@ -140,19 +151,15 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
                          f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
                          f"which need it (mma_tiling(kind, n, k, head_dim))")
-    if t.ring and (kind in ROPE_KINDS or not 2 <= t.ring <= MAX_RING):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: ring (groups in flight through shared "
-                         f"memory) is 2..{MAX_RING}, for o_proj, down and gate_up (qkv's "
-                         f"RoPE-ordered rows keep a tile's scales apart); 0 loads to registers")
-    if t.early and (kind not in ("o_proj", "down") or t.ring or not 1 <= t.early <= MAX_RING):
+    if t.early and (kind not in ("o_proj", "down") or not 1 <= t.early <= MAX_EARLY):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
-                         f"shared memory before the wait) is 1..{MAX_RING}, for o_proj and down, "
-                         f"without ring")
-    if (t.ring or t.early) and ring_smem(kind, k, t) + k * 2 * (not dynamic_smem(k)) + partials \
+                         f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
+                         f"down; 0 copies none")
+    if t.early and early_smem(kind, k, t) + k * 2 * (not dynamic_smem(k)) + partials \
             > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {ring_smem(kind, k, t)} bytes of "
-                         f"ring and scales beside {k * 2} of activations, over the "
-                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller ring "
+        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(kind, k, t)} bytes of "
+                         f"early groups and scales beside {k * 2} of activations, over the "
+                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
                          f"or fewer threads")
     if t.rope and (t.rope % TILE or n_out % t.rope):
         raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
@@ -161,7 +168,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
 
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 FULL = 0xFFFFFFFF
-MAX_RING = 6      # slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
+MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
 
 
 def dynamic_smem(k: int) -> int:
@@ -171,22 +178,20 @@ def dynamic_smem(k: int) -> int:
     return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
 
 
-def ring_smem(kind: str, k: int, t: MmaTiling) -> int:
-    """Bytes of dynamic shared memory the ring takes (0 without one): each warp's `ring`
-    slots of 1 KB a weight matrix (gate_up reads two), the block's tiles' scales, then an
-    mbarrier a slot."""
-    slots = t.ring or t.early
-    if not slots:
+def early_smem(kind: str, k: int, t: MmaTiling) -> int:
+    """Bytes of dynamic shared memory `early` takes (0 without): each warp's `early` slots of
+    1 KB, the block's tiles' scales, then an mbarrier a slot."""
+    if not t.early:
         return 0
-    warps, mats, groups = t.threads // 32, 2 if kind == "gate_up" else 1, k // GROUP_SIZE
+    warps, groups = t.threads // 32, k // GROUP_SIZE
     tiles = warps // t.warps
-    return warps * slots * (mats * 1024 + 8) + tiles * mats * TILE * groups * 2
+    return warps * t.early * (1024 + 8) + tiles * TILE * groups * 2
 
 
 def launch_smem(kind: str, k: int, t: MmaTiling) -> int:
     """Dynamic shared memory a launch passes: the activations where they outgrow static
-    shared memory (dynamic_smem), then the ring (ring_smem)."""
-    return dynamic_smem(k) + ring_smem(kind, k, t)
+    shared memory (dynamic_smem), then the early groups (early_smem)."""
+    return dynamic_smem(k) + early_smem(kind, k, t)
 
 
 def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
@@ -194,7 +199,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "ring", "early"):
+    for f in ("rope", "hilo", "early"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -277,25 +282,23 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     HILO = bool(t.hilo)
     LO_WORDS = ACT_WORDS + 8 if HILO else 0
     ACT_ALLOC = ACT_WORDS + LO_WORDS
-    # the ring (t.ring > 0; "The ring" in the module doc), in the dynamic shared array `dyn`:
-    #   RING         a warp's slots, each one group of each matrix (1 KB a matrix, the lane's
-    #                32 bytes as two 16-byte halves: [slot][matrix][half][lane][16 B])
+    # early (t.early > 0, o_proj and down; "early" in the module doc), in the dynamic shared
+    # array `dyn`:
+    #   EARLY        a warp's slots, each its next group (1 KB: the file's bytes, the lane's
+    #                32 at 32 * lane), filled once, before griddepcontrol.wait
     #   ITERS        the iterations of the warp with the most groups
+    #   PAIRS_MAIN   mainloop's iterations: PAIRS, or those left after the early groups
     #   ACT_DYN      words of activations at the start of dyn (the 32B's down), else 0
-    #   RING_B, SC_W the ring's byte offset in dyn, the scales' word offset after it
+    #   SLOTS_B, SC_W  the slots' byte offset in dyn, the scales' word offset after them
     #   SC_CHUNKS    16-byte copies of a tile's scale block (16 rows x GROUPS fp16, contiguous)
     #   BAR_B        the slots' mbarriers (8 bytes each, [warp][slot]) after the scales
-    #   SLOT_TX      bytes a slot's copies deliver (1 KB a matrix)
-    #   EARLY        t.early: the ring's first RING groups only (no refill), the warp's
-    #                other groups through mainloop from group kw + RING * TILE_WARPS on
-    #   PAIRS_MAIN   mainloop's iterations: PAIRS, or those left after EARLY's groups
-    RING = t.ring or t.early
-    EARLY = bool(t.early)
+    #   SLOT_TX      bytes a slot's copy delivers
+    EARLY = t.early
     ITERS = -(-GROUPS // TILE_WARPS)
-    PAIRS_MAIN = PAIRS if not EARLY else max(0, -(-(ITERS - RING) // 2))
+    PAIRS_MAIN = PAIRS if not EARLY else max(0, -(-(ITERS - EARLY) // 2))
     ACT_DYN = ACT_WORDS if dynamic_smem(k) else 0
-    RING_B = ACT_DYN * 4
-    SC_W = ACT_DYN + WARPS * RING * MATS * 256
+    SLOTS_B = ACT_DYN * 4
+    SC_W = ACT_DYN + WARPS * EARLY * MATS * 256
     SC_CHUNKS = TILE * GROUPS * 2 // 16
     SC_ITERS = -(-SC_CHUNKS // (32 * TILE_WARPS))
     BAR_B = SC_W * 4 + TILES * MATS * TILE * GROUPS * 2
@@ -501,27 +504,25 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
-    def ring_issue(qw, dyn, bases, grp, slot, warp):
-        """(lane 0) Group grp's 1 KB of the warp's tile (and of its up tile) into the warp's
-        slot: one cp.async.bulk a matrix, counted off the slot's mbarrier.  Past the last
-        group only an arrival, so the slot's phase still completes for a lane that waits."""
+    def early_issue(qw, dyn, bases, grp, slot, warp):
+        """(lane 0) Group grp's 1 KB of the warp's tile into the warp's slot: one
+        cp.async.bulk, counted off the slot's mbarrier.  Past the last group only an arrival,
+        so the slot's phase still completes for the lanes that wait on it."""
         wa, sa, wb, sb = bases
         base = cvta_to_shared_u32(dyn)
-        bar = base + uint32(BAR_B + (warp * RING + slot) * 8)
+        bar = base + uint32(BAR_B + (warp * EARLY + slot) * 8)
         if grp < GROUPS:
-            d = base + uint32(RING_B + (warp * RING + slot) * SLOT_TX)
+            d = base + uint32(SLOTS_B + (warp * EARLY + slot) * SLOT_TX)
             mbarrier_arrive_expect_tx(bar, uint32(SLOT_TX))
             cp_async_bulk_g2s(d, qw, wa + grp * 256, uint32(1024), bar)   # wa: lane 0's words
-            if MATS == 2:
-                cp_async_bulk_g2s(d + uint32(1024), qw, wb + grp * 256, uint32(1024), bar)
         else:
             mbarrier_arrive(bar)
 
-    def ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, warp):
+    def early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, warp):
         """What needs no activations, issued before griddepcontrol.wait: the tile's scale
-        block (and its up tile's) into shared memory by the tile's warps (cp.async, one
-        group: the caller waits for it and a block barrier publishes it); lane 0 arms the
-        warp's slot barriers and starts its first RING groups."""
+        block into shared memory by the tile's warps (cp.async, one group: the caller waits
+        for it and a block barrier publishes it); lane 0 arms the warp's slot barriers and
+        starts the copies of its first EARLY groups."""
         sbase = cvta_to_shared_u32(dyn) + uint32(SC_W * 4)
         tt = kw * 32 + lane
         for m in range(MATS):
@@ -533,54 +534,44 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                     cp_async_cg_shared_global_16(dst + uint32(c * 16), sc, src + c * 8)
         cp_async_commit_group()
         if lane == 0:
-            bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * RING * 8)
-            for s_ in range(RING):
+            bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * EARLY * 8)
+            for s_ in range(EARLY):
                 mbarrier_init(bar + uint32(s_ * 8), uint32(1))
             fence_mbarrier_init()
-            for s_ in range(RING):
-                ring_issue(qw, dyn, bases, kw + s_ * TILE_WARPS, s_, warp)
+            for s_ in range(EARLY):
+                early_issue(qw, dyn, bases, kw + s_ * TILE_WARPS, s_, warp)
         cuda.syncwarp(FULL)
 
-    def ring_scale(dyn, tl, m, r, grp):
-        # the scale bits of row r of the block's tile tl (m: the up tile), group grp
+    def early_scale(dyn, tl, m, r, grp):
+        # the scale bits of row r of the block's tile tl, group grp (m: 0)
         e = SC_W * 2 + ((tl * MATS + m) * TILE + r) * GROUPS + grp
         return (dyn[e >> 1] >> uint32((e & 1) * 16)) & uint32(0xFFFF)
 
-    def ring_read(dyn, slot, lane, warp, tl, g, m, grp):
-        # one matrix's group from the warp's slot (the file's bytes: the lane's 8 words are
-        # its 32 at 32 * lane), and its rows' two scales
-        d = cvta_to_shared_u32(dyn) + uint32(RING_B + (warp * RING + slot) * SLOT_TX
+    def early_read(dyn, slot, lane, warp, tl, g, m, grp):
+        # the group in the warp's slot (the lane's 8 words are its 32 bytes at 32 * lane),
+        # and its rows' two scales
+        d = cvta_to_shared_u32(dyn) + uint32(SLOTS_B + (warp * EARLY + slot) * SLOT_TX
                                              + m * 1024 + lane * 32)
         w0, w1, w2, w3 = ld_shared_v4_u32_at(d)
         w4, w5, w6, w7 = ld_shared_v4_u32_at(d + uint32(16))
         gc = min(grp, GROUPS - 1)
-        return (w0, w1, w2, w3, w4, w5, w6, w7, ring_scale(dyn, tl, m, g, gc),
-                ring_scale(dyn, tl, m, g + 8, gc))
+        return (w0, w1, w2, w3, w4, w5, w6, w7, early_scale(dyn, tl, m, g, gc),
+                early_scale(dyn, tl, m, g + 8, gc))
 
-    def ring_loop(qw, dyn, abase, bases, t4, invf):
-        """mainloop's sums from the ring: wait for the slot's phase (its bulk copies have
-        landed), take the group from shared memory, do its math; then, the warp converged
-        (__syncwarp: every lane's reads are done), lane 0 refills the slot with the group
-        RING iterations on.  RING - 1 groups are in flight while the warp multiplies."""
+    def early_loop(dyn, abase, t4, invf):
+        """The sums of the warp's first EARLY groups from their slots: wait for the slot's
+        (only) phase -- its bulk copy has landed -- then the group's math as mainloop's."""
         lane, g, t4_, tl, kw, tile = roles()
         warp = cuda.threadIdx.x >> 5
-        bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * RING * 8)
+        bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * EARLY * 8)
         z = float32(0.0)
         acc = (z, z, z, z)
-        for it in range(RING if EARLY else ITERS):
+        for it in range(EARLY):
             grp = kw + it * TILE_WARPS
-            slot = it % RING
-            mbarrier_wait_parity(bar + uint32(slot * 8), uint32((it // RING) & 1))
-            ca = ring_read(dyn, slot, lane, warp, tl, g, 0, grp)
-            cb = ca
-            if MATS == 2:
-                cb = ring_read(dyn, slot, lane, warp, tl, g, 1, grp)
-            acc = add_group(acc, ca, cb, abase, grp, t4, invf)
-            if not EARLY:
-                cuda.syncwarp(FULL)
-                if lane == 0:
-                    fence_proxy_async_shared()     # the slot's reads before the copy's writes
-                    ring_issue(qw, dyn, bases, grp + RING * TILE_WARPS, slot, warp)
+            slot = it % EARLY                 # it (written as when slots were refilled: the
+            mbarrier_wait_parity(bar + uint32(slot * 8), uint32((it // EARLY) & 1))  # same PTX)
+            ca = early_read(dyn, slot, lane, warp, tl, g, 0, grp)
+            acc = add_group(acc, ca, ca, abase, grp, t4, invf)
         return acc
 
     def roles():
@@ -672,12 +663,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r
 
-    def block_sums_ring(a, qw, sc, act, red, dyn):
-        """block_sums with the weights through the ring (o_proj, down)."""
+    def block_sums_early(a, qw, sc, act, red, dyn):
+        """block_sums with the warp's first EARLY groups copied to shared memory before the
+        wait (o_proj, down): their sums, then mainloop's from group kw + EARLY * TILE_WARPS
+        on, whose first loads are issued before the wait too."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
-        ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
-        kr = kw + RING * TILE_WARPS      # (EARLY) the register loop's first group
+        early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
+        kr = kw + EARLY * TILE_WARPS      # the register loop's first group
         first = load_both(qw, sc, bases, min(kr, GROUPS - 1))
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
@@ -685,31 +678,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         cp_async_wait_group(0)          # this thread's scale copies; the barrier: everyone's
         cuda.syncthreads()
         abase = uint64(cvta_to_shared_u32(act))
-        acc = ring_loop(qw, dyn, abase, bases, t4, red)
-        if EARLY:
-            a0, a1, a2, a3 = acc
-            b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, red)
-            acc = (a0 + b0, a1 + b1, a2 + b2, a3 + b3)
+        a0, a1, a2, a3 = early_loop(dyn, abase, t4, red)
+        b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, red)
+        acc = (a0 + b0, a1 + b1, a2 + b2, a3 + b3)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
         return row, tl2, r
-
-    def gate_up_sums_ring(x, norm_w, qw, sc, act, red, invf, ssum, dyn):
-        """gate_up_sums with the weights through the ring."""
-        lane, g, t4, tl, kw, tile = roles()
-        bases = tile_bases(tile, lane, g)
-        ring_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        cp_async_wait_group(0)          # the scales; stage_norm's closing barrier: everyone's
-        rstd = stage_norm(x, norm_w, act, invf, ssum)
-        abase = uint64(cvta_to_shared_u32(act))
-        acc = ring_loop(qw, dyn, abase, bases, t4, invf)
-        put_partials(red, tl, kw, g, t4, acc)
-        cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r, rstd
 
     def qkv_sums(x, norm_w, qw, sc, act, red, invf, ssum, state, inv_freq, table):
         """qkv up to the warps' partials in `red`: (rstd, pos, page, fr), the RoPE position,
@@ -780,9 +755,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)
-    ring_issue, ring_prologue, ring_scale, ring_read, ring_loop, block_sums_ring, \
-        gate_up_sums_ring = (dev(f) for f in (ring_issue, ring_prologue, ring_scale, ring_read,
-                                              ring_loop, block_sums_ring, gate_up_sums_ring))
+    early_issue, early_prologue, early_scale, early_read, early_loop, block_sums_early = (
+        dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop,
+                         block_sums_early))
 
     if kind in ROPE_KINDS:
         def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
@@ -824,20 +799,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
                         "float16[::1], float32[::1])")
 
-    if kind == "gate_up" and RING:
-        def kernel(x, norm_w, qw, sc, out):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-            red = cuda.shared.array(PARTIALS, float32)
-            invf = cuda.shared.array(GROUPS, float32)
-            ssum = cuda.shared.array(WARPS, float32)
-            dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: the ring, the scales
-            row, tl2, r, rstd = gate_up_sums_ring(x, norm_w, qw, sc, act, red, invf, ssum, dyn)
-            if row >= 0:
-                gt = row_sum(red, tl2, r, 0) * rstd
-                up = row_sum(red, tl2, r, 1) * rstd
-                y = gt / (float32(1.0) + math.exp(-gt)) * up
-                st_global_u16(out, row, cvt_rn_f16_f32(y))
-        return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
     if kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
@@ -851,19 +812,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
                 st_global_u16(out, row, cvt_rn_f16_f32(y))
         return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
-    if RING and not dynamic_smem(k):
+    if EARLY and not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
-            dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: the ring, the scales
-            row, tl2, r = block_sums_ring(a, qw, sc, act, red, dyn)
+            dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
+            row, tl2, r = block_sums_early(a, qw, sc, act, red, dyn)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
-    elif RING:
+    elif EARLY:
         def kernel(a, qw, sc, x):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums_ring(a, qw, sc, dyn, red, dyn)
+            row, tl2, r = block_sums_early(a, qw, sc, dyn, red, dyn)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
     elif not dynamic_smem(k):

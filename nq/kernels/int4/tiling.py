@@ -79,17 +79,14 @@ class Tiling:
 class MmaTiling:
     """The tensor-core GEMV's split: a block holds threads / 32 / warps row tiles of 16 rows;
     the `warps` warps of a tile split its groups (warp w: groups w, w + warps, ...).
-    Retired: split-K, prefetch=2 and preload=2 (gemv_mma.py's epitaphs)."""
+    Retired: split-K, prefetch=2, preload=2 and ring (gemv_mma.py's epitaphs)."""
     warps: int           # warps a 16-row tile's groups are split over
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
     hilo: int = 0        # gate_up, qkv: h staged as fp16 hi + lo in B's even / odd columns
-    ring: int = 0        # o_proj / down / gate_up: groups a warp keeps in flight through
-    #                      shared memory (cp.async, gemv_mma.py "The ring"); 0: registers,
-    #                      one group ahead
-    early: int = 0       # o_proj / down: a warp's first `early` groups copied into shared
-    #                      memory before griddepcontrol.wait, the rest as without (experiment)
+    early: int = 0       # o_proj / down: a warp's first `early` groups (and its tile's scales)
+    #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -103,7 +100,6 @@ class MmaTiling:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
-                + (f"_ring{self.ring}" if self.ring else "")
                 + (f"_early{self.early}" if self.early else ""))
 
 

@@ -58,23 +58,22 @@ def test_layout_round_trip_and_refusals():
         gemv_mma.build_kernel("down", 64, 128 * 1000, MmaTiling(warps=16, threads=512))
     assert gemv_mma.dynamic_smem(18944) == 0                # up to the 14B: static, as measured
     assert gemv_mma.dynamic_smem(27648) == 2 * 27648        # the 32B's down: 55 KB, dynamic
-    # the ring: each warp's slots (1 KB a group and matrix), its tiles' scale blocks, then
-    # an 8-byte mbarrier a slot
-    r = MmaTiling(warps=16, threads=1024, ring=4)
-    assert r.tag() == "mma_w16_t1024_ring4" and r.layout() == ("mma", 16)
-    assert gemv_mma.launch_smem("down", 18944, r) == 32 * 4 * 1032 + 2 * 16 * 148 * 2
-    assert gemv_mma.launch_smem("gate_up", 3584, MmaTiling(warps=2, threads=256, ring=3)) \
-        == 8 * 3 * 2056 + 4 * 2 * 16 * 28 * 2
-    assert gemv_mma.launch_smem("down", 27648, MmaTiling(warps=12, threads=384, ring=3)) \
+    # early: each warp's slots (1 KB a group), its tiles' scale blocks, then an 8-byte
+    # mbarrier a slot
+    r = MmaTiling(warps=16, threads=1024, early=1)
+    assert r.tag() == "mma_w16_t1024_early1" and r.layout() == ("mma", 16)
+    assert gemv_mma.launch_smem("down", 18944, r) == 32 * 1 * 1032 + 2 * 16 * 148 * 2
+    assert gemv_mma.launch_smem("down", 27648, MmaTiling(warps=12, threads=384, early=3)) \
         == 2 * 27648 + 12 * 3 * 1032 + 16 * 216 * 2
-    assert "ring" not in gemv_mma.gemv_mma_name("down", 3584, 18944, t)   # names stand
-    for bad in (1, 7):
-        with pytest.raises(ValueError, match="ring"):
-            gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, ring=bad))
-    with pytest.raises(ValueError, match="ring"):    # qkv's rows keep a tile's scales apart
-        gemv_mma.build_kernel("qkv", 128, 256, MmaTiling(2, 128, rope=128, ring=2), 1e-6)
-    with pytest.raises(ValueError, match="a smaller ring"):   # 32 warps x 6 KB + 37 KB
-        gemv_mma.build_kernel("down", 3584, 18944, MmaTiling(warps=16, threads=1024, ring=6))
+    assert gemv_mma.gemv_mma_name("down", 3584, 18944, r).endswith("_min_blocks0_early1")
+    assert "early" not in gemv_mma.gemv_mma_name("down", 3584, 18944, t)   # names stand
+    for bad in (7,):
+        with pytest.raises(ValueError, match="early"):
+            gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, early=bad))
+    with pytest.raises(ValueError, match="early"):   # o_proj and down only
+        gemv_mma.build_kernel("gate_up", 64, 256, MmaTiling(2, 128, early=2), 1e-6)
+    with pytest.raises(ValueError, match="a smaller early"):   # 32 warps x 6 KB + 37 KB
+        gemv_mma.build_kernel("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=6))
 
 
 def test_mma_tiling_rule():
@@ -96,9 +95,7 @@ def test_mma_tiling_rule():
     ("down", 3584, 18944, MmaTiling(warps=8, threads=512)),
     ("o_proj", 3584, 3584, MmaTiling(warps=4, threads=256, min_blocks=2)),
     ("down", 5120, 27648, MmaTiling(warps=12, threads=384)),       # the 32B's, dynamic shared
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, ring=4)),   # the ring
-    ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, ring=2)),
-    ("down", 5120, 27648, MmaTiling(warps=12, threads=384, ring=3)),
+    ("down", 5120, 27648, MmaTiling(warps=12, threads=384, early=3)),
     ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=4)),   # one-shot, then registers
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, early=2)),
 ])
@@ -110,7 +107,7 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
                          "ld.shared.v2.u32", "ld.global.nc.v4.u32", "lop3.b32",
                          "griddepcontrol.wait")
     ptx_util.assert_no_local_memory(ptx)
-    if tiling.ring or tiling.early:   # weights through bulk copies counted off a slot's mbarrier
+    if tiling.early:   # the first groups through bulk copies counted off a slot's mbarrier
         ptx_util.assert_uses(ptx, "cp.async.bulk.shared::cluster.global",
                              "mbarrier.try_wait.parity", "cp.async.wait_group")
     # one mma and four lop3 per word, eight words a group
@@ -140,14 +137,14 @@ SIM_SCRIPT = textwrap.dedent('''
     # (name, N, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second iteration
     # is its second half, empty); 3 tiles over blocks of 2 (the last block's second tile is
     # clamped and not written); 4 warps a tile over 3 groups (one warp has none); one warp a
-    # tile over 5 groups (three iterations, the last one half empty); the ring (bulk copies
-    # through shared memory): 3 tiles over blocks of 2, 5 groups over 2 warps with 2 slots
-    # (warp 1's last slot only arrived on); one warp through 3 slots of 8 groups
+    # tile over 5 groups (three iterations, the last one half empty); early (the first groups
+    # bulk-copied to shared memory before the wait): 3 tiles over blocks of 2, 5 groups over
+    # 2 warps with 2 slots (warp 1's second slot past the last group: only arrived on), then
+    # one warp's 3 slots of its 8 groups and 5 through the register loop
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
                           ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
-                          ("ring", 48, 640, MmaTiling(warps=2, threads=128, ring=2)),
                           ("early", 48, 640, MmaTiling(warps=2, threads=128, early=2)),
                           ("early3", 32, 1024, MmaTiling(warps=1, threads=64, early=3))]:
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
@@ -171,6 +168,6 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "tail", "w4", "w1", "ring", "early", "early3"}, stdout
+    assert set(errs) == {"t2_w2", "tail", "w4", "w1", "early", "early3"}, stdout
     for name, e in errs.items():
         assert e < 1e-5, (name, e)
