@@ -19,6 +19,14 @@ environment, 30 of 43 kernels differ with the packages pip installed on 2026-12-
 commit since touched; docs/figures/ptx_hashes_490d131.json is the default step at 490d131
 made with those (gate_up on the tensor cores; the 0.5B and 14B fp16 lm_heads with their
 padded h).
+
+numba names each shared array `_cudapy_smem_N`, N counting the shared arrays compiled so far
+in the process, so a kernel's PTX changed whenever a kernel built before it gained or lost a
+shared array (2026-12-02: down's new `early` array renumbered rmsnorm's, argmax's and the
+attention's, instruction for instruction the same).  Since then `normalise` renames them too;
+hashes in files made before (the two above) differ from today's for every kernel with a shared
+array, so compare files made by the same version of this script.
+docs/figures/ptx_hashes_1e19d22.json is the default step of the 7B and 32B at 1e19d22 with it.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ def normalise(ptx: str) -> str:
     body = re.sub(r"//[^\n]*", "", ptx)
     names = re.findall(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)", body)
     names += re.findall(r"\b(_Z[\w$]+)", body)
+    names += re.findall(r"\b(_cudapy_smem_\d+)\b", body)   # numbered per process (doc)
     order = {}
     for n in names:
         order.setdefault(n, f"NAME{len(order)}")
