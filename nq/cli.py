@@ -243,7 +243,7 @@ def cmd_generate(args) -> int:
 
 def cmd_cache(args) -> int:
     """`nq cache info|clear`: the compiled-kernel cache (nq/kernels/build.py)."""
-    from nq.kernels.build import cache_root
+    from nq.kernels.cache_files import cache_root
     from nq.kernels.cache_files import cache_entries, clear_cache
     if args.action == "clear":
         from nq.loader.outfile import remove_stale

@@ -43,7 +43,7 @@ from pathlib import Path
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 
 from nq.kernels import cache_files
-from nq.kernels.cache_files import _entry_path, _write_entry, cache_root, read_entry  # noqa: F401
+from nq.kernels.cache_files import entry_path, read_entry, write_entry
 from nq.ptx import SIMULATOR
 
 OPTIONS = ("launch_bounds", "fastmath", "lineinfo")
@@ -158,7 +158,7 @@ def _store(kernel, key: str, inputs: dict, path: Path) -> None:
               "sha256": hashlib.sha256(cubin).hexdigest(), "bytes": len(cubin),
               "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     try:
-        _write_entry(path, header, bytes(cubin))
+        write_entry(path, header, bytes(cubin))
     except OSError as e:  # a read-only or full cache directory must not stop the engine
         print(f"nq: kernel cache: could not write {path}: {e}", file=sys.stderr)
 
@@ -206,7 +206,7 @@ def in_cache(body, sig: str, name: str, **options) -> bool:
     if SIMULATOR or not cache_enabled():
         return False
     key, _ = cache_key(body, sig, name, options)
-    path = _entry_path(key, name)
+    path = entry_path(key, name)
     return path.exists() and read_entry(path, key) is not None
 
 
@@ -225,7 +225,7 @@ def compile_kernel(body, sig: str, name: str, **options):
     if cache_enabled():
         t0 = time.perf_counter()
         key, inputs = cache_key(body, sig, name, options)
-        path = _entry_path(key, name)
+        path = entry_path(key, name)
         entry = read_entry(path, key) if path.exists() else None
         if entry is not None:
             try:

@@ -32,11 +32,13 @@ def cache_root() -> Path:
     return cache_dir() / "kernels"
 
 
-def _entry_path(key: str, name: str) -> Path:
+def entry_path(key: str, name: str) -> Path:
+    """Where the kernel `name` compiled under cache key `key` lives in the cache."""
     return cache_root() / f"{name[:80]}-{key[:24]}.cubin"
 
 
-def _write_entry(path: Path, header: dict, cubin: bytes) -> None:
+def write_entry(path: Path, header: dict, cubin: bytes) -> None:
+    """The entry at path, written whole or not at all (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=f"-{os.getpid()}")
     try:

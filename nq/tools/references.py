@@ -18,7 +18,7 @@ class Greedy:
     spreads: list
 
 
-def _top2(logits: np.ndarray) -> tuple[int, float, float]:
+def top2(logits: np.ndarray) -> tuple[int, float, float]:
     order = np.argsort(logits)[::-1][:2]
     return int(order[0]), float(logits[order[0]] - logits[order[1]]), float(logits.max() - logits.min())
 
@@ -48,7 +48,7 @@ class NumpyReference:
             logits = self.model.forward(np.asarray(prompt))[-1]
             g = Greedy([], [], [])
             for _ in range(n):
-                tok, gap, spread = _top2(logits)
+                tok, gap, spread = top2(logits)
                 g.ids.append(tok), g.gaps.append(gap), g.spreads.append(spread)
                 logits = self.model.forward(np.array([tok]))[-1]
             out.append(g)

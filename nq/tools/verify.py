@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from nq.tools.references import Greedy, _top2, make_reference
+from nq.tools.references import Greedy, top2, make_reference
 
 TOL_INT4, TOL_HEAD, TOL_LAYER = 5e-3, 1e-5, 5e-3
 TIE_TOL = 2e-3  # reference top-2 gap, as a fraction of max - min logit, that rounding can flip
@@ -288,7 +288,7 @@ def prefill_tier(backend, reference, lengths, seed: int = 0, vocab: int = 32000)
         ref = reference.last_logits([t for part in parts for t in part])
         err = logit_error(got, ref)
         top = int(np.argmax(got)) == int(np.argmax(ref))
-        _, gap, spread = _top2(ref)
+        _, gap, spread = top2(ref)
         detail = ("top-1 agrees" if top else
                   f"top-1 differs (reference top-2 gap {gap / max(spread, 1e-30):.1e} of the spread)")
         rows.append(Row("prefill", name, err, TOL_PREFILL, detail))

@@ -59,12 +59,12 @@ def test_source_digest_covers_the_kernel_sources():
 
 
 def test_entries_are_checked_before_use(env):
-    path = build._entry_path("ab" * 32, "some_kernel")
-    assert path.parent == build.cache_root() and str(path).startswith(os.environ["NQ_CACHE"])
+    path = cache_files.entry_path("ab" * 32, "some_kernel")
+    assert path.parent == cache_files.cache_root() and str(path).startswith(os.environ["NQ_CACHE"])
     cubin = bytes(range(256)) * 40
     header = {"key": "ab" * 32, "entry": "e", "cc": [9, 0, "a"],
               "sha256": hashlib.sha256(cubin).hexdigest(), "created": "now"}
-    build._write_entry(path, header, cubin)
+    cache_files.write_entry(path, header, cubin)
     assert build.read_entry(path, "ab" * 32) == (header, cubin)
     assert build.read_entry(path, "cd" * 32) is None            # another key: stale
     data = path.read_bytes()
@@ -90,7 +90,7 @@ def _writer(args):
     cubin = os.urandom(200_000)
     header = {"key": "k", "sha256": hashlib.sha256(cubin).hexdigest(), "writer": i}
     for _ in range(20):
-        build._write_entry(build._entry_path("k" * 64, "shared"), header, cubin)
+        cache_files.write_entry(cache_files.entry_path("k" * 64, "shared"), header, cubin)
     return True
 
 
@@ -100,14 +100,14 @@ def test_in_cache_says_whether_a_compile_would_load(env, monkeypatch):
     key, _ = build.cache_key(body, sig, name, {})
     cubin = b"\x7fELF" + bytes(300)
     header = {"key": key, "sha256": hashlib.sha256(cubin).hexdigest()}
-    path = build._entry_path(key, name)
-    build._write_entry(path, header, cubin)
+    path = cache_files.entry_path(key, name)
+    cache_files.write_entry(path, header, cubin)
     assert build.in_cache(body, sig, name)
     assert not build.in_cache(body, sig, name, fastmath=True)     # other options: another key
     assert not build.in_cache(_factory(4, 0.5), sig, name)        # another constant
     path.write_bytes(path.read_bytes()[:-1] + b"\x01")           # corrupt: would be rebuilt
     assert not build.in_cache(body, sig, name)
-    build._write_entry(path, header, cubin)
+    cache_files.write_entry(path, header, cubin)
     monkeypatch.setenv("NQ_NO_KERNEL_CACHE", "1")
     assert not build.in_cache(body, sig, name)
 
