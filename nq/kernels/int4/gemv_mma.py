@@ -79,11 +79,10 @@ arithmetic too (a lane's sum of squares over its groups, the warp's butterfly, t
 in order), equal to the bit where the two kernels have as many warps.
 
 hilo (`MmaTiling.hilo`, gate_up's and qkv's with NQ_MMA_QKV=1): B has 8 columns and a GEMV
-needs one,
-so the columns carry the activations twice over: lanes of even g load hi = fp16(v), lanes of
-odd g load lo = fp16(v - hi) (staged 8 words past hi, other banks), and a lane's d0 + d1 (d2 +
-d3) is row g's (g+8's) dot product with v to ~2^-22 of each value instead of 2^-11: the fp32
-activations at no extra mma.  Only gate_up and qkv can: they stage rmsnorm(x) from the fp32
+needs one, so the columns carry the activations twice over: lanes of even g load hi =
+fp16(v), lanes of odd g load lo = fp16(v - hi) (staged 8 words past hi, other banks), and a
+lane's d0 + d1 (d2 + d3) is row g's (g+8's) dot product with v to ~2^-22 of each value
+instead of 2^-11: the fp32 activations at no extra mma.  Only gate_up and qkv can: they stage rmsnorm(x) from the fp32
 residual themselves, while o_proj and down read fp16 that earlier kernels wrote.  On a 2-layer
 model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the logit spread with
 qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
