@@ -16,7 +16,7 @@ from pathlib import Path
 from nq import gpu_start
 from nq.errors import interrupted, os_error_words, signals_as_interrupts
 from nq.backend import context_size, make_backend, sampling_params
-from nq.cli_args import Formatter, model_args, sampling_args
+from nq.cli_args import Formatter, apply_precision, model_args, sampling_args
 from nq.loader.resolve import resolve_model
 from nq.tools.flags import bench_arguments, verify_arguments
 
@@ -423,6 +423,7 @@ def _main(argv) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not the top level's
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    apply_precision(args)
     import warnings
     # numba warns about every launch with a grid under 128 CTAs; the small per-step kernels
     # (embed, argmax, attention at short context) are that size on purpose.

@@ -330,3 +330,29 @@ def test_generate_says_what_ended_the_reply(tiny_nanoqwen, capsys):
     assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p", "x", "-n", "-1",
                  "-c", "12", "--temp", "0", "--ignore-eos"]) == 0
     assert "ended by the context (-c 12) is full" in capsys.readouterr().err
+
+
+def test_fp32_accurate_sets_the_switch_before_any_kernel_module():
+    """--fp32-accurate on every subcommand that runs the engine sets NQ_MMA_QKV=1, which
+    nq.kernels.int4.tiling reads once at import: so the flag must act before that import, in a
+    fresh process, and tiling must then see it (MMA_QKV True)."""
+    script = (
+        "import os, sys\n"
+        "os.environ.pop('NQ_MMA_QKV', None)\n"
+        "from nq import cli\n"
+        "from nq.cli_args import apply_precision\n"
+        "p = cli.build_parser()\n"
+        "for cmd in (['generate'], ['chat'], ['serve'], ['bench', '--random', '7b'], ['verify']):\n"
+        "    a, _ = p.parse_known_args(cmd + ['--fp32-accurate'])\n"
+        "    assert a.fp32_accurate, cmd\n"
+        "    b, _ = p.parse_known_args(cmd)\n"
+        "    assert not b.fp32_accurate, cmd\n"
+        "apply_precision(b)\n"
+        "assert 'NQ_MMA_QKV' not in os.environ\n"
+        "assert 'nq.kernels.int4.tiling' not in sys.modules\n"
+        "apply_precision(a)\n"
+        "from nq.kernels.int4 import tiling\n"
+        "print(os.environ['NQ_MMA_QKV'], tiling.MMA_QKV)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["1", "True"], out.stderr[-2000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from nq.cli_args import precision_arg
 from nq.config import PRESETS
 
 # --sampling NAME -> nq.sample.SamplingParams keywords (seed fixed: the same draws every run)
@@ -69,6 +70,7 @@ def bench_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--no-gemm", action="store_true", help="skip the prefill GEMM table")
     s.add_argument("--json", metavar="FILE", help="write every figure and the environment here "
                                                   "(plots go next to it)")
+    precision_arg(s)
 
 
 def verify_arguments(s: argparse.ArgumentParser) -> None:
@@ -94,3 +96,4 @@ def verify_arguments(s: argparse.ArgumentParser) -> None:
                         "torch, nq.ref on NumPy, or torch when importable")
     s.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     s.add_argument("--json", help="also write the table as JSON to this path")
+    precision_arg(s)

@@ -267,7 +267,7 @@ def decode_tier(backend, reference, prompts, n) -> Row:
                    "no steps: give --tokens 2 or more")
     e = np.asarray(errs)
     detail = (f"median {np.median(e):.2e}, max {e.max():.2e} of the spread over {e.size} steps; "
-              f"target {DECODE_TARGET:g} (the fp32-accurate step, NQ_MMA_QKV=1, meets it at "
+              f"target {DECODE_TARGET:g} (the fp32-accurate step, --fp32-accurate, meets it at "
               f"the 7B width)")
     return Row("decode", f"{len(prompts)} prompts x {n - 1} teacher-forced decode steps, logits",
                float(e.max()), TOL_DECODE, detail)
