@@ -2,7 +2,6 @@
 GPU: its tiling and refusals, the switch's wiring (gemvs, the upload's layout, the prefill's
 layout), its sm_90 PTX, and the kernel under the CUDA simulator against an fp64 reference.
 The CUDA-core gate_up (switch off) is proven unchanged by scripts/ptx_hashes.py, not here."""
-import dataclasses
 import os
 import subprocess
 import sys
