@@ -423,3 +423,30 @@ def test_bench_boundary_reads_the_packed_projections(tiny_nanoqwen):
     tiles = bb.tile_shapes(cfg)
     assert sum(t * g * 1024 for t, g, _ in tiles) == words + 2 * 4096
 
+
+
+def test_rounding_model_measures_what_it_rounds(tiny_nanoqwen):
+    """scripts/rounding_model.py: with no rounding point the model is nq.ref itself, one token
+    a forward against the reference's one forward over all of them: only fp32 summation order
+    differs (~4e-7 of the spread; a step misaligned by one token would be far off); with every
+    point rounded to fp16 the error is that of fp16 activations (1e-5..1e-2 of the spread, many
+    times the floor); an unknown point is refused."""
+    import importlib.util
+    from pathlib import Path
+
+    from nq.loader.format import NanoqwenFile
+    from nq.loader.weights import load_host_weights
+    path = Path(__file__).resolve().parents[2] / "scripts" / "rounding_model.py"
+    spec = importlib.util.spec_from_file_location("rounding_model", path)
+    rm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rm)
+    nf = NanoqwenFile(tiny_nanoqwen)
+    errs = rm.teacher_forced(nf.config, load_host_weights(nf), [[3, 1, 4, 1, 5]], 6,
+                             {"none": set(), "all": rm.parse_points("all"),
+                              "kv+a": rm.parse_points("kv+a")})
+    assert errs["none"].size == 5 and errs["none"].max() < 5e-6
+    assert 1e-5 < errs["all"].max() < 1e-2 and errs["all"].max() > 20 * errs["none"].max()
+    assert errs["kv+a"].max() > 5 * errs["none"].max()
+    assert rm.parse_points("h") == {"h_qkv", "h_mlp"}
+    with pytest.raises(SystemExit):
+        rm.parse_points("kv+q")
