@@ -82,8 +82,9 @@ hilo (`MmaTiling.hilo`, gate_up's and qkv's with NQ_MMA_QKV=1): B has 8 columns 
 needs one, so the columns carry the activations twice over: lanes of even g load hi =
 fp16(v), lanes of odd g load lo = fp16(v - hi) (staged 8 words past hi, other banks), and a
 lane's d0 + d1 (d2 + d3) is row g's (g+8's) dot product with v to ~2^-22 of each value
-instead of 2^-11: the fp32 activations at no extra mma.  Only gate_up and qkv can: they stage rmsnorm(x) from the fp32
-residual themselves, while o_proj and down read fp16 that earlier kernels wrote.  On a 2-layer
+instead of 2^-11: the fp32 activations at no extra mma.  Only gate_up and qkv can: they stage
+rmsnorm(x) from the fp32 residual themselves, while o_proj and down read fp16 that earlier
+kernels wrote.  On a 2-layer
 model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the logit spread with
 qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
 at ~40 %, the KV cache's fp16 at ~30 %, the attention output's and SwiGLU's at the rest).
@@ -104,7 +105,7 @@ from nq.kernels.common import (SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, block_rstd, 
 from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
 from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.rope_epilogue import put_rope_body
-from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling
+from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_bytes
 from nq.paged import PAGE, STATE_POS
 from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
@@ -135,10 +136,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: hilo (h staged as fp16 hi + lo) is for "
                          f"{NORM_KINDS}, which stage rmsnorm(x) themselves; {kind}'s activations "
                          f"arrive in fp16")
-    if t.hilo and 4 * k + 32 > STATIC_SMEM_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs {4 * k} "
-                         f"bytes, over the {STATIC_SMEM_LIMIT} bytes of static shared memory; "
-                         f"use hilo=0")
+    if t.hilo and hilo_bytes(k) > STATIC_SMEM_LIMIT:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs "
+                         f"{hilo_bytes(k)} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
+                         f"shared memory; use hilo=0")
     if k * 2 + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
@@ -154,9 +155,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
                          f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
                          f"down; 0 copies none")
-    if t.early and early_smem(kind, k, t) + k * 2 * (not dynamic_smem(k)) + partials \
+    if t.early and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
             > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(kind, k, t)} bytes of "
+        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
                          f"early groups and scales beside {k * 2} of activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
                          f"or fewer threads")
@@ -177,7 +178,7 @@ def dynamic_smem(k: int) -> int:
     return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
 
 
-def early_smem(kind: str, k: int, t: MmaTiling) -> int:
+def early_smem(k: int, t: MmaTiling) -> int:
     """Bytes of dynamic shared memory `early` takes (0 without): each warp's `early` slots of
     1 KB, the block's tiles' scales, then an mbarrier a slot."""
     if not t.early:
@@ -187,10 +188,10 @@ def early_smem(kind: str, k: int, t: MmaTiling) -> int:
     return warps * t.early * (1024 + 8) + tiles * TILE * groups * 2
 
 
-def launch_smem(kind: str, k: int, t: MmaTiling) -> int:
+def launch_smem(k: int, t: MmaTiling) -> int:
     """Dynamic shared memory a launch passes: the activations where they outgrow static
     shared memory (dynamic_smem), then the early groups (early_smem)."""
-    return dynamic_smem(k) + early_smem(kind, k, t)
+    return dynamic_smem(k) + early_smem(k, t)
 
 
 def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
@@ -253,7 +254,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   HILO         gate_up, qkv: h staged twice, hi = fp16(v) and lo = fp16(v - hi) at
     #                word LO_WORDS on; lanes of odd g read lo (B's odd columns), so a D row's
     #                even + odd columns are the fp32-accurate h's dot product (module doc).
-    #                LO_WORDS is 8 words past ACT_WORDS (a multiple of 32): a warp's B load
+    #                LO_WORDS is 8 words past ACT_WORDS (a multiple of 32; tiling.hilo_bytes
+    #                counts both halves): a warp's B load
     #                then reads hi from banks 0-7 and lo from 8-15, one wavefront (unpadded,
     #                the same banks: 2-way conflicts); stage_group stores both
     #   ACT_ALLOC    the staged words: ACT_WORDS, twice that with HILO
@@ -409,25 +411,26 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 ss += stage_group(x, norm_w, act, invf, 7 * WARPS + warp, lane)
             for it in range(8, NORM_ITERS):
                 ss += stage_group(x, norm_w, act, invf, it * WARPS + warp, lane)
-        for it in range(0 if not HILO else NORM_ITERS, NORM_ITERS):
-            grp = it * WARPS + warp
-            base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
-            x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-            n0, n1 = unpack_f16x2_to_f32(w01)
-            n2, n3 = unpack_f16x2_to_f32(w23)
-            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-            m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
-            f, fi = pow2_scale(m)
-            if grp < GROUPS:
-                ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-                j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
-                w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-                w += 2 * j if j < 4 else 2 * j - 7
-                act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
-                act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
-                if lane == 0:
-                    invf[grp] = fi
+        else:
+            for it in range(NORM_ITERS):
+                grp = it * WARPS + warp
+                base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
+                x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+                n0, n1 = unpack_f16x2_to_f32(w01)
+                n2, n3 = unpack_f16x2_to_f32(w23)
+                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+                m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
+                f, fi = pow2_scale(m)
+                if grp < GROUPS:
+                    ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                    j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
+                    w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+                    w += 2 * j if j < 4 else 2 * j - 7
+                    act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+                    act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                    if lane == 0:
+                        invf[grp] = fi
         ss = wsum(ss)
         if lane == 0:
             ssum[warp] = ss
@@ -642,44 +645,34 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
-    def block_sums(a, qw, sc, act, red):
+    def block_sums(a, qw, sc, act, red, dyn):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r) for
-        row_sum(red, tl2, r, 0), the thread's output row; row -1 for threads without one."""
+        row_sum(red, tl2, r, 0), the thread's output row; row -1 for threads without one.
+        With EARLY, the warp's first EARLY groups come from their slots in `dyn` (copied
+        before the wait), mainloop's from group kw + EARLY * TILE_WARPS on; else dyn is a
+        stand-in never read."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
-        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))  # weights wait for nothing
+        if EARLY:
+            early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
+        kr = kw + EARLY * TILE_WARPS      # the register loop's first group
+        first = load_both(qw, sc, bases, min(kr, GROUPS - 1))  # weights wait for nothing
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         stage(a, act)
+        if EARLY:
+            cp_async_wait_group(0)      # this thread's scale copies; the barrier: everyone's
         cuda.syncthreads()
         # widened here, once: the chunk offsets added to it are 64-bit sums anyway (kept as a
         # 32-bit value the PTX comes out in another order)
         abase = uint64(cvta_to_shared_u32(act))
         # (red stands in for invf, which only gate_up reads)
-        acc = mainloop(qw, sc, abase, bases, kw, t4, first, red)
-        put_partials(red, tl, kw, g, t4, acc)
-        cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r
-
-    def block_sums_early(a, qw, sc, act, red, dyn):
-        """block_sums with the warp's first EARLY groups copied to shared memory before the
-        wait (o_proj, down): their sums, then mainloop's from group kw + EARLY * TILE_WARPS
-        on, whose first loads are issued before the wait too."""
-        lane, g, t4, tl, kw, tile = roles()
-        bases = tile_bases(tile, lane, g)
-        early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
-        kr = kw + EARLY * TILE_WARPS      # the register loop's first group
-        first = load_both(qw, sc, bases, min(kr, GROUPS - 1))
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        stage(a, act)
-        cp_async_wait_group(0)          # this thread's scale copies; the barrier: everyone's
-        cuda.syncthreads()
-        abase = uint64(cvta_to_shared_u32(act))
-        a0, a1, a2, a3 = early_loop(dyn, abase, t4, red)
-        b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, red)
-        acc = (a0 + b0, a1 + b1, a2 + b2, a3 + b3)
+        if EARLY:
+            a0, a1, a2, a3 = early_loop(dyn, abase, t4, red)
+            b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, red)
+            acc = (a0 + b0, a1 + b1, a2 + b2, a3 + b3)
+        else:
+            acc = mainloop(qw, sc, abase, bases, kr, t4, first, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
@@ -746,17 +739,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, pair_row, \
-        put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
+        stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, \
+        pair_row, put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
         gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, stage, stage_norm, stage_group, add_group, mainloop, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)
-    early_issue, early_prologue, early_scale, early_read, early_loop, block_sums_early = (
-        dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop,
-                         block_sums_early))
+    early_issue, early_prologue, early_scale, early_read, early_loop = (
+        dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
 
     if kind in ROPE_KINDS:
         def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
@@ -816,28 +808,28 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r = block_sums_early(a, qw, sc, act, red, dyn)
+            row, tl2, r = block_sums(a, qw, sc, act, red, dyn)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
     elif EARLY:
         def kernel(a, qw, sc, x):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums_early(a, qw, sc, dyn, red, dyn)
+            row, tl2, r = block_sums(a, qw, sc, dyn, red, dyn)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
     elif not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums(a, qw, sc, act, red)
+            row, tl2, r = block_sums(a, qw, sc, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
     else:
         def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums(a, qw, sc, act, red)
+            row, tl2, r = block_sums(a, qw, sc, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
                 x[row] += row_sum(red, tl2, r, 0)
 

@@ -156,8 +156,8 @@ class _MmaGemv:
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
         self.name = gemv_mma_name(kind, n_out, k, tiling, eps, heads)
-        # 0 up to the 14B without a ring; the 32B's down stages 55 KB, a ring its slots
-        self.smem = launch_smem(kind, k, tiling)
+        # 0 up to the 14B without early; the 32B's down stages 55 KB, early its slots
+        self.smem = launch_smem(k, tiling)
         if self.smem:
             allow_smem(self.kernel, self.smem)
 

@@ -103,6 +103,12 @@ class MmaTiling:
                 + (f"_early{self.early}" if self.early else ""))
 
 
+def hilo_bytes(k: int) -> int:
+    """Shared memory that K activations staged as hi + lo take (MmaTiling.hilo): 2K bytes
+    each, lo 32 bytes past hi (gemv_mma.py: other banks)."""
+    return 4 * k + 32
+
+
 def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:
     """The tensor-core tiling for o_proj, down, gate_up, qkv or qkv_rope (these two need the
     head_dim, their layout's `rope`), or None where gemv_mma cannot take
@@ -131,8 +137,9 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
     activations pass 48 KB of static shared memory (K > 24576).
 
-    qkv and qkv_rope (NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every size (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since
-    a RoPE pair is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
+    qkv and qkv_rope (NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every size
+    (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since a RoPE pair
+    is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
     step_variants.py "qkv_rope.mma=1"): the decode step +0.043 ms at 512, -0.005 at 8K; a
     prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K.  Other tilings, hilo, against the
     CUDA-core qkv_rope (ms a step at 512 / 8K): 14 warps t448 +0.050 / +0.023 (hilo=0 +0.046 /
@@ -144,7 +151,7 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     shared memory."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
-    hilo = int(MMA_QKV and 4 * k + 32 <= STATIC_SMEM_LIMIT)   # the fp32-accurate step's
+    hilo = int(MMA_QKV and hilo_bytes(k) <= STATIC_SMEM_LIMIT)   # the fp32-accurate step's
     if kind == "gate_up":
         return MmaTiling(warps=2, threads=256, hilo=hilo) if 2 * k <= STATIC_SMEM_LIMIT else None
     groups = k // GROUP_SIZE

@@ -62,8 +62,8 @@ def test_layout_round_trip_and_refusals():
     # mbarrier a slot
     r = MmaTiling(warps=16, threads=1024, early=1)
     assert r.tag() == "mma_w16_t1024_early1" and r.layout() == ("mma", 16)
-    assert gemv_mma.launch_smem("down", 18944, r) == 32 * 1 * 1032 + 2 * 16 * 148 * 2
-    assert gemv_mma.launch_smem("down", 27648, MmaTiling(warps=12, threads=384, early=3)) \
+    assert gemv_mma.launch_smem(18944, r) == 32 * 1 * 1032 + 2 * 16 * 148 * 2
+    assert gemv_mma.launch_smem(27648, MmaTiling(warps=12, threads=384, early=3)) \
         == 2 * 27648 + 12 * 3 * 1032 + 16 * 216 * 2
     assert gemv_mma.gemv_mma_name("down", 3584, 18944, r).endswith("_min_blocks0_early1")
     assert "early" not in gemv_mma.gemv_mma_name("down", 3584, 18944, t)   # names stand
