@@ -235,22 +235,29 @@ class RefModel:
         """Forget the conversation held in the model's own cache."""
         self.cache.reset()
 
+    def stored(self, point: str, a: np.ndarray) -> np.ndarray:
+        """Each activation the GPU engine keeps in fp16 passes here on its way on (point:
+        h_qkv, kv, a, h_mlp or m; `layer` says which is which).  Identity: the reference is
+        fp32 throughout.  scripts/rounding_model.py overrides it to round some of them."""
+        return a
+
     def layer(self, i: int, x: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         """One decoder layer on the residual stream x (T, hidden) fp32; writes layer i's K/V."""
-        cfg, w, p = self.cfg, self.w, f"layers.{i}."
+        cfg, w, p, st = self.cfg, self.w, f"layers.{i}.", self.stored
         t = x.shape[0]
-        h = rms_norm(x, w[p + "input_layernorm"], cfg.rms_norm_eps)
+        h = st("h_qkv", rms_norm(x, w[p + "input_layernorm"], cfg.rms_norm_eps))
         q = linear(h, w[p + "q_proj.weight"], w[p + "q_proj.bias"]).reshape(t, cfg.num_heads, cfg.head_dim)
         k = linear(h, w[p + "k_proj.weight"], w[p + "k_proj.bias"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = linear(h, w[p + "v_proj.weight"], w[p + "v_proj.bias"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, cfg.rope_theta)
         k = apply_rope(k, positions, cfg.rope_theta)
-        cache.write(i, k, v)
+        cache.write(i, st("kv", k), st("kv", v))
         s = cache.length + t
-        a = attention(q, cache.keys(i, s), cache.values(i, s), positions)
+        a = st("a", attention(q, cache.keys(i, s), cache.values(i, s), positions))
         x = x + linear(a.reshape(t, cfg.q_size), w[p + "o_proj.weight"])
-        h = rms_norm(x, w[p + "post_attention_layernorm"], cfg.rms_norm_eps)
-        m = swiglu(linear(h, w[p + "gate_proj.weight"]), linear(h, w[p + "up_proj.weight"]))
+        h = st("h_mlp", rms_norm(x, w[p + "post_attention_layernorm"], cfg.rms_norm_eps))
+        m = st("m", swiglu(linear(h, w[p + "gate_proj.weight"]),
+                           linear(h, w[p + "up_proj.weight"])))
         return x + linear(m, w[p + "down_proj.weight"])
 
     def forward(self, ids, cache: KVCache | None = None, last_only: bool = False) -> np.ndarray:

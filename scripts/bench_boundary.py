@@ -266,8 +266,9 @@ def main(argv=None) -> int:
     for name, ms in res.items():
         extra = ms - res["one"]
         nb = tile_bytes if name == "tiles" else total
-        print(f"{name:14s} {ms:7.3f} ms  {nb / ms / 1e9:6.2f} TB/s  "
-              f"{'' if name == 'one' else f'{extra:+.3f} ms against one kernel, {extra / n * 1e3:+.2f} us a boundary'}")
+        vs = "" if name == "one" else \
+            f"{extra:+.3f} ms against one kernel, {extra / n * 1e3:+.2f} us a boundary"
+        print(f"{name:14s} {ms:7.3f} ms  {nb / ms / 1e9:6.2f} TB/s  {vs}")
     return 0
 
 

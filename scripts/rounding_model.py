@@ -59,29 +59,12 @@ def f16(a):
 
 
 class Rounded(R.RefModel):
-    """nq.ref's layer with fp16 rounding at `points` (the module doc names them)."""
+    """nq.ref with fp16 rounding at `points` (the module doc names them): RefModel.stored,
+    which layer() passes each of them through, rounds them."""
     points: set = set()
 
-    def layer(self, i, x, positions, cache):
-        cfg, w, p = self.cfg, self.w, f"layers.{i}."
-
-        def rd(name, a):
-            return f16(a) if name in self.points else a
-        t = x.shape[0]
-        h = rd("h_qkv", R.rms_norm(x, w[p + "input_layernorm"], cfg.rms_norm_eps))
-        q = R.linear(h, w[p + "q_proj.weight"], w[p + "q_proj.bias"])
-        k = R.linear(h, w[p + "k_proj.weight"], w[p + "k_proj.bias"])
-        v = R.linear(h, w[p + "v_proj.weight"], w[p + "v_proj.bias"])
-        q = R.apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = R.apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-        cache.write(i, rd("kv", k), rd("kv", v.reshape(t, cfg.num_kv_heads, cfg.head_dim)))
-        s = cache.length + t
-        a = rd("a", R.attention(q, cache.keys(i, s), cache.values(i, s), positions))
-        x = x + R.linear(a.reshape(t, cfg.q_size), w[p + "o_proj.weight"])
-        h = rd("h_mlp", R.rms_norm(x, w[p + "post_attention_layernorm"], cfg.rms_norm_eps))
-        m = rd("m", R.swiglu(R.linear(h, w[p + "gate_proj.weight"]),
-                             R.linear(h, w[p + "up_proj.weight"])))
-        return x + R.linear(m, w[p + "down_proj.weight"])
+    def stored(self, point, a):
+        return f16(a) if point in self.points else a
 
 
 def teacher_forced(cfg, weights, prompts, steps: int, variants: dict) -> dict:
@@ -125,7 +108,8 @@ def make_model(width: str, layers: int, folder: Path):
     from nq.loader.hf import hf_name, pack
     from nq.loader.synth import make_hf_snapshot
     from nq.loader.weights import load_host_weights
-    cfg = dataclasses.replace(PRESETS[width], num_layers=layers, name=f"{width}-width-{layers}layers")
+    cfg = dataclasses.replace(PRESETS[width], num_layers=layers,
+                              name=f"{width}-width-{layers}layers")
     w = R.random_weights(cfg, 0)
     if cfg.tie_word_embeddings:
         w.pop("lm_head", None)
