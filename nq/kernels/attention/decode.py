@@ -444,6 +444,6 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
-        merge[hq, d * combine.SPLIT_GROUPS, stream](state, part_acc, part_ml, o)
+        merge[hq, d * combine.GROUPS, stream](state, part_acc, part_ml, o)
 
     return launch

@@ -58,9 +58,9 @@ from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _
                                      _SH8, _SIXTEENTH, pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import KINDS, Tiling
-from nq.paged import PAGE, STATE_POS
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
-                    cvta_to_shared_u32, fma_rn_f16x2, griddepcontrol_launch_dependents,
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
+                    cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fma_rn_f16x2,
+                    griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32,
                     ld_global_nc_v4_f32, ld_global_nc_v4_u32, ld_shared_v4_u32_at, lop3_b32,
                     pack_f16x2_from_f32, st_global_u16, unpack_f16x2_to_f32)
@@ -160,6 +160,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     STAGE_ITERS = -(-GROUPS // (WARPS * AT_ONCE))
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
+    NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
 
     def load_row(qw, sc, row, ok, s, j):
@@ -399,6 +400,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
 
+    def norm_to_l2(norm_w):
+        # the norm's weights (K fp16: DRAM, evicted by the step's other weights since the last
+        # step) pulled into L2 before the wait, so that the staging after it waits on L2 only
+        if cuda.threadIdx.x == 0:
+            cp_async_bulk_prefetch_l2(norm_w, 0, NORM_BYTES)
+
     def start():
         # (the thread's first output row, its lane in the row's segment)
         tid = cuda.threadIdx.x
@@ -422,12 +429,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
-        load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, start, put_qkv, \
-        put_swiglu, put_residual = (
+        load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, norm_to_l2, start, \
+        put_qkv, put_swiglu, put_residual = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk,
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
-                             seg_sum, mainloop, early, start, put_qkv, put_swiglu, put_residual))
-    put_rope = dev(put_rope_body(n_out, HQ, HKV, D, weight_row))   # after weight_row's dev
+                             seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
+                             put_residual))
+    # (after weight_row's dev)
+    put_rope, rope_setup = (dev(f) for f in put_rope_body(n_out, HQ, HKV, D, weight_row))
 
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):
@@ -436,6 +445,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            norm_to_l2(norm_w)
             early()
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
@@ -456,18 +466,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            norm_to_l2(norm_w)
+            # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
+            pre = rope_setup(bias, state, inv_freq, table, row0)
             early()
-            # After the wait (the previous step's argmax advanced the position): the position
-            # and the pair's frequency now, its page after the prologue, so that the epilogue
-            # does not begin with two dependent round trips to L2 (3 registers meanwhile).
-            pos = state[STATE_POS]
-            fr = inv_freq[(row0 >> 1) % HALF]
             rstd = stage(x, norm_w, act, invf, red)
-            page = table[pos // PAGE]
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc
-                put_rope(bias, kv, q_out, row0, a0 * rstd, a1 * rstd, pos, page, fr)
+                put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
         sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], "
                "int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
     elif kind == "gate_up":
@@ -477,6 +484,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            norm_to_l2(norm_w)
             early()
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)

@@ -106,8 +106,8 @@ from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
 from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_bytes
-from nq.paged import PAGE, STATE_POS
-from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_cg_shared_global_16,
+from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_bulk_prefetch_l2,
+                    cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
                     cvta_to_shared_u32, fence_mbarrier_init,
                     griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
@@ -645,9 +645,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
-    def block_sums(a, qw, sc, act, red, dyn):
-        """o_proj / down up to the warps' partials in `red`: (row, tl2, r) for
-        row_sum(red, tl2, r, 0), the thread's output row; row -1 for threads without one.
+    def block_sums(a, qw, sc, x, act, red, dyn):
+        """o_proj / down up to the warps' partials in `red`: (row, tl2, r, xr) for
+        row_sum(red, tl2, r, 0), the thread's output row (-1 for threads without one) and
+        x[row] as it was, read right after the wait so that the epilogue's x += waits on no L2.
         With EARLY, the warp's first EARLY groups come from their slots in `dyn` (copied
         before the wait), mainloop's from group kw + EARLY * TILE_WARPS on; else dyn is a
         stand-in never read."""
@@ -659,6 +660,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         first = load_both(qw, sc, bases, min(kr, GROUPS - 1))  # weights wait for nothing
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
+        tl2, r, row = out_row()
+        xr = float32(0.0)
+        if row >= 0:
+            xr = x[row]
         stage(a, act)
         if EARLY:
             cp_async_wait_group(0)      # this thread's scale copies; the barrier: everyone's
@@ -675,35 +680,44 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = mainloop(qw, sc, abase, bases, kr, t4, first, red)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r
+        return row, tl2, r, xr
 
-    def qkv_sums(x, norm_w, qw, sc, act, red, invf, ssum, state, inv_freq, table):
-        """qkv up to the warps' partials in `red`: (rstd, pos, page, fr), the RoPE position,
-        its page and the frequency of the thread's pair (qkv_rope's; qkv: zeros).  gemv.py's
-        qkv_rope order: the position and frequency right after the wait (the previous step's
-        argmax advances it), the page after the prologue, so the epilogue waits on no L2."""
+    def qkv_sums(x, norm_w, qw, sc, bias, act, red, invf, ssum, state, inv_freq, table):
+        """qkv up to the warps' partials in `red`: (rstd, pre), pre the epilogue's inputs but
+        the sums, all read before the wait -- qkv_rope: rope_setup's (biases, position, page,
+        cos, sin); qkv: the biases -- so that after the wait the kernel waits on no L2 but
+        the staging's."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        norm_to_l2(norm_w)
+        _, _, r0 = pair_row(cuda.threadIdx.x)
+        if ROPE:   # row0 = 2p, p the pair's index (weight_row's convention); n_out: no pair
+            pre = rope_setup(bias, state, inv_freq, table,
+                             2 * (r0 // D * HALF + r0 % D) if r0 >= 0 else n_out)
+        else:
+            b0 = float32(0.0)
+            b1 = float32(0.0)
+            if r0 >= 0:
+                b0 = cvt_f32_f16(ld_global_nc_u16(bias, r0))
+                b1 = cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF))
+            pre = (b0, b1, float32(1.0), float32(0.0), 0, 0)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
-        pos = 0
-        fr = float32(0.0)
-        if ROPE:
-            pos = state[STATE_POS]
-            fr = inv_freq[pair_i(cuda.threadIdx.x)]
         rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        page = 0
-        if ROPE:
-            page = table[pos // PAGE]
         abase = uint64(cvta_to_shared_u32(act))
         if HILO:   # lanes of odd g hold B's odd columns: lo
             abase += uint64((g & 1) * LO_WORDS * 4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
-        return rstd, pos, page, fr
+        return rstd, pre
+
+    def norm_to_l2(norm_w):
+        # gemv.py's: the norm's weights into L2 before the wait, so that the staging after it
+        # waits on L2, not DRAM
+        if cuda.threadIdx.x == 0:
+            cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)
 
     def pair_i(tid):
         # the pair's index i in its head (rows i, i + D/2; < D/2 for every thread)
@@ -715,8 +729,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         p = row0 >> 1
         return (p // HALF) * D + p % HALF + m * HALF
 
-    def put_qkv(out, bias, row, v):
-        out[row] = v + cvt_f32_f16(ld_global_nc_u16(bias, row))
+    def put_qkv(out, b, row, v):
+        out[row] = v + b
 
     def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
         """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
@@ -724,6 +738,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        norm_to_l2(norm_w)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
@@ -740,13 +755,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
         stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, \
-        pair_row, put_partials, row_sum, block_sums, qkv_sums, pair_i, weight_row, put_qkv, \
-        gate_up_sums = (
+        pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, \
+        put_qkv, gate_up_sums = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, stage, stage_norm, stage_group, add_group, mainloop, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
-                             block_sums, qkv_sums, pair_i, weight_row, put_qkv, gate_up_sums))
-    put_rope = dev(put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))   # (qkv_rope's)
+                             block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, put_qkv,
+                             gate_up_sums))
+    put_rope, rope_setup = (dev(f) for f in put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))
     early_issue, early_prologue, early_scale, early_read, early_loop = (
         dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
 
@@ -755,18 +771,17 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                      invf, ssum):
             # a thread a RoPE pair: rows g, g + 8 of a tile = file rows r0, r0 + D/2.
             # qkv: q_out is its output (N,), state, inv_freq, table and kv stand-ins never read
-            rstd, pos, page, fr = qkv_sums(x, norm_w, qw, sc, act, red, invf, ssum, state,
-                                           inv_freq, table)
+            rstd, pre = qkv_sums(x, norm_w, qw, sc, bias, act, red, invf, ssum, state,
+                                 inv_freq, table)
             tl2, g, r0 = pair_row(cuda.threadIdx.x)
             if r0 >= 0:
                 v0 = row_sum(red, tl2, g, 0) * rstd
                 v1 = row_sum(red, tl2, g + 8, 0) * rstd
                 if ROPE:   # row0 = 2p, p the pair's index (weight_row's convention)
-                    put_rope(bias, kv, q_out, 2 * (r0 // D * HALF + r0 % D), v0, v1, pos,
-                             page, fr)
+                    put_rope(kv, q_out, 2 * (r0 // D * HALF + r0 % D), v0, v1, pre)
                 else:
-                    put_qkv(q_out, bias, r0, v0)
-                    put_qkv(q_out, bias, r0 + HALF, v1)
+                    put_qkv(q_out, pre[0], r0, v0)
+                    put_qkv(q_out, pre[1], r0 + HALF, v1)
 
         qkv_body = dev(qkv_body)
         if ROPE:
@@ -808,29 +823,29 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r = block_sums(a, qw, sc, act, red, dyn)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, dyn)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r, 0)
+                x[row] = xr + row_sum(red, tl2, r, 0)
     elif EARLY:
         def kernel(a, qw, sc, x):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums(a, qw, sc, dyn, red, dyn)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, dyn, red, dyn)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r, 0)
+                x[row] = xr + row_sum(red, tl2, r, 0)
     elif not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums(a, qw, sc, act, red, red)   # (red: dyn's stand-in)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r, 0)
+                x[row] = xr + row_sum(red, tl2, r, 0)
     else:
         def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r = block_sums(a, qw, sc, act, red, red)   # (red: dyn's stand-in)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
-                x[row] += row_sum(red, tl2, r, 0)
+                x[row] = xr + row_sum(red, tl2, r, 0)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"

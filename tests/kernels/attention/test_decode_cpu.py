@@ -65,18 +65,25 @@ def test_split_ptx_early():
     assert_no_local_memory(ptx)
 
 
-def test_combine_ptx():
-    ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2), combine.COMBINE_SIG, fastmath=True)
+@pytest.mark.parametrize("groups", [8, 4])
+def test_combine_ptx(groups):
+    ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2, groups), combine.COMBINE_SIG,
+                           fastmath=True)
     assert_uses(ptx, "griddepcontrol.launch_dependents", "griddepcontrol.wait", "ex2.approx",
                 "cvt.rn.f16.f32")
     assert_no_local_memory(ptx)
+    # the plan before the wait; every load of a chunk before its first exp2: one round trip
+    head, body = ptx.split("griddepcontrol.wait", 1)
+    assert head.count("ld.global") == 1
+    rows = min(-(-66 // groups), combine.chunk_rows(128, groups))
+    assert body[:body.index("ex2.approx")].count("ld.global") == 3 * rows
 
 
 def test_kernel_names_spell_every_constant():
     assert (compiled_name(decode.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
             == "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1")
     assert (compiled_name(combine.combine_kernel, 128, 66, 2)
-            == "attn_combine_d128_splits66_minpps2")
+            == "attn_combine_d128_splits66_minpps2_g8")
 
 
 def test_argument_check_refuses_with_what_it_wants():
@@ -174,6 +181,61 @@ def test_split_and_combine_under_the_simulator():
     bad = {name: e for name, e in errs.items() if not e <= 1.0}  # err / (atol + rtol |ref|)
     assert not bad, bad
 
+
+
+COMBINE_SCRIPT = textwrap.dedent('''
+    import sys
+
+    import numpy as np
+    from numba import cuda
+
+    sys.path.insert(0, "tests")
+    import sim_warp
+    sim_warp.patch_simulator(syncwarp=True)
+
+    from nq.kernels.attention import combine
+    from nq.kernels.attention.plan import split_plan
+    from nq.paged import PAGE
+    from nq.runtime.kv_cache import make_state
+
+    def case(length, ms, min_pps, groups, seed, hq=2, d=32):
+        """attn_combine alone on random partials: rows past the plan's splits hold NaN and
+        inf (never written in a step), m spans 60 so the weights underflow for some splits."""
+        rng = np.random.default_rng(seed)
+        _, n = split_plan(length, ms, min_pps)
+        m = rng.uniform(-30, 30, (ms, hq)).astype(np.float32)
+        l = rng.uniform(1, 16, (ms, hq)).astype(np.float32)
+        acc = rng.standard_normal((ms, hq, d)).astype(np.float32) * l[:, :, None]
+        ml = np.stack([m, l], axis=2)
+        ml[n:, :, 0], ml[n:, :, 1], acc[n:] = np.inf, np.nan, np.nan
+        w = np.exp2(m[:n].astype(np.float64) - m[:n].max(axis=0))
+        ref = (np.einsum("sh,shd->hd", w, acc[:n]) / (w * l[:n]).sum(axis=0)[:, None]).ravel()
+        o = cuda.to_device(np.full(hq * d, np.nan, np.float16))
+        args = (make_state(pos=length - 1), cuda.to_device(acc), cuda.to_device(ml), o)
+        combine.combine_kernel(d, ms, min_pps, groups)[hq, d * groups](*args)
+        got = o.copy_to_host().astype(np.float64)
+        err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))
+        print(f"len{length}_s{ms}_p{min_pps}_g{groups}",
+              float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
+
+    for groups in (8, 4, 1):   # a thread's splits in 1, 2 and 5 chunks (chunk_rows 16 here)
+        case(1, 66, 2, groups, 0)                  # one split, 65 stale rows
+        case(40 * PAGE, 66, 2, groups, 1)          # 20 splits: groups of 3 and 2
+        case(66 * 8 * PAGE, 66, 2, groups, 2)      # every row a split
+        case(5 * PAGE + 3, 7, 1, groups, 3)        # 6 of 7: fewer rows than groups x 2
+''')
+
+COMBINE_CASES = 12
+
+
+@pytest.mark.slow
+def test_combine_forms_under_the_simulator():
+    """attn_combine with 8, 4 and 1 split groups (a thread's splits loaded in 1, 2 and 5
+    chunks) against the float64 merge of the same partials."""
+    errs, stdout = run_under_simulator(COMBINE_SCRIPT, timeout=600)
+    assert len(errs) == COMBINE_CASES, stdout
+    bad = {name: e for name, e in errs.items() if not e <= 1.0}
+    assert not bad, bad
 
 def test_engine_options_are_launcher_keywords():
     """The engine's ATTN_OPTIONS (what the 7B step runs) are knobs decode_launcher still has."""

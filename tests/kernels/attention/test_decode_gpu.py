@@ -96,9 +96,10 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(max_splits=66), dict(max_splits=132), dict(max_splits=3),
                                 dict(min_pps=2), dict(min_pps=4),
                                 dict(early=True), dict(early=True, max_splits=3),
-                                dict(early=True, min_pps=2, rows_per_copy=2)],
+                                dict(early=True, min_pps=2, rows_per_copy=2),
+                                dict(max_splits=264)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
-                              "s3", "minpps2", "minpps4", "early", "early-s3", "engine"])
+                              "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
