@@ -228,6 +228,14 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # -0.0174 / -0.0160, early 3 +0.017, early 4 +0.051)
         ("down", 3584, 18944): MmaTiling(warps=16, threads=1024, early=1),
     }
+    if sms >= 132 and not MMA_QKV:
+        # 9 tiles a block (576 threads): 132 blocks, one an SM (t256's 296 blocks are 2.24 an
+        # SM, the last of them a tail): -0.008 / -0.008 / -0.004 ms a step at 512 / 8K / 32K
+        # against t256 (H200, 2026-12-02, two runs); t192 (395 blocks) +0.053.  early=1 (a
+        # warp's first gate and up groups copied before the wait; tried, not kept) +0.237 at
+        # t256 (90 registers: two blocks an SM, two waves), +0.003 at t576; early=2 worse.
+        # The fp32-accurate step keeps mma_tiling's t256 with hilo, which is what it measured.
+        measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576)
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
         if t is not None:

@@ -16,7 +16,7 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256": 2 warps a tile, 4 tiles a block
+SEVEN_B = MmaTiling(warps=2, threads=256)   # the rule (13c221c's "ks2 t256"); the 7B on 132 SMs: t576
 HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the same in the fp32-accurate step (NQ_MMA_QKV=1)
 
 
@@ -26,7 +26,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("gate_up", 4864, 896) == SEVEN_B       # 0.5B: 7 groups over 2 warps
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
     monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
-    assert mma_tiling("gate_up", i, h) == HILO
+    assert mma_tiling("gate_up", i, h) == HILO == default_tiling("gate_up", i, h)
     assert mma_tiling("gate_up", 64, 128 * 100) == SEVEN_B   # 50 KB as hi + lo: staged once
     monkeypatch.setattr(tiling, "MMA_QKV", False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", False)
@@ -34,8 +34,9 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert off == Tiling(ks=4, threads=192, span=128, min_blocks=3)   # today's, untouched
     assert off == default_tiling("gate_up", i, h, mma=False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", True)
-    on = default_tiling("gate_up", i, h)
-    assert on == SEVEN_B and on.layout() == ("mma", 16)
+    on = default_tiling("gate_up", i, h)   # the 7B's measured entry: one block an SM of 132
+    assert on == MmaTiling(warps=2, threads=576) and on.layout() == SEVEN_B.layout()
+    assert default_tiling("gate_up", i, h, sms=114) == SEVEN_B   # other SM counts: the rule
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
     assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=256, span=128)
@@ -77,7 +78,8 @@ def test_gate_up_refusals():
 
 
 @pytest.mark.parametrize("n,k,t", [
-    (18944, 3584, SEVEN_B),                              # 7B
+    (18944, 3584, SEVEN_B),                              # 7B (the rule's)
+    (18944, 3584, MmaTiling(warps=2, threads=576)),      # 7B (the measured default)
     (18944, 3584, HILO),                                 # 7B, the fp32-accurate step
     (13824, 5120, HILO),                                 # 14B, the fp32-accurate step
     (4864, 896, SEVEN_B),                                # 0.5B
