@@ -13,8 +13,8 @@ def precision_arg(s) -> None:
                    help="the fp32-accurate decode step: qkv on the tensor cores too, and qkv's "
                         "and gate_up's activations at ~fp32 precision (a 7B-width model's "
                         "teacher-forced logits within 5e-4 of their spread from fp32, against "
-                        "1.2e-3; +0.074 ms a token at 512 on the H200); NQ_MMA_QKV=1 does the "
-                        "same")
+                        "1.2e-3; +0.07..0.1 ms a token at 512 on the H200); NQ_MMA_QKV=1 does "
+                        "the same")
 
 
 def apply_precision(args) -> None:

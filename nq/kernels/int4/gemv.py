@@ -436,7 +436,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
                              put_residual))
     # (after weight_row's dev)
-    put_rope, rope_setup = (dev(f) for f in put_rope_body(n_out, HQ, HKV, D, weight_row))
+    put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)
+    put_rope, rope_setup = dev(put_rope), dev(rope_setup)
 
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):

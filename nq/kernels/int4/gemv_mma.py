@@ -106,6 +106,7 @@ from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
 from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_bytes
+from nq.paged import PAGE, STATE_POS
 from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_bulk_prefetch_l2,
                     cp_async_cg_shared_global_16,
                     cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
@@ -683,35 +684,44 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return row, tl2, r, xr
 
     def qkv_sums(x, norm_w, qw, sc, bias, act, red, invf, ssum, state, inv_freq, table):
-        """qkv up to the warps' partials in `red`: (rstd, pre), pre the epilogue's inputs but
-        the sums, all read before the wait -- qkv_rope: rope_setup's (biases, position, page,
-        cos, sin); qkv: the biases -- so that after the wait the kernel waits on no L2 but
-        the staging's."""
+        """qkv up to the warps' partials in `red`: (rstd, pre), pre put_rope's (biases, cos,
+        sin, position, page; qkv: the biases).  The biases before the wait (weights); the
+        position and frequency right after it, the page after the prologue, cos and sin in
+        the epilogue -- not gemv.py's rope_setup before the wait: held across this kernel's
+        loop they took it from 66 to 76 registers (ptxas, sm_90), one 448-thread block an SM
+        instead of two, and the step +0.035 ms (H200, 2026-12-02)."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
         norm_to_l2(norm_w)
         _, _, r0 = pair_row(cuda.threadIdx.x)
-        if ROPE:   # row0 = 2p, p the pair's index (weight_row's convention); n_out: no pair
-            pre = rope_setup(bias, state, inv_freq, table,
-                             2 * (r0 // D * HALF + r0 % D) if r0 >= 0 else n_out)
-        else:
-            b0 = float32(0.0)
-            b1 = float32(0.0)
-            if r0 >= 0:
-                b0 = cvt_f32_f16(ld_global_nc_u16(bias, r0))
-                b1 = cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF))
-            pre = (b0, b1, float32(1.0), float32(0.0), 0, 0)
+        row0 = 2 * (r0 // D * HALF + r0 % D)   # the pair's row0 (weight_row's convention)
+        b0 = float32(0.0)
+        b1 = float32(0.0)
+        if r0 >= 0:
+            b0, b1 = bias_pair(bias, row0)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
+        pos = 0
+        fr = float32(0.0)
+        if ROPE:
+            pos = state[STATE_POS]
+            fr = inv_freq[pair_i(cuda.threadIdx.x)]
         rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        page = 0
+        if ROPE:
+            page = table[pos // PAGE]
         abase = uint64(cvta_to_shared_u32(act))
         if HILO:   # lanes of odd g hold B's odd columns: lo
             abase += uint64((g & 1) * LO_WORDS * 4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
-        return rstd, pre
+        cos_a = float32(1.0)
+        sin_a = float32(0.0)
+        if ROPE:
+            cos_a, sin_a = cos_sin(pos, fr)
+        return rstd, (b0, b1, cos_a, sin_a, pos, page)
 
     def norm_to_l2(norm_w):
         # gemv.py's: the norm's weights into L2 before the wait, so that the staging after it
@@ -762,7 +772,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, put_qkv,
                              gate_up_sums))
-    put_rope, rope_setup = (dev(f) for f in put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row))
+    put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
+    put_rope = dev(put_rope)
     early_issue, early_prologue, early_scale, early_read, early_loop = (
         dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
 

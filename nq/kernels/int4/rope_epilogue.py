@@ -12,7 +12,7 @@ rope_kv's expressions compile to), so with qkv's threads, ks and span the output
 bit-identical to qkv followed by rope_kv.  Everything the epilogue needs but the dot products
 (biases, position, page, cos and sin) is read and computed before griddepcontrol.wait
 (`rope_setup`), so that after the wait the kernel's critical path is the GEMV and a few fmas
-and stores.
+and stores.  gemv_mma.py's qkv_rope reads only the biases there (its qkv_sums says why).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import math
 from numba import cuda, float32
 from numba.cuda.types import float16
 
+from nq.kernels.common import dev
 from nq.paged import PAGE, STATE_POS
 from nq.ptx import cvt_f32_f16, ld_global_nc_u16
 
@@ -28,7 +29,8 @@ from nq.ptx import cvt_f32_f16, ld_global_nc_u16
 def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
     """The epilogue's device-function bodies for a qkv_rope kernel of N = n_out rows and heads
     (HQ, HKV, D); weight_row is the kernel's (a RoPE pair's weight rows): (put_rope,
-    rope_setup).  gemv.py wraps them with `dev`, so they are inlined with these as constants."""
+    rope_setup, cos_sin, bias_pair), the last two device functions already, the first two for
+    the kernel to wrap with `dev`; all inlined with these as constants."""
     HALF = D // 2
 
     def put_rope(kv, q_out, row0, v0, v1, pre):
@@ -60,26 +62,35 @@ def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
                 kv[page, b - HQ - HKV, 1, slot, i] = float16(y0)
                 kv[page, b - HQ - HKV, 1, slot, i + HALF] = float16(y1)
 
+    def cos_sin(pos, fr):
+        """The angle's cos and sin: rope_kv's fp32 pos * inv_freq[i], precise cosf / sinf."""
+        ang = float32(pos) * fr
+        return math.cos(ang), math.sin(ang)
+
     def rope_setup(bias, state, inv_freq, table, row0):
         """Everything put_rope needs besides the dot products, for RoPE pair row0 // 2 (row0 >=
         n_out: none), all of it read before griddepcontrol.wait: the pair's biases (weights;
         258 KB of them do not survive a step in L2), the position and its page (state and
         the block table are written only by the previous replay's argmax and by host copies
         between replays -- attn_split's EARLY argument, decode.py), and the angle's cos and
-        sin (rope_kv's: fp32 pos * inv_freq[i], precise cosf / sinf).  Returns (b0, b1, cos,
-        sin, pos, page)."""
+        sin.  Returns put_rope's `pre`, (b0, b1, cos, sin, pos, page).  gemv.py's qkv_rope
+        (a 256-thread block, two an SM) calls it; gemv_mma.py's holds fewer registers across
+        its loop (module doc there)."""
         b0 = float32(0.0)
         b1 = float32(0.0)
         cos_a = float32(1.0)
         sin_a = float32(0.0)
         pos = state[STATE_POS]
         if row0 < n_out:
-            r0 = weight_row(row0, 0)
-            b0 = cvt_f32_f16(ld_global_nc_u16(bias, r0))
-            b1 = cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF))
-            ang = float32(pos) * inv_freq[(row0 >> 1) % HALF]
-            cos_a = math.cos(ang)
-            sin_a = math.sin(ang)
+            b0, b1 = bias_pair(bias, row0)
+            cos_a, sin_a = cos_sin(pos, inv_freq[(row0 >> 1) % HALF])
         return b0, b1, cos_a, sin_a, pos, table[pos // PAGE]
 
-    return put_rope, rope_setup
+    def bias_pair(bias, row0):
+        """The biases of RoPE pair row0 // 2's rows (row0 < n_out), fp32."""
+        r0 = weight_row(row0, 0)
+        return (cvt_f32_f16(ld_global_nc_u16(bias, r0)),
+                cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF)))
+
+    cos_sin, bias_pair = dev(cos_sin), dev(bias_pair)   # rope_setup's calls see these
+    return put_rope, rope_setup, cos_sin, bias_pair

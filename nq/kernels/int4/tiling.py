@@ -26,7 +26,8 @@ fp16 hi + lo (`MmaTiling.hilo`), so every projection sums fp32 products of the a
 reads at ~fp32 precision.  It brings the decode tier within its 5e-4 target at the 7B width
 (H200, 2026-12-02: max 4.82e-4 of the logit spread, against 1.19e-3 by default) for +0.074 /
 +0.042 ms a decode step at 512 / 8K (qkv on the tensor cores +0.053 / +0.022, qkv's hilo
-+0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default.
++0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default; at 357deef
+qkv on the tensor cores measured +0.083 / +0.046 alone, at 76 registers (docs/PERF.md 0.9).
 """
 from __future__ import annotations
 

@@ -126,8 +126,11 @@ def test_qkv_ptx_sm90(kind):
         pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
     regs, spill = ptx_util.ptxas_report(ptx)
     print(f"gemv_mma {kind} 7B {SEVEN_B.tag()}: {regs} registers, {spill} bytes spilled")
-    # 66 (qkv_rope) / 63 (qkv) with this repository's toolchain; 448 threads allow 128
-    assert spill == 0 and regs <= 128, (regs, spill)
+    # 64 (qkv_rope) / 72 (qkv) with this repository's toolchain.  Two 448-thread blocks an SM
+    # (the step's qkv_rope) need <= 72 (64K registers, allocated 8 a thread at a time): at 76
+    # (RoPE's inputs held across the loop) its 288 blocks ran in three waves, +0.035 ms a step
+    # on the H200 (docs/PERF.md)
+    assert spill == 0 and regs <= (72 if kind == "qkv_rope" else 128), (regs, spill)
 
 
 SIM_SCRIPT = textwrap.dedent('''
