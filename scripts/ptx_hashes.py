@@ -26,7 +26,12 @@ shared array (2026-12-02: down's new `early` array renumbered rmsnorm's, argmax'
 attention's, instruction for instruction the same).  Since then `normalise` renames them too;
 hashes in files made before (the two above) differ from today's for every kernel with a shared
 array, so compare files made by the same version of this script.
-docs/figures/ptx_hashes_1e19d22.json is the default step of the 7B and 32B at 1e19d22 with it.
+docs/figures/ptx_hashes_1e19d22.json is the default step of the 7B and 32B at 1e19d22 with it,
+docs/figures/ptx_hashes_1564659.json at 1564659 (against 1e19d22: the combine, the GEMVs'
+round trips and gate_up's 576 threads changed 12 of 30 kernels, by intent).  A device function
+added to a kernel renumbers its parameters' names, which this normalise does not undo: the
+CUDA-core qkv_rope at 1564659 compares as changed against 357deef with the same instructions,
+one cvt moved (checked by hand with the names and registers stripped).
 """
 from __future__ import annotations
 
