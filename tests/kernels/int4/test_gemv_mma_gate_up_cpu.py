@@ -16,7 +16,7 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256)   # the rule (13c221c's "ks2 t256"); the 7B on 132 SMs: t576
+SEVEN_B = MmaTiling(warps=2, threads=256)   # the rule (13c221c's "ks2 t256"); 7B, 132 SMs: t576
 HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the same in the fp32-accurate step (NQ_MMA_QKV=1)
 
 
