@@ -36,13 +36,13 @@ from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import PAGE, STATE_POS
 
 GROUPS = 8   # split groups a head (block head_dim * GROUPS: 9 splits a thread at 66)
+COMBINE_SIG = "void(int32[::1], float32[:, :, ::1], float32[:, :, ::1], float16[::1])"
 
 
 def chunk_rows(head_dim: int, groups: int) -> int:
     """Splits a thread loads at once: 3 registers each, so that a block of 1024 threads stays
     under 64 registers (launch_bounds caps them there)."""
     return 9 if head_dim * groups > 512 else 16
-COMBINE_SIG = "void(int32[::1], float32[:, :, ::1], float32[:, :, ::1], float16[::1])"
 
 
 @functools.cache
@@ -59,15 +59,15 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
     NEG = float32(NEG_BIG)
     ZERO = float32(0.0)
     RED = G * head_dim
-    R = -(-MAXS // G)                       # splits a thread may own
-    RC = min(R, chunk_rows(head_dim, groups))    # of them, loaded at once (registers: 3 RC)
+    R = -(-MAXS // G)                          # splits a thread may own
+    RC = min(R, chunk_rows(head_dim, groups))  # of them, loaded at once (registers: 3 RC)
     CHUNKS = -(-R // RC)
 
     def attn_combine(state, part_acc, part_ml, o):
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32; o (Hq*D,) f16
         red = cuda.shared.array(RED, float32)      # each group's sum of acc_s w_s, per dim
-        gm = cuda.shared.array(G, float32)    # each group's max m
-        gl = cuda.shared.array(G, float32)    # each group's sum of l_s w_s
+        gm = cuda.shared.array(G, float32)         # each group's max m
+        gl = cuda.shared.array(G, float32)         # each group's sum of l_s w_s
         ms = cuda.local.array(RC, float32)
         ls = cuda.local.array(RC, float32)
         xs = cuda.local.array(RC, float32)
