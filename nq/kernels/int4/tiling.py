@@ -57,6 +57,8 @@ class Tiling:
     prefetch: int = 1    # 1: step s+1's loads are issued before step s's math; 0: after
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+    ahead: int = 0       # qkv, qkv_rope: blocks 0..ahead-1 each ask L2 for 1/ahead of the whole
+    #                      matrix and its scales before the wait (gemv.py, `ahead_to_l2`)
 
     @property
     def lanes(self) -> int:
@@ -73,7 +75,8 @@ class Tiling:
     def tag(self) -> str:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
-                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
+                + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+                + (f"_ah{self.ahead}" if self.ahead else ""))
 
 
 @dataclasses.dataclass(frozen=True)
