@@ -161,7 +161,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
-    AHEAD = int(t.ahead) if kind in ("qkv", "qkv_rope") else 0   # ahead_to_l2's blocks
     ZERO = np.uint32(0)
 
     def load_row(qw, sc, row, ok, s, j):
@@ -398,6 +397,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         then let the next one launch.  The caller has already issued its step-0 weight loads,
         which depend on nothing upstream."""
         # l2_steps (L2 prefetch of a row's first steps here): lost, qkv/o_proj +0.005 ms a step; code at 13c221c
+        # ahead (blocks 0..E-1 pulling the whole matrix into L2 beside the kernel before): lost,
+        # qkv_rope +0.02..+0.05 ms a step for E = 20..144; code at 7b9d142 (docs/PERF.md)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
 
@@ -406,31 +407,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         # step) pulled into L2 before the wait, so that the staging after it waits on L2 only
         if cuda.threadIdx.x == 0:
             cp_async_bulk_prefetch_l2(norm_w, 0, NORM_BYTES)
-
-    def ahead_to_l2(qw, sc):
-        # Blocks 0..AHEAD-1 ask L2 for the whole matrix and its scales, 1/AHEAD each, a lane of
-        # warp 0 a run of rows.  The first blocks of a grid are the ones that find room beside
-        # the kernel before (the 7B's down leaves 20 of 132 SMs idle), so the weights of the
-        # blocks that start only when it ends are read from L2, not DRAM (Tiling.ahead).
-        b = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
-        if b < AHEAD and lane < 32:
-            rows = qw.shape[0]
-            per = (rows + AHEAD - 1) // AHEAD
-            run = (per + 31) // 32
-            r0 = b * per + lane * run
-            r1 = min(r0 + run, min((b + 1) * per, rows))
-            if r0 < r1:
-                cp_async_bulk_prefetch_l2(qw, (r0, 0), (r1 - r0) * qw.shape[1] * 4)
-            cols = sc.shape[1]
-            units = rows * cols // 8                # 16-byte units of the fp16 scales
-            per = (units + AHEAD - 1) // AHEAD
-            run = (per + 31) // 32
-            u0 = b * per + lane * run
-            u1 = min(u0 + run, min((b + 1) * per, units))
-            if u0 < u1:
-                e = u0 * 8
-                cp_async_bulk_prefetch_l2(sc, (e // cols, e % cols), (u1 - u0) * 16)
 
     def start():
         # (the thread's first output row, its lane in the row's segment)
@@ -461,7 +437,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
                              put_residual))
-    ahead_to_l2 = dev(ahead_to_l2)
     # (after weight_row's dev)
     put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)
     put_rope, rope_setup = dev(put_rope), dev(rope_setup)
@@ -474,8 +449,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
             norm_to_l2(norm_w)
-            if AHEAD:
-                ahead_to_l2(qw, sc)
             early()
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
@@ -499,8 +472,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             norm_to_l2(norm_w)
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
-            if AHEAD:
-                ahead_to_l2(qw, sc)
             early()
             rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)

@@ -49,16 +49,14 @@ TILE = 16                        # rows of an mma tile (m16)
 class Tiling:
     """The CUDA-core GEMV's split: a thread owns `rows` output rows and, of each, the groups
     j, j + ks, j + 2ks, ... (lane j of a segment of pow2(ks) lanes); one such set of ks
-    groups is a "step".  Retired fields (l2_steps, block_major, stream, bulk, prefetch=2) lost
-    on the H200; gemv.py's epitaphs give their figures."""
+    groups is a "step".  Retired fields (l2_steps, ahead, block_major, stream, bulk,
+    prefetch=2) lost on the H200; gemv.py's epitaphs give their figures."""
     ks: int              # lanes a row's groups are spread over (1..32)
     rows: int = 1        # output rows per thread (gate_up: gate/up pairs; qkv_rope: 2, a RoPE pair)
     threads: int = 128   # threads per block
     prefetch: int = 1    # 1: step s+1's loads are issued before step s's math; 0: after
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
-    ahead: int = 0       # qkv, qkv_rope: blocks 0..ahead-1 each ask L2 for 1/ahead of the whole
-    #                      matrix and its scales before the wait (gemv.py, `ahead_to_l2`)
 
     @property
     def lanes(self) -> int:
@@ -75,8 +73,7 @@ class Tiling:
     def tag(self) -> str:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
-                + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_ah{self.ahead}" if self.ahead else ""))
+                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
 
 
 @dataclasses.dataclass(frozen=True)

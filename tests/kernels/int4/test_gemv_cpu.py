@@ -310,66 +310,6 @@ def test_kernels_under_the_simulator():
         assert e < tol[name], (name, e)
 
 
-SIM_AHEAD_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
-    from nq.config import PRESETS
-    from nq.kernels.int4 import gemv, launch
-    from nq.kernels.int4.tiling import Tiling
-    from nq.loader.quant import quantize_pack
-    cfg, rng = PRESETS["7b"], np.random.default_rng(2)
-    D = cuda.to_device
-    asked = []   # (array's base address, first byte, bytes) of every L2 prefetch
-    twin = gemv.cp_async_bulk_prefetch_l2
-
-    def recording(arr, idx, nbytes):
-        a = np.asarray(getattr(arr, "_ary", arr))
-        off = int(np.ravel_multi_index(idx if isinstance(idx, tuple) else (idx,), a.shape))
-        asked.append((a.ctypes.data, off * a.itemsize, int(nbytes)))
-        twin(arr, idx, nbytes)
-    gemv.cp_async_bulk_prefetch_l2 = recording   # the kernel body's global, read at each call
-
-    x = (rng.standard_normal(256) * 3).astype(np.float32)
-    nw = (1 + 0.1 * rng.standard_normal(256)).astype(np.float16)
-    b = (0.1 * rng.standard_normal(96)).astype(np.float16)
-    qw, sc = quantize_pack(rng.standard_normal((96, 256)).astype(np.float32) * 0.05)
-    outs = {}
-    # 96 rows, 16 a block: 6 blocks; ahead 4 (24 rows a block, one a lane) and 5 (20, the
-    # last share cut at the end); 0 asks for nothing but the norm
-    for ahead in (0, 4, 5):
-        g = launch.QkvGemv(cfg, 96, 256, 96, Tiling(ks=2, threads=32, ahead=ahead))
-        pq, ps = g.prepare([(qw, sc)])
-        dq, ds = D(pq), D(ps)
-        out = D(np.full(96, np.nan, np.float32))
-        del asked[:]
-        g(D(x), D(nw), dq, ds, D(b), out)
-        outs[ahead] = out.copy_to_host()
-        for name, arr in (("qw", dq), ("sc", ds)):
-            a = np.asarray(arr._ary)
-            runs = sorted((o, n) for base, o, n in asked if base == a.ctypes.data)
-            covered = np.zeros(a.nbytes, np.int64)
-            for o, n in runs:
-                covered[o:o + n] += 1
-            whole = a.nbytes // 16 * 16     # the scales' last partial 16 bytes are not asked
-            print(f"ahead{ahead}_{name}_once", float((covered[:whole] == 1).all()
-                                                      and (covered[whole:] == 0).all()))
-            print(f"ahead{ahead}_{name}_asked", float(len(runs)))
-        print(f"ahead{ahead}_same", float(np.array_equal(outs[ahead].view(np.uint32),
-                                                         outs[0].view(np.uint32))))
-''')
-
-
-@pytest.mark.slow
-def test_ahead_asks_l2_for_the_whole_matrix_once():
-    """Tiling.ahead: blocks 0..ahead-1 ask L2 for every byte of the weights and scales exactly
-    once between them (each range checked by the instruction's twin: aligned, inside the
-    array), and the output is bit for bit ahead=0's."""
-    vals, stdout = ptx_util.run_under_simulator(SIM_AHEAD_SCRIPT, timeout=600)
-    assert vals["ahead0_qw_asked"] == 0 and vals["ahead0_sc_asked"] == 0, stdout
-    for ahead in (4, 5):
-        for name in ("qw", "sc"):
-            assert vals[f"ahead{ahead}_{name}_once"] == 1.0, (ahead, name, stdout)
-        assert vals[f"ahead{ahead}_same"] == 1.0, (ahead, stdout)
-
-
 SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     import types
     from numba.cuda.simulator import kernel as simk
