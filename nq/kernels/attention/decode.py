@@ -74,7 +74,7 @@ import functools
 import math
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
-from numba.cuda.types import float32, uint32, uint64
+from numba.cuda.types import float32, int32, uint32, uint64
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG, NSTAGE, PAD,
@@ -94,7 +94,7 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0):
+               cluster: int = 0, pids: bool = False, ppc: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -109,6 +109,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
+    PIDS = bool(pids)        # the producer reads 32 table entries at once (`pids` below)
+    PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
@@ -146,14 +148,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         warp = tid // 32
         lane = tid % 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
-        if tid == 0:
-            for stage in range(NST):
-                mbarrier_init(bar0 + 8 * stage, 1)
-                mbarrier_init(bar0 + 8 * (NST + stage), NC * 32)
-            if NC > 1:
-                mbarrier_init(bar0 + 8 * MERGE, (NC - 1) * 32)
-            fence_mbarrier_init()
-        cuda.syncthreads()
         if not EARLY:
             griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
         # EARLY (PDL): state, the block table and every page but the one rope_kv writes this
@@ -161,18 +155,31 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         # the previous replay's argmax and by host copies between replays -- so the split plan
         # and those pages' copies go ahead of the wait; the consumers wait before reading q,
         # the producer before copying the last page.
-
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
         n_pages = (length + PAGE - 1) // PAGE
         pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
         n_splits = (n_pages + pps - 1) // pps
+        # nca consumers share the split's pages (a stage holds nca of them): all NC, or with
+        # PPC one per PPC pages of the plan, so a short context's split of one or two pages
+        # is one consumer's, without the merge, and a long one's pages go to every consumer
+        nca = NC
+        if PPC:
+            nca = max(1, min(NC, pps // PPC))
+        if tid == 0:
+            for stage in range(NST):
+                mbarrier_init(bar0 + 8 * stage, 1)
+                mbarrier_init(bar0 + 8 * (NST + stage), nca * 32)
+            if NC > 1 and nca > 1:
+                mbarrier_init(bar0 + 8 * MERGE, (nca - 1) * 32)
+            fence_mbarrier_init()
+        cuda.syncthreads()
         if split >= n_splits:
             return  # uniform for the CTA; no barrier is used after this point by anyone
         p_begin = split * pps
         p_end = min(p_begin + pps, n_pages)
-        n_iters = (p_end - p_begin + NC - 1) // NC
+        n_iters = (p_end - p_begin + nca - 1) // nca
         sm0 = cvta_to_shared_u32_at(smu, 0)
         skip = (ALIGN - sm0 % ALIGN) % ALIGN
         stage0 = sm0 + skip                  # 16-byte aligned; slot (stage, j) at (stage*NC+j)*SLOT
@@ -180,6 +187,13 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
         if warp == NC:
             # Producer.  The whole warp walks the loop; lanes < NCOPY each copy RPC rows a page.
+            # PIDS: lane i holds table[tb + i] for the split's pages tb..tb+31, read before the
+            # loop (one round trip for 32 pages, ahead of the wait as the plan) and passed by
+            # shfl, instead of one dependent table load a page in the loop.
+            tb = p_begin
+            pids = int32(0)
+            if PIDS and tb + lane < p_end:
+                pids = table[tb + lane]
             for it in range(n_iters):
                 stage = it % NST
                 # A fresh barrier counts its (virtual) previous phase as complete, so the
@@ -187,14 +201,27 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 empty = bar0 + 8 * (NST + stage)
                 while mbarrier_try_wait_parity(empty, ((it // NST) & 1) ^ 1) == 0:
                     pass
-                p0 = p_begin + it * NC
-                npg = min(NC, p_end - p0)
+                p0 = p_begin + it * nca
+                npg = min(nca, p_end - p0)
                 if EARLY and p0 + npg >= n_pages:
                     griddepcontrol_wait()  # this stage holds the page rope_kv writes
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
-                if lane < NCOPY:
+                if PIDS:
+                    for j in range(npg):
+                        if p0 + j >= tb + 32:              # warp-uniform: the next 32 pages
+                            tb += 32
+                            pids = int32(0)
+                            if tb + lane < p_end:
+                                pids = table[tb + lane]
+                        pid = cuda.shfl_sync(FULL, pids, p0 + j - tb)
+                        if lane < NCOPY:
+                            r0 = lane * RPC
+                            dst = stage0 + (stage * NC + j) * SLOT + r0 * ROW_BYTES + lane * PAD
+                            cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0),
+                                              COPY_BYTES, bar0 + 8 * stage)
+                elif lane < NCOPY:
                     r0 = lane * RPC
                     for j in range(npg):
                         pid = table[p0 + j]
@@ -204,6 +231,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 cuda.syncwarp(FULL)
         else:
             c = warp
+            if c >= nca:
+                return     # a consumer the plan does not use (PPC): no barrier counts it
             if EARLY:
                 griddepcontrol_wait()  # q comes from rope_kv
             g = lane // 4
@@ -236,7 +265,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 stage = it % NST
                 mbarrier_wait_parity(bar0 + 8 * stage, (it // NST) & 1)
                 cuda.syncwarp(FULL)  # converged for the .aligned ldmatrix / mma.sync below
-                pg = p_begin + it * NC + c
+                pg = p_begin + it * nca + c
                 if pg < p_end:                          # warp-uniform
                     nv = min(PAGE, length - pg * PAGE)  # valid tokens of this page
                     slot = (stage * NC + c) * SLOT
@@ -311,10 +340,10 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         # The zeroing stores were generic-proxy writes; order them before any
                         # later bulk copy into this slot.
                         fence_proxy_async_shared()
-                # Every consumer thread arrives (count NC*32): each thread's own reads of the
+                # Every consumer thread arrives (count nca*32): each thread's own reads of the
                 # stage are ordered before the refill by its own release.
                 mbarrier_arrive(bar0 + 8 * (NST + stage))
-            if NC > 1:
+            if NC > 1 and nca > 1:
                 stage_last = (n_iters - 1) % NST
                 if c > 0:
                     # Merge scratch (8 x D acc, then 8 x (m, l)) in this warp's own slot of the
@@ -333,14 +362,14 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 mbarrier_wait_parity(bar0 + 8 * MERGE, 0)
                 if row_ok:
                     mx = m
-                    for cc in range(1, NC):
+                    for cc in range(1, nca):
                         fo = w0 + (stage_last * NC + cc) * SLOT // 4
                         mx = max(mx, smf[fo + SCR_ML + 2 * g])
                     w = math.exp2(m - mx)
                     l *= w
                     for j in range(2 * NT):
                         acc[j] *= w
-                    for cc in range(1, NC):
+                    for cc in range(1, nca):
                         fo = w0 + (stage_last * NC + cc) * SLOT // 4
                         w = math.exp2(smf[fo + SCR_ML + 2 * g] - mx)
                         l += smf[fo + SCR_ML + 2 * g + 1] * w
@@ -372,10 +401,15 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0) -> str:
+               early, cluster=0, pids=False, ppc=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
-    stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py)."""
+    stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
+    pids the producer's table read 32 pages at once."""
     extra = {"cl": cluster} if cluster else {}
+    if pids:
+        extra["pids"] = True
+    if ppc:
+        extra["ppc"] = ppc
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -384,14 +418,12 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0):
+                 cluster: int = 0, pids: bool = False, ppc: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early))
-    if cluster:
-        key += (int(cluster),)
+           bool(early), int(cluster), bool(pids), int(ppc))
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -401,7 +433,8 @@ def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: i
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, cluster: int = 0):
+                    early: bool = False, cluster: int = 0, pids: bool = False,
+                    ppc: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -420,6 +453,11 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     cluster: C > 0 runs one kernel instead, clusters of C splits merging their partials in
     distributed shared memory (cluster.py; opt-in, for short contexts); part_acc and part_ml
     are then not used.
+    pids: the producer reads the block table 32 pages at once before its loop, not a page at a
+    time inside it.
+    ppc: 0 -- every split's pages over all `consumers`; k > 0 -- over min(consumers, pps // k)
+    of them, pps the plan's pages a split (plan.split_plan), so that one kernel serves short
+    contexts with one consumer and no merge and long ones with all of them.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -431,11 +469,12 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         c = int(cluster)
         check_cluster(c)
         kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
-                            bool(early), cluster=c)
+                            bool(early), cluster=c, pids=bool(pids), ppc=int(ppc))
         return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
-    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early))
+    split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
+                         pids=bool(pids), ppc=int(ppc))
     merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
