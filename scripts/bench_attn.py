@@ -66,8 +66,8 @@ def main():
     ap.add_argument("--max-splits", default=None,
                     help="grid width of the split kernel, comma-separated sweep (default: "
                          "plan.default_max_splits, ~2 CTAs per SM over the kv heads)")
-    ap.add_argument("--pids", action="store_true",
-                    help="the producer reads the block table 32 pages at once (decode.py)")
+    ap.add_argument("--ppc", type=int, default=0,
+                    help="pages a consumer (decode_launcher's ppc; 0: every consumer always)")
     args = ap.parse_args()
 
     from numba import cuda
@@ -110,8 +110,8 @@ def main():
         for variant in args.variants.split(","):
             nc, nst, rpc = (int(x) for x in variant.split(":"))
             kw = dict(consumers=nc, nstage=nst, rows_per_copy=rpc, min_pps=min_pps)
-            if args.pids:
-                kw["pids"] = True
+            if args.ppc:
+                kw["ppc"] = args.ppc
             name = (f"c={nc} st={nst} rpc={rpc} min_pps={min_pps} "
                     f"smem={plan.smem_bytes(cfg.head_dim, nc, nst, rpc)}")
             try:

@@ -60,8 +60,6 @@ def patch_simulator(syncwarp: bool = False) -> None:
 
     kernelapi.FakeCUDAModule.shfl_xor_sync = \
         lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
-    kernelapi.FakeCUDAModule.shfl_sync = \
-        lambda self, mask, value, src: _sim.warp_exchange(value)[int(src) % 32]
     if syncwarp:
         kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
     polls = [0]

@@ -9,7 +9,10 @@ from __future__ import annotations
 # scripts/step_variants.py.  Measured in the step (docs/PERF.md): early copies -0.007 ms;
 # min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
 # at 8K; two rows a bulk copy (alone, 4 won) -0.008 / -0.029 / -0.017 ms at 512 / 8K / 32K.
-ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2}
+# Four consumer warps, one for every two pages of a split (ppc 2: a 512-token context's
+# two-page splits keep one consumer and no merge): -0.004 / -0.022 / -0.056 / -0.211 ms at
+# 512 / 2K / 8K / 32K (H200, 2026-12-02; four consumers on every split: +0.048 at 512).
+ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4, "ppc": 2}
 # Retired after the H200 measured them (2026-12-02; a3fddf4 holds them): the attention asking
 # L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
 # while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge

@@ -6,8 +6,12 @@ One consumer warp multiplies a page against all GQA heads of its kv head with
 `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), so a page costs D/16 + D/8 + 1 mma and D/8
 ldmatrix a warp.  Split plan, shared-memory layout and partials: plan.py.
 
-CTA (split, kv head h): warp 0..NC-1 consumers, warp NC the producer.  A stage holds NC pages;
-consumer c takes page c of every stage and keeps its own (m, l, acc) for the GQA heads.  The
+CTA (split, kv head h): warp 0..NC-1 consumers, warp NC the producer.  Of the NC consumers the
+split uses nca: all of them, or with `ppc` one for every ppc pages of the plan's pages a split
+(at most NC, at least 1), so one kernel in one captured graph gives a short context's split of
+two pages to one consumer (no merge) and a long context's 31 pages to four.  A stage holds nca
+pages; consumer c takes page c of every stage and keeps its own (m, l, acc) for the GQA heads;
+consumers c >= nca leave at once.  The
 producer's lanes each issue one `cp.async.bulk` of `rows_per_copy` token rows (K rows 0-15 then
 V rows 16-31 of the page) into PADDED shared rows (plan.row_offset).  Full mbarriers (one
 arrive.expect_tx per stage + the copies' complete_tx) and empty mbarriers (every consumer
@@ -39,8 +43,8 @@ Fragments (nq/ptx/mma.py; g = lane // 4, t = lane % 4, h = kv head * GQA + g):
   Stale V rows of the tail page are zeroed in shared memory before ldmatrix: p = 0 there, but
   0 * NaN is NaN in the tensor core too.
 
-End of CTA: consumers 1..NC-1 leave (m, l, acc) in their own page slot of the last stage (no
-copy writes it again) and arrive on a merge mbarrier (count (NC-1)*32); consumer 0 waits on it,
+End of CTA: consumers 1..nca-1 leave (m, l, acc) in their own page slot of the last stage (no
+copy writes it again) and arrive on a merge mbarrier (count (nca-1)*32); consumer 0 waits on it,
 merges and writes one partial per split (plan.py: part_ml (m, l), part_acc).
 
 PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing before this
@@ -67,6 +71,9 @@ Epitaphs (each in commit 13c221c):
   - The combine fused into this kernel's last CTA of each kv head: +0.35 ms a step (combine.py).
   - `trigger_splits` (every CTA triggers the dependent launch at its start when the plan has
     at most that many splits): 0 ms a step at <= 32 splits (docs/PERF.md 0.3).
+  - `pids` (the producer reading 32 block-table entries before its loop and passing them by
+    shfl, instead of one dependent table load a page): -0.013 ms a step at 32K with one
+    consumer, 0 with four (H200, 2026-12-02; code at b6a6835).
 """
 from __future__ import annotations
 
@@ -74,7 +81,7 @@ import functools
 import math
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
-from numba.cuda.types import float32, int32, uint32, uint64
+from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG, NSTAGE, PAD,
@@ -94,7 +101,7 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, pids: bool = False, ppc: int = 0):
+               cluster: int = 0, ppc: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -109,7 +116,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
-    PIDS = bool(pids)        # the producer reads 32 table entries at once (`pids` below)
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
@@ -187,13 +193,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
         if warp == NC:
             # Producer.  The whole warp walks the loop; lanes < NCOPY each copy RPC rows a page.
-            # PIDS: lane i holds table[tb + i] for the split's pages tb..tb+31, read before the
-            # loop (one round trip for 32 pages, ahead of the wait as the plan) and passed by
-            # shfl, instead of one dependent table load a page in the loop.
-            tb = p_begin
-            pids = int32(0)
-            if PIDS and tb + lane < p_end:
-                pids = table[tb + lane]
             for it in range(n_iters):
                 stage = it % NST
                 # A fresh barrier counts its (virtual) previous phase as complete, so the
@@ -208,20 +207,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
-                if PIDS:
-                    for j in range(npg):
-                        if p0 + j >= tb + 32:              # warp-uniform: the next 32 pages
-                            tb += 32
-                            pids = int32(0)
-                            if tb + lane < p_end:
-                                pids = table[tb + lane]
-                        pid = cuda.shfl_sync(FULL, pids, p0 + j - tb)
-                        if lane < NCOPY:
-                            r0 = lane * RPC
-                            dst = stage0 + (stage * NC + j) * SLOT + r0 * ROW_BYTES + lane * PAD
-                            cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0),
-                                              COPY_BYTES, bar0 + 8 * stage)
-                elif lane < NCOPY:
+                if lane < NCOPY:
                     r0 = lane * RPC
                     for j in range(npg):
                         pid = table[p0 + j]
@@ -401,13 +387,11 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, pids=False, ppc=0) -> str:
+               early, cluster=0, ppc=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
-    pids the producer's table read 32 pages at once."""
+    ppc the pages a consumer (`decode_launcher`)."""
     extra = {"cl": cluster} if cluster else {}
-    if pids:
-        extra["pids"] = True
     if ppc:
         extra["ppc"] = ppc
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
@@ -418,12 +402,12 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, pids: bool = False, ppc: int = 0):
+                 cluster: int = 0, ppc: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), bool(pids), int(ppc))
+           bool(early), int(cluster), int(ppc))
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -433,8 +417,7 @@ def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: i
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, cluster: int = 0, pids: bool = False,
-                    ppc: int = 0):
+                    early: bool = False, cluster: int = 0, ppc: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -453,8 +436,6 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     cluster: C > 0 runs one kernel instead, clusters of C splits merging their partials in
     distributed shared memory (cluster.py; opt-in, for short contexts); part_acc and part_ml
     are then not used.
-    pids: the producer reads the block table 32 pages at once before its loop, not a page at a
-    time inside it.
     ppc: 0 -- every split's pages over all `consumers`; k > 0 -- over min(consumers, pps // k)
     of them, pps the plan's pages a split (plan.split_plan), so that one kernel serves short
     contexts with one consumer and no merge and long ones with all of them.
@@ -469,12 +450,12 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         c = int(cluster)
         check_cluster(c)
         kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
-                            bool(early), cluster=c, pids=bool(pids), ppc=int(ppc))
+                            bool(early), cluster=c, ppc=int(ppc))
         return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         pids=bool(pids), ppc=int(ppc))
+                         ppc=int(ppc))
     merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:

@@ -65,12 +65,12 @@ def test_split_ptx_early():
     assert_no_local_memory(ptx)
 
 
-def test_split_ptx_pids():
-    # pids: the producer's table entries come by shfl.sync.idx, 32 pages a global load
-    body = decode.split_body(7, 128, 4, 1, plan.NSTAGE, 2, 66, 2, True, pids=True)
+def test_split_ptx_ppc():
+    # ppc: the engine's kernel (4 consumers, ppc 2) keeps the page loop's work and no local
+    # memory; the consumer count a split uses is computed at run time
+    body = decode.split_body(7, 128, 4, 4, plan.NSTAGE, 2, 66, 2, True, ppc=2)
     ptx = compile_ptx_sm90(body, decode.SPLIT_SIG, fastmath=True)
-    assert count(ptx, "shfl.sync.idx") >= 1
-    assert count(_ptx(7, 128, 4, 1), "shfl.sync.idx") == 0
+    assert count(ptx, "mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 1 + 128 // 8
     assert_no_local_memory(ptx)
 
 
@@ -146,21 +146,20 @@ SIM_SCRIPT = textwrap.dedent('''
                 cuda.to_device(pool))
         return args, ref
 
-    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, pids=False,
-             ppc=0):
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0):
         args, ref = inputs(cfg, length, seed)
         o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
         pa, pm = attention.decode_workspace(cfg, ms)
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, pids=pids, ppc=ppc)
+                                           cluster=cl, ppc=ppc)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
-                + ("_pids" if pids else "") + (f"_ppc{ppc}" if ppc else ""))
+                + (f"_ppc{ppc}" if ppc else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -179,20 +178,15 @@ SIM_SCRIPT = textwrap.dedent('''
     # (GQA x D over 64 or 96 threads) by one CTA, two kv heads
     case(g7, 72, 1, 1, 3, 2, 8, early=True, min_pps=2, cl=1)
     case(g2, 17, 1, 2, 2, 1, 9, cl=1)
-    # pids (the producer's table read 32 pages at once, passed by shfl): one split of 40 pages
-    # (a second read at page 32, the last 8 lanes past the split), and two splits of 2 pages
-    # over 2 consumers
-    case(g2, 40 * 16 - 5, 1, 1, 2, 8, 10, early=True, min_pps=2, pids=True)
-    case(g2, 49, 3, 2, 2, 2, 11, pids=True)
     # ppc (a split's pages over min(NC, pps // ppc) consumers): 8 pages over all 4 (two
     # stages, the last page's tail 13 tokens); 2-page splits on 1 of 4 (three return at once,
     # no merge); 5 pages on 2 of 3 (stages of 2, 2, 1: a consumer idle in the last)
-    case(g2, 8 * 16 - 3, 1, 4, 2, 4, 12, early=True, min_pps=2, pids=True, ppc=2)
+    case(g2, 8 * 16 - 3, 1, 4, 2, 4, 12, early=True, min_pps=2, ppc=2)
     case(g2, 40, 2, 4, 2, 2, 13, min_pps=2, ppc=2)
     case(g2, 5 * 16, 1, 3, 2, 2, 14, ppc=2)
 ''')
 
-SIM_CASES = 14
+SIM_CASES = 12
 
 
 @pytest.mark.slow
@@ -267,7 +261,7 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "cluster", "pids", "ppc"}
+                                         "cluster", "ppc"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])

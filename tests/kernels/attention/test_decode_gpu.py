@@ -98,14 +98,12 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(early=True), dict(early=True, max_splits=3),
                                 dict(early=True, min_pps=2, rows_per_copy=2),
                                 dict(max_splits=264),
-                                dict(pids=True, max_splits=3), dict(pids=True, consumers=4),
-                                dict(early=True, min_pps=2, rows_per_copy=2, pids=True),
-                                dict(consumers=4, ppc=2, pids=True, early=True, min_pps=2,
-                                     rows_per_copy=2),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, max_splits=3),
                                 dict(consumers=3, ppc=1, max_splits=3)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264",
-                              "pids-s3", "pids-c4", "engine-pids", "c4-ppc2", "c3-ppc1-s3"])
+                              "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
@@ -123,10 +121,8 @@ def test_attention_gqa_extremes(name, length, consumers):
 
 @pytest.mark.parametrize("kw", [dict(early=False), dict(early=True),
                                 dict(cluster=16, early=True, min_pps=2),
-                                dict(early=True, pids=True),
-                                dict(early=True, pids=True, consumers=4, ppc=2, min_pps=2,
-                                     max_splits=3)],
-                         ids=["plain", "early", "cluster16", "early-pids", "c4-ppc2"])
+                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3)],
+                         ids=["plain", "early", "cluster16", "c4-ppc2"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
     and an eager launch at the same length gives it bit for bit (the cluster kernel: a
