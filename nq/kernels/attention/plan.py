@@ -40,10 +40,13 @@ ALIGN = 16       # ldmatrix rows and bulk copies need 16-byte shared addresses
 #   2 consumers, 3 stages, 32 rows (one copy a page)  11.0 / 19.6 / 37.0   (8-way ldmatrix conflicts)
 #   max_splits 33 (1 CTA an SM)                       ~10 / 25.6 / 82.9
 #   max_splits 132: 10.5 / 18.2 / 33.0; 4 consumers x 2 stages: 11.6-12.4 / 18.7-21.2 / 39-45
-# One consumer warp computes a page for all GQA heads in ~50 tensor-core instructions, so more
-# consumers only add merge work; short contexts stay launch- and latency-bound (~10 us).
-# In the whole step graph (docs/PERF.md 0.3) 2 rows a copy and min_pps 2 won instead: the
-# engine passes them (nq/runtime/step.py ATTN_OPTIONS).
+# Alone, one consumer warp a page for all GQA heads looked enough: more consumers only added
+# merge work; short contexts stay launch- and latency-bound (~10 us).  In the whole step graph
+# (docs/PERF.md 0.3, 0.9) 2 rows a copy and min_pps 2 won instead, and four consumers at long
+# contexts (-0.21 ms a step at 32K: the one consumer walking a split's pages was the chain),
+# one at short ones, which decode_launcher's `ppc` gives in one kernel: the engine passes
+# them (nq/runtime/step.py ATTN_OPTIONS).  Six or eight consumers need more registers than
+# two CTAs an SM leave (159 a thread): one CTA an SM, +0.67 ms at 32K.
 CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
 ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
