@@ -101,7 +101,7 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0):
+               cluster: int = 0, ppc: int = 0, spread: bool = False):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -117,6 +117,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
     EARLY = bool(early)
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
+    SPREAD = bool(spread)    # a stage's copies over all 32 producer lanes, not NCOPY a page
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
@@ -207,7 +208,18 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
-                if lane < NCOPY:
+                if SPREAD:
+                    # copy i of the stage (page i // NCOPY, rows (i % NCOPY) * RPC on) by lane
+                    # i % 32: npg * NCOPY / 32 copies a lane instead of npg
+                    for i in range(lane, npg * NCOPY, 32):
+                        j = i // NCOPY
+                        ci = i - j * NCOPY
+                        r0 = ci * RPC
+                        pid = table[p0 + j]
+                        dst = stage0 + (stage * NC + j) * SLOT + r0 * ROW_BYTES + ci * PAD
+                        cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0),
+                                          COPY_BYTES, bar0 + 8 * stage)
+                elif lane < NCOPY:
                     r0 = lane * RPC
                     for j in range(npg):
                         pid = table[p0 + j]
@@ -387,13 +399,15 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0) -> str:
+               early, cluster=0, ppc=0, spread=False) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
-    ppc the pages a consumer (`decode_launcher`)."""
+    ppc the pages a consumer, spread the copies over the producer's 32 lanes (`decode_launcher`)."""
     extra = {"cl": cluster} if cluster else {}
     if ppc:
         extra["ppc"] = ppc
+    if spread:
+        extra["spread"] = True
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -402,12 +416,12 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0):
+                 cluster: int = 0, ppc: int = 0, spread: bool = False):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc))
+           bool(early), int(cluster), int(ppc), bool(spread))
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -417,7 +431,8 @@ def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: i
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, cluster: int = 0, ppc: int = 0):
+                    early: bool = False, cluster: int = 0, ppc: int = 0,
+                    spread: bool = False):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -439,6 +454,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     ppc: 0 -- every split's pages over all `consumers`; k > 0 -- over min(consumers, pps // k)
     of them, pps the plan's pages a split (plan.split_plan), so that one kernel serves short
     contexts with one consumer and no merge and long ones with all of them.
+    spread: a stage's bulk copies (its pages x 2*16/rows_per_copy) over the producer's 32 lanes
+    rather than lane i copying rows i*rows_per_copy.. of every page of the stage in turn.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -450,12 +467,12 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         c = int(cluster)
         check_cluster(c)
         kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
-                            bool(early), cluster=c, ppc=int(ppc))
+                            bool(early), cluster=c, ppc=int(ppc), spread=bool(spread))
         return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc))
+                         ppc=int(ppc), spread=bool(spread))
     merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:

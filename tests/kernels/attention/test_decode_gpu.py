@@ -100,10 +100,14 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(max_splits=264),
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2),
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, max_splits=3),
-                                dict(consumers=3, ppc=1, max_splits=3)],
+                                dict(consumers=3, ppc=1, max_splits=3),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2,
+                                     spread=True),
+                                dict(consumers=4, ppc=1, max_splits=3, spread=True)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264",
-                              "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3"])
+                              "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3", "c4-ppc2-spread",
+                              "c4-ppc1-s3-spread"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
@@ -121,8 +125,10 @@ def test_attention_gqa_extremes(name, length, consumers):
 
 @pytest.mark.parametrize("kw", [dict(early=False), dict(early=True),
                                 dict(cluster=16, early=True, min_pps=2),
-                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3)],
-                         ids=["plain", "early", "cluster16", "c4-ppc2"])
+                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3),
+                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
+                                     spread=True)],
+                         ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-spread"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
     and an eager launch at the same length gives it bit for bit (the cluster kernel: a
