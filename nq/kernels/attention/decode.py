@@ -462,6 +462,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
+    if int(ppc) < 0:
+        raise ValueError(f"attention: ppc={ppc} must be 0 (every consumer) or the pages a "
+                         f"consumer takes (>= 1)")
     if cluster:
         from nq.kernels.attention.cluster import check_cluster, cluster_launcher
         c = int(cluster)

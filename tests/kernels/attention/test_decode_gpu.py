@@ -207,5 +207,7 @@ def test_launcher_rejects_bad_shapes():
                                                                np.float32))
     with pytest.raises(ValueError, match="unsupported consumers"):
         attention.decode_launcher(*args, pa, pm, rows_per_copy=3)
+    with pytest.raises(ValueError, match="ppc=-1"):
+        attention.decode_launcher(*args, pa, pm, consumers=4, ppc=-1)
     with pytest.raises(ValueError, match="cluster=3"):
         attention.decode_launcher(*args, pa, pm, cluster=3)
