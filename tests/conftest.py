@@ -15,15 +15,12 @@ from nq.config import tiny_config  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that run kernels under the CUDA simulator (a minute or more each) first, the
-    rest after them in their order.  pyproject.toml's `--dist load --maxschedchunk 1` hands
-    each free xdist worker the next test, so the workers share the long ones from the start
-    and end on quick ones, instead of one worker running a long test alone at the end (CI on
-    2 cores used 157 % of its CPUs that way, 18.5 min)."""
-    def long_first(item):
-        return not (item.get_closest_marker("slow") or "simulator" in item.name
-                    or "the_switch_moves" in item.name)
-    items.sort(key=long_first)
+    """The slow tests (the `slow` marker: most run kernels under the CUDA simulator, a minute
+    or more each) first, the rest after them in their order.  pyproject.toml's `--dist load
+    --maxschedchunk 1` hands each free xdist worker the next test, so the workers share the
+    long ones from the start and end on quick ones, instead of one worker running a long test
+    alone at the end (CI on 2 cores used 157 % of its CPUs that way, 18.5 min)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

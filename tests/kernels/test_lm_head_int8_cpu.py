@@ -120,6 +120,7 @@ SIM_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_kernel_under_the_simulator():
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=600)
     assert set(errs) == {"pairs", "rows", "dispatch", "refused"}, stdout

@@ -215,6 +215,7 @@ for name, kw in cases.items():
 """
 
 
+@pytest.mark.slow
 def test_kernels_under_the_simulator():
     """Philox's device body on the known answers; then every select path (levels, compaction,
     boundary with the Gumbel-max above it, ties, greedy, penalties with a window) on a

@@ -40,6 +40,7 @@ def test_layout_model_is_a_bijection_and_128b_is_the_gemm_swizzle():
         assert np.array_equal(a, want)
 
 
+@pytest.mark.slow
 def test_twins_under_the_simulator():
     """The probe (tests/wgmma_probe.py) under the simulator: host layout, kernel descriptors and
     twins agree with NumPy for both forms and both swizzles (N = 16: the twin is slow)."""

@@ -153,6 +153,7 @@ def test_trans_b_wrapper_text():
 
 # ---- the twin under the simulator; the PTX offline ---------------------------------------------
 
+@pytest.mark.slow
 def test_twin_under_the_simulator():
     """N = 128 with 128B (two 64-wide halves: LBO is read) and N = 16 without swizzle."""
     script = textwrap.dedent("""

@@ -123,6 +123,7 @@ print("mismatches", len(upload_mismatches(nf, upload(nf))))
 """
 
 
+@pytest.mark.slow
 def test_upload_under_the_simulator_is_exact(tiny_nanoqwen):
     """runtime.weights.upload's plan (every buffer allocated first, then copied and re-tiled in
     stream order) on the simulator's plain copies: every tensor as the host reference has it."""

@@ -212,6 +212,7 @@ SWITCH_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch):
     """With NQ_MMA_GATE_UP=1 `gemvs` builds gate_up on gemv_mma, the upload writes gate_up's

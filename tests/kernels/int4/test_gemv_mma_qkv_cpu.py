@@ -259,6 +259,7 @@ SWITCH_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["1"])   # off: the row layout, as the other upload tests
 def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch):
     """With NQ_MMA_QKV=1 `gemvs` builds qkv (and the step qkv_rope) on gemv_mma, the upload
