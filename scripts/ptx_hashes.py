@@ -32,8 +32,10 @@ round trips and gate_up's 576 threads changed 12 of 30 kernels, by intent).  A d
 added to a kernel renumbers its parameters' names, which this normalise does not undo: the
 CUDA-core qkv_rope at 1564659 compares as changed against 357deef with the same instructions,
 one cvt moved (checked by hand with the names and registers stripped).
-docs/figures/ptx_hashes_10b4212.json at 10b4212: against 1564659 only attn_split changed (four
-consumers and ppc 2, by intent); the other 28 kernels of the 7B and 32B are the same.
+docs/figures/ptx_hashes_5c99159.json at 5c99159: against 1564659 only attn_split changed (four
+consumers and ppc 2, by intent); the other 28 kernels of the 7B and 32B are the same.  (A file
+made at 10b4212 was withdrawn: build_step_kernels then left out ATTN_OPTIONS' ppc, so it hashed
+a four-consumer kernel the engine does not run.)
 """
 from __future__ import annotations
 
