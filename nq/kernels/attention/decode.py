@@ -85,14 +85,18 @@ from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG, NSTAGE, PAD,
-                                       ROWS_PER_COPY, barrier_bytes, check_attention_args,
-                                       page_slot_bytes, smem_bytes)
+                                       ROWS_PER_COPY, TMA_ALIGN, barrier_bytes,
+                                       check_attention_args, page_slot_bytes, smem_bytes,
+                                       tma_copies, tma_row128, tma_slot_bytes, tma_spec)
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem, dev
 from nq.paged import PAGE, STATE_POS
 
 SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
              "float32[:, :, ::1], float32[:, :, ::1])")
+# tma: the layer's tensor map (nq/ptx/tensormap.py) as one more argument
+SPLIT_SIG_TMA = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
+                 "float32[:, :, ::1], float32[:, :, ::1], uint64[::1])")
 # cluster (cluster.py): no partials in global memory; o is written by the kernel itself
 SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
                 "float16[::1])")
@@ -101,14 +105,14 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, spread: bool = False):
+               cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
     stages, RPC token rows a bulk copy, MAXS / MINP the plan's max_splits / min_pps; in the
     body g = lane // 4 (a head of the group), t = lane % 4, c the consumer, stage the ring slot.
     """
-    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32_at,
+    from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_tensor_5d_g2s, cvta_to_shared_u32_at,
                         fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
@@ -119,13 +123,20 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     SPREAD = bool(spread)    # a stage's copies over all 32 producer lanes, not NCOPY a page
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
+    TMA = int(tma)           # 0: bulk copies into padded rows; 1 / 2: tensor-map copies (plan.py)
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
     NT = D // 8                        # dim n-tiles of the accumulator
     QW, AW = 4 * KSTEPS, 2 * NT        # local array sizes (compile-time constants)
     ROW_BYTES = 2 * D                  # bytes of one token row
-    SLOT = page_slot_bytes(D, RPC)     # bytes of one padded page slot
+    SLOT = tma_slot_bytes(D) if TMA else page_slot_bytes(D, RPC)  # bytes of one page slot
+    SALIGN = TMA_ALIGN if TMA else ALIGN  # the slots' alignment (the swizzle needs 1024)
+    CPP = tma_copies(D, TMA) if TMA else 0  # tensor copies a page
+    HALF_COPY = SLOT // max(CPP, 1)    # bytes one tensor copy of tma 2 lands (a 64-dim half)
+    KR0 = tma_row128(0, 0, 0, D, TMA) if TMA else 0       # 128-byte row of K row 0, half 0
+    VR0 = tma_row128(1, 0, 0, D, TMA) if TMA else 0       # ... of V row 0, half 0
+    HSTR = (tma_row128(0, 1, 0, D, TMA) - KR0) if TMA and D > 64 else 0  # rows a half further
     PAGE_TX = 2 * PAGE * ROW_BYTES     # bytes the copies of one page deliver
     NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
     COPY_BYTES = RPC * ROW_BYTES
@@ -140,9 +151,10 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
 
-    def split_main(q, state, table, kv, part_acc, part_ml):
+    def split_main(q, state, table, kv, part_acc, part_ml, tmap):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
-        # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32
+        # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32; tmap (16,) u64
+        # (with TMA, kv's tensor map; otherwise any array, unused)
         # PDL: no griddepcontrol.launch_dependents (module doc); the trigger at exit.
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, plan.row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: the consumers' merge scratch
@@ -188,8 +200,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         p_end = min(p_begin + pps, n_pages)
         n_iters = (p_end - p_begin + nca - 1) // nca
         sm0 = cvta_to_shared_u32_at(smu, 0)
-        skip = (ALIGN - sm0 % ALIGN) % ALIGN
-        stage0 = sm0 + skip                  # 16-byte aligned; slot (stage, j) at (stage*NC+j)*SLOT
+        skip = (SALIGN - sm0 % SALIGN) % SALIGN
+        stage0 = sm0 + skip                  # SALIGN-aligned; slot (stage, j) at (stage*NC+j)*SLOT
         w0 = skip // 4                       # the same place as a smu / smf index
 
         if warp == NC:
@@ -208,7 +220,18 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
-                if SPREAD:
+                if TMA:
+                    # one tensor copy a page (tma 1) or a 64-dim half (tma 2) by lane i < npg*CPP
+                    if lane < npg * CPP:
+                        j = lane // CPP
+                        hf = lane - j * CPP
+                        pk = table[p0 + j] * kv.shape[1] + kvh
+                        dst = stage0 + (stage * NC + j) * SLOT + hf * HALF_COPY
+                        if TMA == 1:
+                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, 0, 0, 0, pk, bar0 + 8 * stage)
+                        else:
+                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, hf, 0, 0, pk, bar0 + 8 * stage)
+                elif SPREAD:
                     # copy i of the stage (page i // NCOPY, rows (i % NCOPY) * RPC on) by lane
                     # i % 32: npg * NCOPY / 32 copies a lane instead of npg
                     for i in range(lane, npg * NCOPY, 32):
@@ -256,9 +279,18 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             l = ZERO
             # This lane's ldmatrix rows (see the module doc), as byte offsets in a page slot.
             kr = (lane % 8) + 8 * (lane // 16)
-            koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
             vr = PAGE + (lane % 8) + 8 * ((lane // 8) % 2)
-            voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
+            if TMA:
+                # row kr's 128-byte row, and its 16-byte chunk XOR the swizzle's row (= lane % 8)
+                koff = (KR0 + kr) * 128
+                kx = (((lane // 8) % 2) ^ (lane % 8)) * 16
+                voff = (VR0 + vr - PAGE) * 128
+                vx = ((lane // 16) ^ (lane % 8)) * 16
+            else:
+                koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
+                voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
+                kx = 0
+                vx = 0
             for it in range(n_iters):
                 stage = it % NST
                 mbarrier_wait_parity(bar0 + 8 * stage, (it // NST) & 1)
@@ -271,14 +303,25 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     if nv < PAGE:
                         # Zero the stale V rows nv..15 (tail page only): 0 * NaN = NaN in P V.
                         for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
-                            r = PAGE + nv + i // ROW_WORDS
-                            byte = slot + r * ROW_BYTES + (r // RPC) * PAD
-                            smu[w0 + byte // 4 + i % ROW_WORDS] = Z
+                            if TMA:
+                                # a whole 128-byte row: the swizzle only permutes inside it
+                                r = nv + i // ROW_WORDS
+                                w = i % ROW_WORDS
+                                byte = slot + (VR0 + (w // 32) * HSTR + r) * 128 + (w % 32) * 4
+                                smu[w0 + byte // 4] = Z
+                            else:
+                                r = PAGE + nv + i // ROW_WORDS
+                                byte = slot + r * ROW_BYTES + (r // RPC) * PAD
+                                smu[w0 + byte // 4 + i % ROW_WORDS] = Z
                         cuda.syncwarp(FULL)
                     for j in range(16):
                         sc[j] = ZERO
                     for kstep in range(KSTEPS):
-                        k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
+                        if TMA:
+                            k0, k1, k2, k3 = ldmatrix_x4(
+                                base + koff + (kstep // 4) * HSTR * 128 + (((kstep % 4) * 32) ^ kx))
+                        else:
+                            k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
                         par = 8 * (kstep % 2)
                         a0, a1 = qf[4 * kstep], qf[4 * kstep + 1]
                         a2, a3 = qf[4 * kstep + 2], qf[4 * kstep + 3]
@@ -324,7 +367,11 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                                                              l * alpha, ZERO, ZERO, ZERO)
                     l = d0 + d2
                     for db in range(KSTEPS):
-                        v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
+                        if TMA:
+                            v0, v1, v2, v3 = ldmatrix_x4_trans(
+                                base + voff + (db // 4) * HSTR * 128 + (((db % 4) * 32) ^ vx))
+                        else:
+                            v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
                         j = 4 * db
                         d0, d1, d2, d3 = mma_sync_m16n8k16_f16_f32(
                             pa0, pa1, pa2, pa3, v0, v1, acc[j] * alpha, acc[j + 1] * alpha,
@@ -393,21 +440,29 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         from nq.kernels.attention.cluster import cluster_tail
         return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
 
+    if TMA:
+        def attn_split_tma(q, state, table, kv, part_acc, part_ml, tmap):
+            split_main(q, state, table, kv, part_acc, part_ml, tmap)
+        return attn_split_tma
+
     def attn_split(q, state, table, kv, part_acc, part_ml):
-        split_main(q, state, table, kv, part_acc, part_ml)
+        split_main(q, state, table, kv, part_acc, part_ml, table)
     return attn_split
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, spread=False) -> str:
+               early, cluster=0, ppc=0, spread=False, tma=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
-    ppc the pages a consumer, spread the copies over the producer's 32 lanes (`decode_launcher`)."""
+    ppc the pages a consumer, spread the copies over the producer's 32 lanes, tma the
+    tensor-map copies (`decode_launcher`)."""
     extra = {"cl": cluster} if cluster else {}
     if ppc:
         extra["ppc"] = ppc
     if spread:
         extra["spread"] = True
+    if tma:
+        extra["tma"] = tma
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -416,13 +471,13 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, spread: bool = False):
+                 cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(spread))
-    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG
+           bool(early), int(cluster), int(ppc), bool(spread), int(tma))
+    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
 
@@ -432,7 +487,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    spread: bool = False):
+                    spread: bool = False, tma: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -456,12 +511,19 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     contexts with one consumer and no merge and long ones with all of them.
     spread: a stage's bulk copies (its pages x 2*16/rows_per_copy) over the producer's 32 lanes
     rather than lane i copying rows i*rows_per_copy.. of every page of the stage in turn.
+    tma: 1 -- one tensor-map copy a page, 2 -- one a 64-dim half (nq/ptx/tensormap.py), into
+    128-byte swizzled slots with no padding (plan.py), instead of 2*16/rows_per_copy bulk
+    copies a page into padded rows; rows_per_copy and spread then do not apply.  The launcher
+    encodes kv_layer's tensor map once, here.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
+    if int(tma) not in (0, 1, 2) or (tma and cluster):
+        raise ValueError(f"attention: tma={tma} must be 0, 1 (a copy a page) or 2 (a copy a "
+                         f"64-dim half), and is not supported with cluster")
     if int(ppc) < 0:
         raise ValueError(f"attention: ppc={ppc} must be 0 (every consumer) or the pages a "
                          f"consumer takes (>= 1)")
@@ -475,15 +537,21 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc), spread=bool(spread))
+                         ppc=int(ppc), spread=bool(spread), tma=int(tma))
     merge = combine.combine_kernel(d, ms, min_pps)
-    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy)
+    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=int(tma))
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
         allow_smem(split, nbytes)
     threads = (consumers + 1) * 32
+    if tma:
+        from nq.ptx.tensormap import encode
+        tmap = encode(kv_layer, tma_spec(kv_layer.shape, int(tma)))
+        args = (q, state, table, kv_layer, part_acc, part_ml, tmap)
+    else:
+        args = (q, state, table, kv_layer, part_acc, part_ml)
 
     def launch(stream=0):
-        split[(ms, hkv), threads, stream, nbytes](q, state, table, kv_layer, part_acc, part_ml)
+        split[(ms, hkv), threads, stream, nbytes](*args)
         merge[hq, d * combine.GROUPS, stream](state, part_acc, part_ml, o)
 
     return launch

@@ -78,10 +78,52 @@ def page_slot_bytes(head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
 
 
 def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
-               rows_per_copy: int = ROWS_PER_COPY) -> int:
-    """Dynamic shared memory of the split kernel: nstage x consumers padded page slots, plus
-    slack to align them (numba declares the dynamic array `.align 4`)."""
+               rows_per_copy: int = ROWS_PER_COPY, tma: int = 0) -> int:
+    """Dynamic shared memory of the split kernel: nstage x consumers padded page slots (with
+    tma: swizzled slots), plus slack to align them (numba declares the dynamic array `.align 4`)."""
+    if tma:
+        return nstage * consumers * tma_slot_bytes(head_dim) + TMA_ALIGN
     return nstage * consumers * page_slot_bytes(head_dim, rows_per_copy) + ALIGN
+
+
+# ---- attn_split's shared memory with tensor-map copies (`tma`) ----------------------------------
+# tma 1: one copy a page, a slot [K/V][64-dim half][token row] of 128-byte rows; tma 2: one copy
+# a 64-dim half, [half][K/V][row].  Either way 128-byte swizzled (nq/ptx/tensormap.py): chunk c
+# of the slot's 128-byte row r at chunk c ^ (r % 8), and r % 8 is the token row's, so the 8 token
+# rows of an ldmatrix phase fall in 8 bank groups with no padding.  Slots are 1024-byte aligned.
+TMA_ALIGN = 1024
+
+
+def tma_slot_bytes(head_dim: int) -> int:
+    return 2 * PAGE * 2 * head_dim
+
+
+def tma_row128(kv: int, half: int, row: int, head_dim: int, tma: int) -> int:
+    """Index of the 128-byte row that holds dims 64*half.. of token row `row` of K (kv 0) or
+    V (kv 1) in a tma page slot."""
+    halves = head_dim // 64
+    if tma == 1:
+        return (kv * halves + half) * PAGE + row
+    return (half * 2 + kv) * PAGE + row
+
+
+def tma_copies(head_dim: int, tma: int) -> int:
+    """Tensor copies a page: 1, or (tma 2) one a 64-dim half."""
+    return 1 if tma == 1 else head_dim // 64
+
+
+def tma_spec(kv_layer_shape, tma: int):
+    """The tensor map over one layer of the KV pool (n_pages, n_kv, 2, PAGE, head_dim) fp16
+    (nq/paged.py) whose box is what one copy of `tma` moves (see above)."""
+    from nq.ptx.tensormap import SWIZZLE_128B, TensorMapSpec
+    n_pages, n_kv, _, _, d = kv_layer_shape
+    halves = d // 64
+    pk = n_pages * n_kv                          # (page, kv head) pairs, 64 d bytes apart
+    if tma == 1:
+        return TensorMapSpec(dims=(64, PAGE, halves, 2, pk), strides=(2 * d, 128, 32 * d, 64 * d),
+                             box=(64, PAGE, halves, 2, 1), swizzle=SWIZZLE_128B)
+    return TensorMapSpec(dims=(64, halves, PAGE, 2, pk), strides=(128, 2 * d, 32 * d, 64 * d),
+                         box=(64, 1, PAGE, 2, 1), swizzle=SWIZZLE_128B)
 
 
 def barrier_bytes(nstage: int) -> int:

@@ -74,6 +74,21 @@ def test_split_ptx_ppc():
     assert_no_local_memory(ptx)
 
 
+@pytest.mark.parametrize("tma", [1, 2])
+def test_split_ptx_tma(tma):
+    # tensor-map copies: one instruction a page (tma 1) or a 64-dim half (tma 2), no plain bulk
+    # copies, the page loop's work unchanged, no local memory
+    body = decode.split_body(7, 128, 4, 4, plan.NSTAGE, 2, 66, 2, True, ppc=2, tma=tma)
+    ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_TMA, fastmath=True)
+    assert count(ptx, "cp.async.bulk.tensor.5d.shared::cluster.global.tile") == 1
+    assert count(ptx, "cp.async.bulk.shared::cluster.global") == 0
+    assert count(ptx, "mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 1 + 128 // 8
+    assert_no_local_memory(ptx)
+    if have_ptxas():
+        regs, spills = ptxas_report(ptx)
+        assert spills == 0 and regs <= 192
+
+
 @pytest.mark.parametrize("groups", [8, 4])
 def test_combine_ptx(groups):
     ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2, groups), combine.COMBINE_SIG,
@@ -149,7 +164,7 @@ SIM_SCRIPT = textwrap.dedent('''
     seen = [0]
 
     def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0,
-             spread=False):
+             spread=False, tma=0):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
             return
@@ -159,13 +174,14 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, ppc=ppc, spread=spread)
+                                           cluster=cl, ppc=ppc, spread=spread, tma=tma)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
-                + (f"_ppc{ppc}" if ppc else "") + ("_spread" if spread else ""))
+                + (f"_ppc{ppc}" if ppc else "") + ("_spread" if spread else "")
+                + (f"_tma{tma}" if tma else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -193,14 +209,20 @@ SIM_SCRIPT = textwrap.dedent('''
     # spread (a stage's copies over the producer's 32 lanes): 3 pages a stage of 16 copies
     # each (48: lanes 0-15 take two), then a stage of 2 (32: one a lane)
     case(g2, 5 * 16 - 7, 1, 3, 2, 2, 15, early=True, ppc=1, spread=True)
+    # tma (tensor-map copies into 128-byte swizzled slots): d128 a copy a page (two 64-dim
+    # halves, 4 pages over 2 consumers, tail 5); d128 a copy a half (2 splits, the engine's
+    # early wait); d64 (one half: one copy a page either way), two kv heads
+    case(g8, 3 * 16 + 5, 1, 2, 2, 2, 16, tma=1)
+    case(g8, 37, 2, 4, 2, 2, 17, early=True, min_pps=2, ppc=1, tma=2)
+    case(g7, 40, 2, 1, 3, 2, 18, early=True, tma=2)
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
-# and new: cases 6, 9), a cluster, ppc's one-of-four and spread; the long tier (`pytest -m
-# long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12)
-SIM_PICK_LONG = (0, 2, 4, 8, 11)
+# and new: cases 6, 9), a cluster, ppc's one-of-four, spread and both tensor-map forms at
+# d128; the long tier (`pytest -m long`) the rest.
+SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14)
+SIM_PICK_LONG = (0, 2, 4, 8, 11, 15)
 
 
 def _split_and_combine_under_the_simulator(pick):
@@ -282,7 +304,7 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "cluster", "ppc", "spread"}
+                                         "cluster", "ppc", "spread", "tma"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])
