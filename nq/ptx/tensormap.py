@@ -32,6 +32,7 @@ SWIZZLE_NONE = 0      # CUtensorMapSwizzle values
 SWIZZLE_128B = 3
 _SIM_MAGIC = 0x6E71746D6170  # "nqtmap": a simulator map's word 0 (a real map never starts so)
 _sim_maps: dict[int, tuple[np.ndarray, "TensorMapSpec"]] = {}
+_L2 = {0: 0, 64: 1, 128: 2, 256: 3}  # promotion bytes -> CUtensorMapL2promotion
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class TensorMapSpec:
     strides: tuple
     box: tuple
     swizzle: int = SWIZZLE_128B
+    l2_promotion: int = 128   # bytes an L2 miss fetches: 0 (none), 64, 128 or 256
     elem_bytes: int = 2
 
     def __post_init__(self):
@@ -54,6 +56,9 @@ class TensorMapSpec:
         if any(not 1 <= b <= 256 for b in self.box) or (self.box[0] * self.elem_bytes) % 16:
             raise ValueError(f"tensor map: box sides 1..256 and an inner side of a multiple of 16 "
                              f"bytes, got {self.box}")
+        if self.l2_promotion not in _L2:
+            raise ValueError(f"tensor map: l2_promotion must be one of {sorted(_L2)}, got "
+                             f"{self.l2_promotion}")
         if self.swizzle == SWIZZLE_128B and self.box[0] * self.elem_bytes > 128:
             raise ValueError("tensor map: the 128-byte swizzle takes an inner box side of at most "
                              f"128 bytes, got {self.box[0] * self.elem_bytes}")
@@ -116,7 +121,7 @@ def encode(array, spec: TensorMapSpec):
         [cu.cuuint32_t(1)] * rank,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle(spec.swizzle),
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapL2promotion(_L2[spec.l2_promotion]),
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise ValueError(f"tensor map: cuTensorMapEncodeTiled refused {spec} ({err.name}); "

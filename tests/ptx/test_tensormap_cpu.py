@@ -19,12 +19,14 @@ def test_spec_refuses_what_the_driver_would():
         TensorMapSpec(dims=(128, 4), strides=(256,), box=(128, 4), swizzle=SWIZZLE_128B)
     with pytest.raises(ValueError, match="rank 1..5"):
         TensorMapSpec(dims=(64, 4), strides=(), box=(64, 4))
+    with pytest.raises(ValueError, match="l2_promotion"):
+        TensorMapSpec(dims=(64, 4), strides=(128,), box=(64, 4), l2_promotion=32)
     with pytest.raises(ValueError, match="inner side"):
         TensorMapSpec(dims=(64, 4), strides=(128,), box=(4, 4))
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("tma", [1, 2])
+@pytest.mark.parametrize("tma", [1, 2, 3])
 def test_box_of_a_page_is_the_pool_page_in_slot_order(d, tma):
     rng = np.random.default_rng(d + tma)
     n_pages, n_kv = 5, 3
@@ -35,7 +37,7 @@ def test_box_of_a_page_is_the_pool_page_in_slot_order(d, tma):
     halves = d // 64
     slot = np.zeros(plan.tma_slot_bytes(d) // 2, np.float16)
     for hf in range(plan.tma_copies(d, tma)):
-        coords = (0, 0, 0, 0, pk) if tma == 1 else (0, hf, 0, 0, pk)
+        coords = (0, hf, 0, 0, pk) if tma == 2 else (0, 0, 0, 0, pk)
         got = box_bytes(pool, spec, coords).view(np.float16)
         n = len(got)
         slot[hf * n:(hf + 1) * n] = got

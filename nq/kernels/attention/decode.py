@@ -123,7 +123,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     SPREAD = bool(spread)    # a stage's copies over all 32 producer lanes, not NCOPY a page
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
-    TMA = int(tma)           # 0: bulk copies into padded rows; 1 / 2: tensor-map copies (plan.py)
+    TMA = int(tma)           # 0: bulk copies into padded rows; 1 / 2 / 3: tensor-map copies (plan.py)
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -137,6 +137,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     KR0 = tma_row128(0, 0, 0, D, TMA) if TMA else 0       # 128-byte row of K row 0, half 0
     VR0 = tma_row128(1, 0, 0, D, TMA) if TMA else 0       # ... of V row 0, half 0
     HSTR = (tma_row128(0, 1, 0, D, TMA) - KR0) if TMA and D > 64 else 0  # rows a half further
+    RSTEP = (tma_row128(0, 0, 1, D, TMA) - KR0) if TMA else 0  # rows a token row further
+    # the swizzle's row (r % 8) of token row `row`, half h: (row*RSTEP + h*HSTR) % 8
     PAGE_TX = 2 * PAGE * ROW_BYTES     # bytes the copies of one page deliver
     NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
     COPY_BYTES = RPC * ROW_BYTES
@@ -227,10 +229,10 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         hf = lane - j * CPP
                         pk = table[p0 + j] * kv.shape[1] + kvh
                         dst = stage0 + (stage * NC + j) * SLOT + hf * HALF_COPY
-                        if TMA == 1:
-                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, 0, 0, 0, pk, bar0 + 8 * stage)
-                        else:
+                        if TMA == 2:
                             cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, hf, 0, 0, pk, bar0 + 8 * stage)
+                        else:
+                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, 0, 0, 0, pk, bar0 + 8 * stage)
                 elif SPREAD:
                     # copy i of the stage (page i // NCOPY, rows (i % NCOPY) * RPC on) by lane
                     # i % 32: npg * NCOPY / 32 copies a lane instead of npg
@@ -281,16 +283,18 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             kr = (lane % 8) + 8 * (lane // 16)
             vr = PAGE + (lane % 8) + 8 * ((lane // 8) % 2)
             if TMA:
-                # row kr's 128-byte row, and its 16-byte chunk XOR the swizzle's row (= lane % 8)
-                koff = (KR0 + kr) * 128
-                kx = (((lane // 8) % 2) ^ (lane % 8)) * 16
-                voff = (VR0 + vr - PAGE) * 128
-                vx = ((lane // 16) ^ (lane % 8)) * 16
+                # row kr's 128-byte row, and its 16-byte chunk XOR the swizzle's row (r % 8) in
+                # each 64-dim half h (kx[h], vx[h]; the same for both halves in tma 1 and 2)
+                koff = (KR0 + kr * RSTEP) * 128
+                kx0 = (((lane // 8) % 2) ^ ((kr * RSTEP) % 8)) * 16
+                kx1 = (((lane // 8) % 2) ^ ((kr * RSTEP + HSTR) % 8)) * 16
+                voff = (VR0 + (vr - PAGE) * RSTEP) * 128
+                vx0 = ((lane // 16) ^ (((vr - PAGE) * RSTEP) % 8)) * 16
+                vx1 = ((lane // 16) ^ (((vr - PAGE) * RSTEP + HSTR) % 8)) * 16
             else:
                 koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
                 voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
-                kx = 0
-                vx = 0
+                kx0 = kx1 = vx0 = vx1 = 0
             for it in range(n_iters):
                 stage = it % NST
                 mbarrier_wait_parity(bar0 + 8 * stage, (it // NST) & 1)
@@ -307,7 +311,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                                 # a whole 128-byte row: the swizzle only permutes inside it
                                 r = nv + i // ROW_WORDS
                                 w = i % ROW_WORDS
-                                byte = slot + (VR0 + (w // 32) * HSTR + r) * 128 + (w % 32) * 4
+                                byte = (slot + (VR0 + (w // 32) * HSTR + r * RSTEP) * 128
+                                        + (w % 32) * 4)
                                 smu[w0 + byte // 4] = Z
                             else:
                                 r = PAGE + nv + i // ROW_WORDS
@@ -319,7 +324,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for kstep in range(KSTEPS):
                         if TMA:
                             k0, k1, k2, k3 = ldmatrix_x4(
-                                base + koff + (kstep // 4) * HSTR * 128 + (((kstep % 4) * 32) ^ kx))
+                                base + koff + (kstep // 4) * HSTR * 128
+                                + (((kstep % 4) * 32) ^ (kx0 if kstep < 4 else kx1)))
                         else:
                             k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
                         par = 8 * (kstep % 2)
@@ -369,7 +375,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for db in range(KSTEPS):
                         if TMA:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(
-                                base + voff + (db // 4) * HSTR * 128 + (((db % 4) * 32) ^ vx))
+                                base + voff + (db // 4) * HSTR * 128
+                                + (((db % 4) * 32) ^ (vx0 if db < 4 else vx1)))
                         else:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
                         j = 4 * db
@@ -487,7 +494,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    spread: bool = False, tma: int = 0):
+                    spread: bool = False, tma: int = 0, tma_l2: int = 128):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -511,19 +518,20 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     contexts with one consumer and no merge and long ones with all of them.
     spread: a stage's bulk copies (its pages x 2*16/rows_per_copy) over the producer's 32 lanes
     rather than lane i copying rows i*rows_per_copy.. of every page of the stage in turn.
-    tma: 1 -- one tensor-map copy a page, 2 -- one a 64-dim half (nq/ptx/tensormap.py), into
-    128-byte swizzled slots with no padding (plan.py), instead of 2*16/rows_per_copy bulk
-    copies a page into padded rows; rows_per_copy and spread then do not apply.  The launcher
-    encodes kv_layer's tensor map once, here.
+    tma: 1 -- one tensor-map copy a page, 2 -- one a 64-dim half, 3 -- one a page read in memory
+    order (nq/ptx/tensormap.py; plan.py has the three slot layouts), into 128-byte swizzled
+    slots with no padding, instead of 2*16/rows_per_copy bulk copies a page into padded rows;
+    rows_per_copy and spread then do not apply.  tma_l2: the map's L2 promotion (bytes an L2
+    miss fetches: 0, 64, 128 or 256).  The launcher encodes kv_layer's tensor map once, here.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
-    if int(tma) not in (0, 1, 2) or (tma and cluster):
-        raise ValueError(f"attention: tma={tma} must be 0, 1 (a copy a page) or 2 (a copy a "
-                         f"64-dim half), and is not supported with cluster")
+    if int(tma) not in (0, 1, 2, 3) or (tma and cluster):
+        raise ValueError(f"attention: tma={tma} must be 0, 1 or 3 (a copy a page) or 2 (a copy "
+                         f"a 64-dim half), and is not supported with cluster")
     if int(ppc) < 0:
         raise ValueError(f"attention: ppc={ppc} must be 0 (every consumer) or the pages a "
                          f"consumer takes (>= 1)")
@@ -545,7 +553,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     threads = (consumers + 1) * 32
     if tma:
         from nq.ptx.tensormap import encode
-        tmap = encode(kv_layer, tma_spec(kv_layer.shape, int(tma)))
+        tmap = encode(kv_layer, tma_spec(kv_layer.shape, int(tma), int(tma_l2)))
         args = (q, state, table, kv_layer, part_acc, part_ml, tmap)
     else:
         args = (q, state, table, kv_layer, part_acc, part_ml)

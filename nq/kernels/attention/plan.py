@@ -90,7 +90,9 @@ def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
 # tma 1: one copy a page, a slot [K/V][64-dim half][token row] of 128-byte rows; tma 2: one copy
 # a 64-dim half, [half][K/V][row].  Either way 128-byte swizzled (nq/ptx/tensormap.py): chunk c
 # of the slot's 128-byte row r at chunk c ^ (r % 8), and r % 8 is the token row's, so the 8 token
-# rows of an ldmatrix phase fall in 8 bank groups with no padding.  Slots are 1024-byte aligned.
+# rows of an ldmatrix phase fall in 8 bank groups with no padding.  tma 3: one copy a page in
+# memory order, [K/V][row][half]: r % 8 = (2 row + half) % 8 at d128, so rows t and t+4 of a
+# phase share a bank group (2-way, as 2 rows a bulk copy).  Slots are 1024-byte aligned.
 TMA_ALIGN = 1024
 
 
@@ -104,26 +106,30 @@ def tma_row128(kv: int, half: int, row: int, head_dim: int, tma: int) -> int:
     halves = head_dim // 64
     if tma == 1:
         return (kv * halves + half) * PAGE + row
+    if tma == 3:
+        return (kv * PAGE + row) * halves + half
     return (half * 2 + kv) * PAGE + row
 
 
 def tma_copies(head_dim: int, tma: int) -> int:
     """Tensor copies a page: 1, or (tma 2) one a 64-dim half."""
-    return 1 if tma == 1 else head_dim // 64
+    return head_dim // 64 if tma == 2 else 1
 
 
-def tma_spec(kv_layer_shape, tma: int):
+def tma_spec(kv_layer_shape, tma: int, l2_promotion: int = 128):
     """The tensor map over one layer of the KV pool (n_pages, n_kv, 2, PAGE, head_dim) fp16
-    (nq/paged.py) whose box is what one copy of `tma` moves (see above)."""
+    (nq/paged.py) whose box is what one copy of `tma` moves (see above); l2_promotion: the bytes
+    an L2 miss fetches (0, 64, 128, 256)."""
     from nq.ptx.tensormap import SWIZZLE_128B, TensorMapSpec
     n_pages, n_kv, _, _, d = kv_layer_shape
     halves = d // 64
     pk = n_pages * n_kv                          # (page, kv head) pairs, 64 d bytes apart
+    l2 = dict(swizzle=SWIZZLE_128B, l2_promotion=l2_promotion)
     if tma == 1:
         return TensorMapSpec(dims=(64, PAGE, halves, 2, pk), strides=(2 * d, 128, 32 * d, 64 * d),
-                             box=(64, PAGE, halves, 2, 1), swizzle=SWIZZLE_128B)
+                             box=(64, PAGE, halves, 2, 1), **l2)
     return TensorMapSpec(dims=(64, halves, PAGE, 2, pk), strides=(128, 2 * d, 32 * d, 64 * d),
-                         box=(64, 1, PAGE, 2, 1), swizzle=SWIZZLE_128B)
+                         box=(64, halves if tma == 3 else 1, PAGE, 2, 1), **l2)
 
 
 def barrier_bytes(nstage: int) -> int:

@@ -74,7 +74,7 @@ def test_split_ptx_ppc():
     assert_no_local_memory(ptx)
 
 
-@pytest.mark.parametrize("tma", [1, 2])
+@pytest.mark.parametrize("tma", [1, 2, 3])
 def test_split_ptx_tma(tma):
     # tensor-map copies: one instruction a page (tma 1) or a 64-dim half (tma 2), no plain bulk
     # copies, the page loop's work unchanged, no local memory
@@ -215,13 +215,14 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g8, 3 * 16 + 5, 1, 2, 2, 2, 16, tma=1)
     case(g8, 37, 2, 4, 2, 2, 17, early=True, min_pps=2, ppc=1, tma=2)
     case(g7, 40, 2, 1, 3, 2, 18, early=True, tma=2)
+    case(g8, 2 * 16 + 9, 1, 2, 2, 2, 19, tma=3)   # d128 in memory order: 2-way swizzle rows
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
-# and new: cases 6, 9), a cluster, ppc's one-of-four, spread and both tensor-map forms at
-# d128; the long tier (`pytest -m long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14)
+# and new: cases 6, 9), a cluster, ppc's one-of-four, spread and the three tensor-map forms
+# at d128; the long tier (`pytest -m long`) the rest.
+SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14, 16)
 SIM_PICK_LONG = (0, 2, 4, 8, 11, 15)
 
 

@@ -108,12 +108,15 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2),
                                 dict(consumers=4, ppc=1, max_splits=3, tma=1),
                                 dict(consumers=1, nstage=4, max_splits=3, tma=2),
-                                dict(consumers=6, nstage=2, ppc=2, early=True, min_pps=2, tma=1)],
+                                dict(consumers=6, nstage=2, ppc=2, early=True, min_pps=2, tma=1),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=3),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_l2=256)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264",
                               "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3", "c4-ppc2-spread",
                               "c4-ppc1-s3-spread", "c4-ppc2-tma1", "c4-ppc2-tma2", "c4-ppc1-s3-tma1",
-                              "c1st4-s3-tma2", "c6st2-ppc2-tma1"])
+                              "c1st4-s3-tma2", "c6st2-ppc2-tma1", "c4-ppc2-tma3",
+                              "c4-ppc2-tma2-l2x256"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
@@ -131,7 +134,7 @@ def test_attention_gqa_extremes(name, length, consumers):
 
 @pytest.mark.parametrize("length", [1, 17, 49, 3001])
 @pytest.mark.parametrize("name", ["tiny", "g8", "g1"])
-@pytest.mark.parametrize("tma", [1, 2])
+@pytest.mark.parametrize("tma", [1, 2, 3])
 def test_attention_tma_other_shapes(name, length, tma):
     """Tensor-map copies at d64 (one 64-dim half: one copy a page either way) and GQA 8 / 1."""
     cfg = CFGS[name]
@@ -142,7 +145,7 @@ def test_attention_tma_other_shapes(name, length, tma):
 
 @pytest.mark.parametrize("length", [17, 49, 1000])
 @pytest.mark.parametrize("stale", [np.nan, np.inf], ids=["nan", "inf"])
-@pytest.mark.parametrize("tma", [1, 2])
+@pytest.mark.parametrize("tma", [1, 2, 3])
 def test_attention_tma_ignores_a_stale_tail(length, stale, tma):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=length + 13)
@@ -242,8 +245,8 @@ def test_launcher_rejects_bad_shapes():
         attention.decode_launcher(*args, pa, pm, rows_per_copy=3)
     with pytest.raises(ValueError, match="ppc=-1"):
         attention.decode_launcher(*args, pa, pm, consumers=4, ppc=-1)
-    with pytest.raises(ValueError, match="tma=3"):
-        attention.decode_launcher(*args, pa, pm, tma=3)
+    with pytest.raises(ValueError, match="tma=4"):
+        attention.decode_launcher(*args, pa, pm, tma=4)
     with pytest.raises(ValueError, match="not supported with cluster"):
         attention.decode_launcher(*args, pa, pm, tma=1, cluster=16)
     with pytest.raises(ValueError, match="cluster=3"):
