@@ -105,7 +105,8 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0):
+               cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0,
+               tma_from: int = 0, tma_pf: bool = False):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -117,7 +118,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity,
-                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
+                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, prefetch_tensormap,
+                        unpack_f16x2_to_f32)
 
     EARLY = bool(early)
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
@@ -130,10 +132,12 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     NT = D // 8                        # dim n-tiles of the accumulator
     QW, AW = 4 * KSTEPS, 2 * NT        # local array sizes (compile-time constants)
     ROW_BYTES = 2 * D                  # bytes of one token row
-    SLOT = tma_slot_bytes(D) if TMA else page_slot_bytes(D, RPC)  # bytes of one page slot
-    SALIGN = TMA_ALIGN if TMA else ALIGN  # the slots' alignment (the swizzle needs 1024)
+    TFROM = int(tma_from)    # > 0: tensor-map copies only from TFROM pages a split, bulk below
+    TPF = bool(tma_pf)       # the producer asks for the tensor map (prefetch.tensormap) first
+    SLOT_B = page_slot_bytes(D, RPC)   # bytes of one padded page slot (bulk copies)
+    SLOT_T = tma_slot_bytes(D)         # bytes of one swizzled page slot (tensor-map copies)
     CPP = tma_copies(D, TMA) if TMA else 0  # tensor copies a page
-    HALF_COPY = SLOT // max(CPP, 1)    # bytes one tensor copy of tma 2 lands (a 64-dim half)
+    HALF_COPY = SLOT_T // max(CPP, 1)  # bytes one tensor copy of tma 2 lands (a 64-dim half)
     KR0 = tma_row128(0, 0, 0, D, TMA) if TMA else 0       # 128-byte row of K row 0, half 0
     VR0 = tma_row128(1, 0, 0, D, TMA) if TMA else 0       # ... of V row 0, half 0
     HSTR = (tma_row128(0, 1, 0, D, TMA) - KR0) if TMA and D > 64 else 0  # rows a half further
@@ -169,6 +173,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         warp = tid // 32
         lane = tid % 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
+        if TMA and TPF and tid == NC * 32:
+            prefetch_tensormap(tmap)
         if not EARLY:
             griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
         # EARLY (PDL): state, the block table and every page but the one rope_kv writes this
@@ -185,6 +191,11 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         # nca consumers share the split's pages (a stage holds nca of them): all NC, or with
         # PPC one per PPC pages of the plan, so a short context's split of one or two pages
         # is one consumer's, without the merge, and a long one's pages go to every consumer
+        # tm: this split's pages come by tensor-map copies into swizzled slots (TMA, from TFROM
+        # pages a split on), otherwise by bulk copies into padded rows; uniform for the grid
+        tm = TMA > 0 and (TFROM == 0 or pps >= TFROM)
+        sl = SLOT_T if tm else SLOT_B
+        sal = TMA_ALIGN if tm else ALIGN     # the swizzle needs 1024-byte aligned slots
         nca = NC
         if PPC:
             nca = max(1, min(NC, pps // PPC))
@@ -202,8 +213,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         p_end = min(p_begin + pps, n_pages)
         n_iters = (p_end - p_begin + nca - 1) // nca
         sm0 = cvta_to_shared_u32_at(smu, 0)
-        skip = (SALIGN - sm0 % SALIGN) % SALIGN
-        stage0 = sm0 + skip                  # SALIGN-aligned; slot (stage, j) at (stage*NC+j)*SLOT
+        skip = (sal - sm0 % sal) % sal
+        stage0 = sm0 + skip                  # sal-aligned; slot (stage, j) at (stage*NC+j)*sl
         w0 = skip // 4                       # the same place as a smu / smf index
 
         if warp == NC:
@@ -222,13 +233,13 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
-                if TMA:
+                if tm:
                     # one tensor copy a page (tma 1) or a 64-dim half (tma 2) by lane i < npg*CPP
                     if lane < npg * CPP:
                         j = lane // CPP
                         hf = lane - j * CPP
                         pk = table[p0 + j] * kv.shape[1] + kvh
-                        dst = stage0 + (stage * NC + j) * SLOT + hf * HALF_COPY
+                        dst = stage0 + (stage * NC + j) * sl + hf * HALF_COPY
                         if TMA == 2:
                             cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, hf, 0, 0, pk, bar0 + 8 * stage)
                         else:
@@ -241,14 +252,14 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         ci = i - j * NCOPY
                         r0 = ci * RPC
                         pid = table[p0 + j]
-                        dst = stage0 + (stage * NC + j) * SLOT + r0 * ROW_BYTES + ci * PAD
+                        dst = stage0 + (stage * NC + j) * sl + r0 * ROW_BYTES + ci * PAD
                         cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0),
                                           COPY_BYTES, bar0 + 8 * stage)
                 elif lane < NCOPY:
                     r0 = lane * RPC
                     for j in range(npg):
                         pid = table[p0 + j]
-                        dst = stage0 + (stage * NC + j) * SLOT + r0 * ROW_BYTES + lane * PAD
+                        dst = stage0 + (stage * NC + j) * sl + r0 * ROW_BYTES + lane * PAD
                         cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0), COPY_BYTES,
                                           bar0 + 8 * stage)
                 cuda.syncwarp(FULL)
@@ -282,7 +293,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             # This lane's ldmatrix rows (see the module doc), as byte offsets in a page slot.
             kr = (lane % 8) + 8 * (lane // 16)
             vr = PAGE + (lane % 8) + 8 * ((lane // 8) % 2)
-            if TMA:
+            hoff = 128     # bytes from dims 0-63 to 64-127 (the bulk layout's rows are whole)
+            if tm:
                 # row kr's 128-byte row, and its 16-byte chunk XOR the swizzle's row (r % 8) in
                 # each 64-dim half h (kx[h], vx[h]; the same for both halves in tma 1 and 2)
                 koff = (KR0 + kr * RSTEP) * 128
@@ -291,6 +303,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 voff = (VR0 + (vr - PAGE) * RSTEP) * 128
                 vx0 = ((lane // 16) ^ (((vr - PAGE) * RSTEP) % 8)) * 16
                 vx1 = ((lane // 16) ^ (((vr - PAGE) * RSTEP + HSTR) % 8)) * 16
+                hoff = HSTR * 128
             else:
                 koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
                 voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
@@ -302,12 +315,12 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 pg = p_begin + it * nca + c
                 if pg < p_end:                          # warp-uniform
                     nv = min(PAGE, length - pg * PAGE)  # valid tokens of this page
-                    slot = (stage * NC + c) * SLOT
+                    slot = (stage * NC + c) * sl
                     base = stage0 + slot
                     if nv < PAGE:
                         # Zero the stale V rows nv..15 (tail page only): 0 * NaN = NaN in P V.
                         for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
-                            if TMA:
+                            if tm:
                                 # a whole 128-byte row: the swizzle only permutes inside it
                                 r = nv + i // ROW_WORDS
                                 w = i % ROW_WORDS
@@ -324,7 +337,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for kstep in range(KSTEPS):
                         if TMA:
                             k0, k1, k2, k3 = ldmatrix_x4(
-                                base + koff + (kstep // 4) * HSTR * 128
+                                base + koff + (kstep // 4) * hoff
                                 + (((kstep % 4) * 32) ^ (kx0 if kstep < 4 else kx1)))
                         else:
                             k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
@@ -375,7 +388,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for db in range(KSTEPS):
                         if TMA:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(
-                                base + voff + (db // 4) * HSTR * 128
+                                base + voff + (db // 4) * hoff
                                 + (((db % 4) * 32) ^ (vx0 if db < 4 else vx1)))
                         else:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
@@ -400,7 +413,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if c > 0:
                     # Merge scratch (8 x D acc, then 8 x (m, l)) in this warp's own slot of the
                     # last stage: every copy into it has landed and none is issued again.
-                    fo = w0 + (stage_last * NC + c) * SLOT // 4
+                    fo = w0 + (stage_last * NC + c) * sl // 4
                     cuda.syncwarp(FULL)  # the warp's last ldmatrix of this slot is done
                     if row_ok:
                         for j in range(NT):
@@ -415,14 +428,14 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 if row_ok:
                     mx = m
                     for cc in range(1, nca):
-                        fo = w0 + (stage_last * NC + cc) * SLOT // 4
+                        fo = w0 + (stage_last * NC + cc) * sl // 4
                         mx = max(mx, smf[fo + SCR_ML + 2 * g])
                     w = math.exp2(m - mx)
                     l *= w
                     for j in range(2 * NT):
                         acc[j] *= w
                     for cc in range(1, nca):
-                        fo = w0 + (stage_last * NC + cc) * SLOT // 4
+                        fo = w0 + (stage_last * NC + cc) * sl // 4
                         w = math.exp2(smf[fo + SCR_ML + 2 * g] - mx)
                         l += smf[fo + SCR_ML + 2 * g + 1] * w
                         for j in range(NT):
@@ -458,7 +471,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, spread=False, tma=0) -> str:
+               early, cluster=0, ppc=0, spread=False, tma=0, tma_from=0, tma_pf=False) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
     ppc the pages a consumer, spread the copies over the producer's 32 lanes, tma the
@@ -470,6 +483,10 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
         extra["spread"] = True
     if tma:
         extra["tma"] = tma
+    if tma and tma_from:
+        extra["tfrom"] = tma_from
+    if tma and tma_pf:
+        extra["tpf"] = True
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -478,12 +495,14 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0):
+                 cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0,
+                 tma_from: int = 0, tma_pf: bool = False):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(spread), int(tma))
+           bool(early), int(cluster), int(ppc), bool(spread), int(tma), int(tma_from),
+           bool(tma_pf))
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -494,7 +513,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    spread: bool = False, tma: int = 0, tma_l2: int = 128):
+                    spread: bool = False, tma: int = 0, tma_l2: int = 128, tma_from: int = 0,
+                    tma_pf: bool = False):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -522,7 +542,10 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     order (nq/ptx/tensormap.py; plan.py has the three slot layouts), into 128-byte swizzled
     slots with no padding, instead of 2*16/rows_per_copy bulk copies a page into padded rows;
     rows_per_copy and spread then do not apply.  tma_l2: the map's L2 promotion (bytes an L2
-    miss fetches: 0, 64, 128 or 256).  The launcher encodes kv_layer's tensor map once, here.
+    miss fetches: 0, 64, 128 or 256).  tma_from: k > 0 -- tensor-map copies only for splits
+    of k pages or more (long contexts), bulk copies below, chosen in the kernel from the plan.
+    tma_pf: the producer prefetches the tensor map at its start.  The launcher encodes
+    kv_layer's tensor map once, here.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -545,9 +568,11 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc), spread=bool(spread), tma=int(tma))
+                         ppc=int(ppc), spread=bool(spread), tma=int(tma),
+                         tma_from=int(tma_from) if tma else 0, tma_pf=bool(tma_pf) and bool(tma))
     merge = combine.combine_kernel(d, ms, min_pps)
-    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=int(tma))
+    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=int(tma),
+                        tma_from=int(tma_from) if tma else 0)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
         allow_smem(split, nbytes)
     threads = (consumers + 1) * 32

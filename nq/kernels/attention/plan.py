@@ -78,12 +78,15 @@ def page_slot_bytes(head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
 
 
 def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
-               rows_per_copy: int = ROWS_PER_COPY, tma: int = 0) -> int:
+               rows_per_copy: int = ROWS_PER_COPY, tma: int = 0, tma_from: int = 0) -> int:
     """Dynamic shared memory of the split kernel: nstage x consumers padded page slots (with
-    tma: swizzled slots), plus slack to align them (numba declares the dynamic array `.align 4`)."""
-    if tma:
-        return nstage * consumers * tma_slot_bytes(head_dim) + TMA_ALIGN
-    return nstage * consumers * page_slot_bytes(head_dim, rows_per_copy) + ALIGN
+    tma: swizzled slots; with tma_from too: the larger of the two), plus slack to align them
+    (numba declares the dynamic array `.align 4`)."""
+    bulk = nstage * consumers * page_slot_bytes(head_dim, rows_per_copy) + ALIGN
+    if not tma:
+        return bulk
+    swz = nstage * consumers * tma_slot_bytes(head_dim) + TMA_ALIGN
+    return max(bulk, swz) if tma_from else swz
 
 
 # ---- attn_split's shared memory with tensor-map copies (`tma`) ----------------------------------

@@ -76,17 +76,30 @@ def test_split_ptx_ppc():
 
 @pytest.mark.parametrize("tma", [1, 2, 3])
 def test_split_ptx_tma(tma):
+    _check_tma_ptx(dict(tma=tma))
+
+
+def test_split_ptx_tma_from_has_both_copy_paths():
+    ptx = _check_tma_ptx(dict(tma=2, tma_from=12, tma_pf=True))
+    assert_uses(ptx, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                "prefetch.tensormap")
+
+
+def _check_tma_ptx(kw):
     # tensor-map copies: one instruction a page (tma 1) or a 64-dim half (tma 2), no plain bulk
     # copies, the page loop's work unchanged, no local memory
-    body = decode.split_body(7, 128, 4, 4, plan.NSTAGE, 2, 66, 2, True, ppc=2, tma=tma)
+    body = decode.split_body(7, 128, 4, 4, plan.NSTAGE, 2, 66, 2, True, ppc=2, **kw)
     ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_TMA, fastmath=True)
     assert count(ptx, "cp.async.bulk.tensor.5d.shared::cluster.global.tile") == 1
-    assert count(ptx, "cp.async.bulk.shared::cluster.global") == 0
-    assert count(ptx, "mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 1 + 128 // 8
+    if not kw.get("tma_from"):
+        assert count(ptx, "cp.async.bulk.shared::cluster.global") == 0
+        assert count(ptx, "mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 1 + 128 // 8
     assert_no_local_memory(ptx)
     if have_ptxas():
+        # five warps a CTA, two CTAs an SM: up to 204 registers a thread
         regs, spills = ptxas_report(ptx)
-        assert spills == 0 and regs <= 192
+        assert spills == 0 and regs <= 200
+    return ptx
 
 
 @pytest.mark.parametrize("groups", [8, 4])
@@ -164,7 +177,7 @@ SIM_SCRIPT = textwrap.dedent('''
     seen = [0]
 
     def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0,
-             spread=False, tma=0):
+             spread=False, tma=0, tma_from=0, tma_pf=False):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
             return
@@ -174,14 +187,16 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, ppc=ppc, spread=spread, tma=tma)
+                                           cluster=cl, ppc=ppc, spread=spread, tma=tma,
+                                           tma_from=tma_from, tma_pf=tma_pf)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
                 + (f"_ppc{ppc}" if ppc else "") + ("_spread" if spread else "")
-                + (f"_tma{tma}" if tma else ""))
+                + (f"_tma{tma}" if tma else "") + (f"_from{tma_from}" if tma_from else "")
+                + ("_pf" if tma_pf else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -216,14 +231,18 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g8, 37, 2, 4, 2, 2, 17, early=True, min_pps=2, ppc=1, tma=2)
     case(g7, 40, 2, 1, 3, 2, 18, early=True, tma=2)
     case(g8, 2 * 16 + 9, 1, 2, 2, 2, 19, tma=3)   # d128 in memory order: 2-way swizzle rows
+    # tma_from (tensor-map copies from 3 pages a split, bulk copies below; one kernel): a split
+    # of 3 pages takes the tensor path, splits of 1 page the bulk path; the map prefetched
+    case(g8, 3 * 16 - 2, 1, 2, 2, 2, 20, early=True, tma=2, tma_from=3, tma_pf=True)
+    case(g8, 3 * 16 - 2, 3, 2, 2, 2, 21, early=True, tma=2, tma_from=3)
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
-# and new: cases 6, 9), a cluster, ppc's one-of-four, spread and the three tensor-map forms
-# at d128; the long tier (`pytest -m long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14, 16)
-SIM_PICK_LONG = (0, 2, 4, 8, 11, 15)
+# and new: cases 6, 9), a cluster, ppc's one-of-four, spread, the three tensor-map forms at
+# d128 and tma_from's tensor path; the long tier (`pytest -m long`) the rest.
+SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14, 16, 17)
+SIM_PICK_LONG = (0, 2, 4, 8, 11, 15, 18)
 
 
 def _split_and_combine_under_the_simulator(pick):

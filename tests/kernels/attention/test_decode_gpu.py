@@ -110,13 +110,18 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(consumers=1, nstage=4, max_splits=3, tma=2),
                                 dict(consumers=6, nstage=2, ppc=2, early=True, min_pps=2, tma=1),
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, tma=3),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_l2=256)],
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_l2=256),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_from=12,
+                                     tma_pf=True),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_from=12,
+                                     max_splits=3)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264",
                               "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3", "c4-ppc2-spread",
                               "c4-ppc1-s3-spread", "c4-ppc2-tma1", "c4-ppc2-tma2", "c4-ppc1-s3-tma1",
                               "c1st4-s3-tma2", "c6st2-ppc2-tma1", "c4-ppc2-tma3",
-                              "c4-ppc2-tma2-l2x256"])
+                              "c4-ppc2-tma2-l2x256", "c4-ppc2-tma2-from12-pf",
+                              "c4-ppc2-tma2-from12-s3"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
@@ -162,13 +167,16 @@ def test_attention_tma_ignores_a_stale_tail(length, stale, tma):
                                      spread=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, tma=1),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
-                                     tma=2)],
+                                     tma=2),
+                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
+                                     tma=2, tma_from=12)],
                          ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-spread",
-                              "c4-ppc2-tma1", "c4-ppc2-s3-tma2"])
+                              "c4-ppc2-tma1", "c4-ppc2-s3-tma2", "c4-ppc2-s3-tma2-from12"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
     and an eager launch at the same length gives it bit for bit (the cluster kernel: a
-    cluster launch through cuda.core, captured)."""
+    cluster launch through cuda.core, captured; tma_from 12 with 3 splits: 700 tokens take
+    the tensor-map path, 33 and 350 the bulk one)."""
     from numba import cuda
 
     from nq.runtime.graphs import CapturedGraph
