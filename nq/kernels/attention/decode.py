@@ -142,6 +142,9 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     VR0 = tma_row128(1, 0, 0, D, TMA) if TMA else 0       # ... of V row 0, half 0
     HSTR = (tma_row128(0, 1, 0, D, TMA) - KR0) if TMA and D > 64 else 0  # rows a half further
     RSTEP = (tma_row128(0, 0, 1, D, TMA) - KR0) if TMA else 0  # rows a token row further
+    # per-lane ldmatrix offsets kept in registers: one a 16-dim step of a 64-dim half, for both
+    # halves when the swizzle row does not change with the half (tma 1, 2), else one a k-step
+    KOF = 4 if HSTR % 8 == 0 else KSTEPS
     # the swizzle's row (r % 8) of token row `row`, half h: (row*RSTEP + h*HSTR) % 8
     PAGE_TX = 2 * PAGE * ROW_BYTES     # bytes the copies of one page deliver
     NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
@@ -169,6 +172,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         qf = cuda.local.array(QW, uint32)        # A fragments of (q_hi; q_lo), per k-step
         acc = cuda.local.array(AW, float32)      # O[g, 8j + 2t + e], n-tile j
         sc = cuda.local.array(16, float32)       # score C fragments: [parity][n-tile][c0..c3]
+        kof = cuda.local.array(KOF, uint32)      # TMA: per-lane K / V ldmatrix offsets
+        vof = cuda.local.array(KOF, uint32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -299,15 +304,21 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                 # each 64-dim half h (kx[h], vx[h]; the same for both halves in tma 1 and 2)
                 koff = (KR0 + kr * RSTEP) * 128
                 kx0 = (((lane // 8) % 2) ^ ((kr * RSTEP) % 8)) * 16
-                kx1 = (((lane // 8) % 2) ^ ((kr * RSTEP + HSTR) % 8)) * 16
+                kx1 = kx0 if HSTR % 8 == 0 else (((lane // 8) % 2) ^ ((kr * RSTEP + HSTR) % 8)) * 16
                 voff = (VR0 + (vr - PAGE) * RSTEP) * 128
                 vx0 = ((lane // 16) ^ (((vr - PAGE) * RSTEP) % 8)) * 16
-                vx1 = ((lane // 16) ^ (((vr - PAGE) * RSTEP + HSTR) % 8)) * 16
+                vx1 = vx0 if HSTR % 8 == 0 else ((lane // 16) ^ (((vr - PAGE) * RSTEP + HSTR) % 8)) * 16
                 hoff = HSTR * 128
             else:
                 koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
                 voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
                 kx0 = kx1 = vx0 = vx1 = 0
+            if TMA:
+                # the swizzled column of each step, added to the page's base as one register:
+                # XOR-ing it in the page loop cost ~3 instructions an ldmatrix
+                for j in range(KOF):
+                    kof[j] = uint32(koff + (((j % 4) * 32) ^ (kx0 if j < 4 else kx1)))
+                    vof[j] = uint32(voff + (((j % 4) * 32) ^ (vx0 if j < 4 else vx1)))
             for it in range(n_iters):
                 stage = it % NST
                 mbarrier_wait_parity(bar0 + 8 * stage, (it // NST) & 1)
@@ -337,8 +348,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for kstep in range(KSTEPS):
                         if TMA:
                             k0, k1, k2, k3 = ldmatrix_x4(
-                                base + koff + (kstep // 4) * hoff
-                                + (((kstep % 4) * 32) ^ (kx0 if kstep < 4 else kx1)))
+                                uint32(base) + kof[kstep % KOF] + uint32((kstep // 4) * hoff))
                         else:
                             k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
                         par = 8 * (kstep % 2)
@@ -388,8 +398,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for db in range(KSTEPS):
                         if TMA:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(
-                                base + voff + (db // 4) * hoff
-                                + (((db % 4) * 32) ^ (vx0 if db < 4 else vx1)))
+                                uint32(base) + vof[db % KOF] + uint32((db // 4) * hoff))
                         else:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
                         j = 4 * db
