@@ -66,6 +66,9 @@ def main():
     ap.add_argument("--max-splits", default=None,
                     help="grid width of the split kernel, comma-separated sweep (default: "
                          "plan.default_max_splits, ~2 CTAs per SM over the kv heads)")
+    ap.add_argument("--tma", type=int, default=None, metavar="K",
+                    help="tensor-map copies (decode_launcher's tma) from K pages a split "
+                         "(tma_from; 0: always)")
     ap.add_argument("--ppc", type=int, default=0,
                     help="pages a consumer (decode_launcher's ppc; 0: every consumer always)")
     args = ap.parse_args()
@@ -112,6 +115,8 @@ def main():
             kw = dict(consumers=nc, nstage=nst, rows_per_copy=rpc, min_pps=min_pps)
             if args.ppc:
                 kw["ppc"] = args.ppc
+            if args.tma is not None:
+                kw.update(tma=True, tma_from=args.tma)
             name = (f"c={nc} st={nst} rpc={rpc} min_pps={min_pps} "
                     f"smem={plan.smem_bytes(cfg.head_dim, nc, nst, rpc)}")
             try:

@@ -131,7 +131,8 @@ def build_step_kernels(cfg) -> None:
     decode.split_kernel(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads,
                         o.get("consumers", plan.CONSUMERS), o.get("nstage", plan.NSTAGE),
                         o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]),
-                        ppc=o.get("ppc", 0), spread=o.get("spread", False))
+                        ppc=o.get("ppc", 0), tma=o.get("tma", False),
+                        tma_from=o.get("tma_from", 0))
     combine.combine_kernel(cfg.head_dim, ms, o["min_pps"])
     sampling.argmax_kernel(cfg.vocab_size)
     embed.embed_kernel(cfg.hidden_size)

@@ -16,8 +16,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               mbarrier_try_wait_parity, mbarrier_wait_parity
     fence     fence_mbarrier_init, fence_proxy_async_shared
     bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
-    tensormap cp_async_bulk_tensor_5d_g2s, prefetch_tensormap (TMA with a tensor map;
-              `tensormap.encode` makes one)
+    tensormap cp_async_bulk_tensor_5d_g2s (TMA with a tensor map; `tensormap.encode` makes one)
     async_copy cp_async_cg_shared_global_16 (+ _zfill, _zfill_off), cp_async_commit_group, cp_async_wait_group
     mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
     (nq.ptx.wgmma, sm_90a only, imported from there: wgmma_fence, wgmma_commit_group,
@@ -37,7 +36,7 @@ from nq.ptx.cluster import (barrier_cluster_sync, cluster_ctarank, ld_shared_clu
                             mapa_shared_cluster_u32)
 from nq.ptx.bulk import cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
 from nq.ptx.dp4a import dp4a_s32
-from nq.ptx.tensormap import cp_async_bulk_tensor_5d_g2s, prefetch_tensormap
+from nq.ptx.tensormap import cp_async_bulk_tensor_5d_g2s
 from nq.ptx.mulhi import mul_hi_u32
 from nq.ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
 from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
@@ -71,7 +70,7 @@ __all__ = [
     "mbarrier_try_wait_parity", "mbarrier_wait_parity",
     "fence_mbarrier_init", "fence_proxy_async_shared",
     "cp_async_bulk_g2s", "cp_async_bulk_g2s_hint", "cp_async_bulk_prefetch_l2",
-    "cp_async_bulk_tensor_5d_g2s", "prefetch_tensormap",
+    "cp_async_bulk_tensor_5d_g2s",
     "cp_async_cg_shared_global_16", "cp_async_cg_shared_global_16_zfill",
     "cp_async_cg_shared_global_16_zfill_off",
     "cp_async_commit_group", "cp_async_wait_group",

@@ -163,10 +163,3 @@ def cp_async_bulk_tensor_5d_g2s(dst, tmap, c0, c1, c2, c3, c4, bar):
         _sim.shared_bytes(dst, n)[:] = data
     _sim.locked(lambda: _sim.mbarrier(bar).complete_tx(n))
 
-
-@ptx("prefetch.tensormap [%0];", args=("base",), effect="memory")
-def prefetch_tensormap(tmap):
-    """`prefetch.tensormap [tmap];` -- ask for the tensor map's 128 bytes ahead of the first
-    copy that reads it, so that copy does not wait on the descriptor.  Nothing waits for it; the
-    twin only checks that tmap is a map `encode` made."""
-    _model(tmap)

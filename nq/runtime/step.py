@@ -12,7 +12,11 @@ from __future__ import annotations
 # Four consumer warps, one for every two pages of a split (ppc 2: a 512-token context's
 # two-page splits keep one consumer and no merge): -0.004 / -0.022 / -0.056 / -0.211 ms at
 # 512 / 2K / 8K / 32K (H200, 2026-12-02; four consumers on every split: +0.048 at 512).
-ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4, "ppc": 2}
+# The pages of splits of 12 or more (contexts past ~12K tokens) by tensor-map copies into
+# swizzled slots (tma, tma_from 12): +0.011 / +0.005..0.009 / -0.044 / -0.155 ms at 512 / 8K /
+# 16K / 32K; on every split +0.010..0.015 / +0.013..0.019 / -0.047 / -0.158 (docs/PERF.md 0.10).
+ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4, "ppc": 2,
+                "tma": True, "tma_from": 12}
 # Retired after the H200 measured them (2026-12-02; a3fddf4 holds them): the attention asking
 # L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
 # while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge

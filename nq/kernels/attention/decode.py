@@ -85,9 +85,9 @@ from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG, NSTAGE, PAD,
-                                       ROWS_PER_COPY, TMA_ALIGN, barrier_bytes,
+                                       ROWS_PER_COPY, TMA_ALIGN, TMA_HALF_BYTES, barrier_bytes,
                                        check_attention_args, page_slot_bytes, smem_bytes,
-                                       tma_copies, tma_row128, tma_slot_bytes, tma_spec)
+                                       tma_slot_bytes, tma_spec)
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem, dev
 from nq.paged import PAGE, STATE_POS
@@ -105,8 +105,7 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0,
-               tma_from: int = 0, tma_pf: bool = False):
+               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -118,14 +117,12 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity,
-                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, prefetch_tensormap,
-                        unpack_f16x2_to_f32)
+                        mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
-    SPREAD = bool(spread)    # a stage's copies over all 32 producer lanes, not NCOPY a page
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
-    TMA = int(tma)           # 0: bulk copies into padded rows; 1 / 2 / 3: tensor-map copies (plan.py)
+    TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -133,19 +130,9 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     QW, AW = 4 * KSTEPS, 2 * NT        # local array sizes (compile-time constants)
     ROW_BYTES = 2 * D                  # bytes of one token row
     TFROM = int(tma_from)    # > 0: tensor-map copies only from TFROM pages a split, bulk below
-    TPF = bool(tma_pf)       # the producer asks for the tensor map (prefetch.tensormap) first
     SLOT_B = page_slot_bytes(D, RPC)   # bytes of one padded page slot (bulk copies)
     SLOT_T = tma_slot_bytes(D)         # bytes of one swizzled page slot (tensor-map copies)
-    CPP = tma_copies(D, TMA) if TMA else 0  # tensor copies a page
-    HALF_COPY = SLOT_T // max(CPP, 1)  # bytes one tensor copy of tma 2 lands (a 64-dim half)
-    KR0 = tma_row128(0, 0, 0, D, TMA) if TMA else 0       # 128-byte row of K row 0, half 0
-    VR0 = tma_row128(1, 0, 0, D, TMA) if TMA else 0       # ... of V row 0, half 0
-    HSTR = (tma_row128(0, 1, 0, D, TMA) - KR0) if TMA and D > 64 else 0  # rows a half further
-    RSTEP = (tma_row128(0, 0, 1, D, TMA) - KR0) if TMA else 0  # rows a token row further
-    # per-lane ldmatrix offsets kept in registers: one a 16-dim step of a 64-dim half, for both
-    # halves when the swizzle row does not change with the half (tma 1, 2), else one a k-step
-    KOF = 4 if HSTR % 8 == 0 else KSTEPS
-    # the swizzle's row (r % 8) of token row `row`, half h: (row*RSTEP + h*HSTR) % 8
+    HALVES = D // 64                   # tensor copies a page: one a 64-dim half
     PAGE_TX = 2 * PAGE * ROW_BYTES     # bytes the copies of one page deliver
     NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
     COPY_BYTES = RPC * ROW_BYTES
@@ -172,14 +159,12 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         qf = cuda.local.array(QW, uint32)        # A fragments of (q_hi; q_lo), per k-step
         acc = cuda.local.array(AW, float32)      # O[g, 8j + 2t + e], n-tile j
         sc = cuda.local.array(16, float32)       # score C fragments: [parity][n-tile][c0..c3]
-        kof = cuda.local.array(KOF, uint32)      # TMA: per-lane K / V ldmatrix offsets
-        vof = cuda.local.array(KOF, uint32)
+        kof = cuda.local.array(4, uint32)        # TMA: per-lane K / V ldmatrix offsets
+        vof = cuda.local.array(4, uint32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
-        if TMA and TPF and tid == NC * 32:
-            prefetch_tensormap(tmap)
         if not EARLY:
             griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
         # EARLY (PDL): state, the block table and every page but the one rope_kv writes this
@@ -198,7 +183,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         # is one consumer's, without the merge, and a long one's pages go to every consumer
         # tm: this split's pages come by tensor-map copies into swizzled slots (TMA, from TFROM
         # pages a split on), otherwise by bulk copies into padded rows; uniform for the grid
-        tm = TMA > 0 and (TFROM == 0 or pps >= TFROM)
+        tm = TMA and (TFROM == 0 or pps >= TFROM)
         sl = SLOT_T if tm else SLOT_B
         sal = TMA_ALIGN if tm else ALIGN     # the swizzle needs 1024-byte aligned slots
         nca = NC
@@ -239,27 +224,14 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
                 cuda.syncwarp(FULL)
                 if tm:
-                    # one tensor copy a page (tma 1) or a 64-dim half (tma 2) by lane i < npg*CPP
-                    if lane < npg * CPP:
-                        j = lane // CPP
-                        hf = lane - j * CPP
+                    # one tensor copy a 64-dim half of a page (K and V, 16 rows) by lane i <
+                    # npg * HALVES: the box at (page, kv head) pk, half hf (plan.tma_spec)
+                    if lane < npg * HALVES:
+                        j = lane // HALVES
+                        hf = lane - j * HALVES
                         pk = table[p0 + j] * kv.shape[1] + kvh
-                        dst = stage0 + (stage * NC + j) * sl + hf * HALF_COPY
-                        if TMA == 2:
-                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, hf, 0, 0, pk, bar0 + 8 * stage)
-                        else:
-                            cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, 0, 0, 0, pk, bar0 + 8 * stage)
-                elif SPREAD:
-                    # copy i of the stage (page i // NCOPY, rows (i % NCOPY) * RPC on) by lane
-                    # i % 32: npg * NCOPY / 32 copies a lane instead of npg
-                    for i in range(lane, npg * NCOPY, 32):
-                        j = i // NCOPY
-                        ci = i - j * NCOPY
-                        r0 = ci * RPC
-                        pid = table[p0 + j]
-                        dst = stage0 + (stage * NC + j) * sl + r0 * ROW_BYTES + ci * PAD
-                        cp_async_bulk_g2s(dst, kv, (pid, kvh, r0 // PAGE, r0 % PAGE, 0),
-                                          COPY_BYTES, bar0 + 8 * stage)
+                        dst = stage0 + (stage * NC + j) * sl + hf * TMA_HALF_BYTES
+                        cp_async_bulk_tensor_5d_g2s(dst, tmap, 0, hf, 0, 0, pk, bar0 + 8 * stage)
                 elif lane < NCOPY:
                     r0 = lane * RPC
                     for j in range(npg):
@@ -300,25 +272,23 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             vr = PAGE + (lane % 8) + 8 * ((lane // 8) % 2)
             hoff = 128     # bytes from dims 0-63 to 64-127 (the bulk layout's rows are whole)
             if tm:
-                # row kr's 128-byte row, and its 16-byte chunk XOR the swizzle's row (r % 8) in
-                # each 64-dim half h (kx[h], vx[h]; the same for both halves in tma 1 and 2)
-                koff = (KR0 + kr * RSTEP) * 128
-                kx0 = (((lane // 8) % 2) ^ ((kr * RSTEP) % 8)) * 16
-                kx1 = kx0 if HSTR % 8 == 0 else (((lane // 8) % 2) ^ ((kr * RSTEP + HSTR) % 8)) * 16
-                voff = (VR0 + (vr - PAGE) * RSTEP) * 128
-                vx0 = ((lane // 16) ^ (((vr - PAGE) * RSTEP) % 8)) * 16
-                vx1 = vx0 if HSTR % 8 == 0 else ((lane // 16) ^ (((vr - PAGE) * RSTEP + HSTR) % 8)) * 16
-                hoff = HSTR * 128
+                # token row r of K (V) is 128-byte row r (16 + r) of each half's 4 KB (plan.py),
+                # its 16-byte chunk XOR r % 8 (= lane % 8 for both: the swizzle)
+                koff = kr * 128
+                kx = (((lane // 8) % 2) ^ (lane % 8)) * 16
+                voff = vr * 128
+                vx = ((lane // 16) ^ (lane % 8)) * 16
+                hoff = TMA_HALF_BYTES
             else:
                 koff = kr * ROW_BYTES + (kr // RPC) * PAD + 16 * ((lane // 8) % 2)
                 voff = vr * ROW_BYTES + (vr // RPC) * PAD + 16 * (lane // 16)
-                kx0 = kx1 = vx0 = vx1 = 0
+                kx = vx = 0
             if TMA:
-                # the swizzled column of each step, added to the page's base as one register:
-                # XOR-ing it in the page loop cost ~3 instructions an ldmatrix
-                for j in range(KOF):
-                    kof[j] = uint32(koff + (((j % 4) * 32) ^ (kx0 if j < 4 else kx1)))
-                    vof[j] = uint32(voff + (((j % 4) * 32) ^ (vx0 if j < 4 else vx1)))
+                # the (swizzled) column of each 16-dim step of a half, added to the page's base
+                # as one register: XOR-ing it in the page loop cost ~3 instructions an ldmatrix
+                for j in range(4):
+                    kof[j] = uint32(koff + ((j * 32) ^ kx))
+                    vof[j] = uint32(voff + ((j * 32) ^ vx))
             for it in range(n_iters):
                 stage = it % NST
                 mbarrier_wait_parity(bar0 + 8 * stage, (it // NST) & 1)
@@ -333,10 +303,9 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
                             if tm:
                                 # a whole 128-byte row: the swizzle only permutes inside it
-                                r = nv + i // ROW_WORDS
+                                r = PAGE + nv + i // ROW_WORDS
                                 w = i % ROW_WORDS
-                                byte = (slot + (VR0 + (w // 32) * HSTR + r * RSTEP) * 128
-                                        + (w % 32) * 4)
+                                byte = slot + (w // 32) * TMA_HALF_BYTES + r * 128 + (w % 32) * 4
                                 smu[w0 + byte // 4] = Z
                             else:
                                 r = PAGE + nv + i // ROW_WORDS
@@ -348,7 +317,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for kstep in range(KSTEPS):
                         if TMA:
                             k0, k1, k2, k3 = ldmatrix_x4(
-                                uint32(base) + kof[kstep % KOF] + uint32((kstep // 4) * hoff))
+                                uint32(base) + kof[kstep % 4] + uint32((kstep // 4) * hoff))
                         else:
                             k0, k1, k2, k3 = ldmatrix_x4(base + koff + kstep * 32)
                         par = 8 * (kstep % 2)
@@ -398,7 +367,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     for db in range(KSTEPS):
                         if TMA:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(
-                                uint32(base) + vof[db % KOF] + uint32((db // 4) * hoff))
+                                uint32(base) + vof[db % 4] + uint32((db // 4) * hoff))
                         else:
                             v0, v1, v2, v3 = ldmatrix_x4_trans(base + voff + db * 32)
                         j = 4 * db
@@ -480,22 +449,18 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, spread=False, tma=0, tma_from=0, tma_pf=False) -> str:
+               early, cluster=0, ppc=0, tma=False, tma_from=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
-    ppc the pages a consumer, spread the copies over the producer's 32 lanes, tma the
-    tensor-map copies (`decode_launcher`)."""
+    ppc the pages a consumer, tma the tensor-map copies and tfrom the pages a split they start
+    at (`decode_launcher`)."""
     extra = {"cl": cluster} if cluster else {}
     if ppc:
         extra["ppc"] = ppc
-    if spread:
-        extra["spread"] = True
     if tma:
-        extra["tma"] = tma
+        extra["tma"] = True
     if tma and tma_from:
         extra["tfrom"] = tma_from
-    if tma and tma_pf:
-        extra["tpf"] = True
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -504,14 +469,12 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, spread: bool = False, tma: int = 0,
-                 tma_from: int = 0, tma_pf: bool = False):
+                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(spread), int(tma), int(tma_from),
-           bool(tma_pf))
+           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0)
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -522,8 +485,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    spread: bool = False, tma: int = 0, tma_l2: int = 128, tma_from: int = 0,
-                    tma_pf: bool = False):
+                    tma: bool = False, tma_from: int = 0):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -545,25 +507,22 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     ppc: 0 -- every split's pages over all `consumers`; k > 0 -- over min(consumers, pps // k)
     of them, pps the plan's pages a split (plan.split_plan), so that one kernel serves short
     contexts with one consumer and no merge and long ones with all of them.
-    spread: a stage's bulk copies (its pages x 2*16/rows_per_copy) over the producer's 32 lanes
-    rather than lane i copying rows i*rows_per_copy.. of every page of the stage in turn.
-    tma: 1 -- one tensor-map copy a page, 2 -- one a 64-dim half, 3 -- one a page read in memory
-    order (nq/ptx/tensormap.py; plan.py has the three slot layouts), into 128-byte swizzled
-    slots with no padding, instead of 2*16/rows_per_copy bulk copies a page into padded rows;
-    rows_per_copy and spread then do not apply.  tma_l2: the map's L2 promotion (bytes an L2
-    miss fetches: 0, 64, 128 or 256).  tma_from: k > 0 -- tensor-map copies only for splits
-    of k pages or more (long contexts), bulk copies below, chosen in the kernel from the plan.
-    tma_pf: the producer prefetches the tensor map at its start.  The launcher encodes
-    kv_layer's tensor map once, here.
+    tma: a page comes as one tensor-map copy a 64-dim half (nq/ptx/tensormap.py) into a
+    128-byte swizzled slot with no padding (plan.py), instead of 2*16/rows_per_copy bulk copies
+    into padded rows; the launcher encodes kv_layer's tensor map once, here.  tma_from: k > 0
+    -- the tensor-map copies only for splits of k pages or more (long contexts), the bulk copies
+    below, chosen in the kernel from the plan as ppc is.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
-    if int(tma) not in (0, 1, 2, 3) or (tma and cluster):
-        raise ValueError(f"attention: tma={tma} must be 0, 1 or 3 (a copy a page) or 2 (a copy "
-                         f"a 64-dim half), and is not supported with cluster")
+    if tma and cluster:
+        raise ValueError("attention: tma is not supported with cluster; pass one or the other")
+    if int(tma_from) < 0:
+        raise ValueError(f"attention: tma_from={tma_from} must be 0 (always) or the fewest "
+                         f"pages a split takes the tensor-map copies at (>= 1)")
     if int(ppc) < 0:
         raise ValueError(f"attention: ppc={ppc} must be 0 (every consumer) or the pages a "
                          f"consumer takes (>= 1)")
@@ -572,22 +531,21 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         c = int(cluster)
         check_cluster(c)
         kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
-                            bool(early), cluster=c, ppc=int(ppc), spread=bool(spread))
+                            bool(early), cluster=c, ppc=int(ppc))
         return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc), spread=bool(spread), tma=int(tma),
-                         tma_from=int(tma_from) if tma else 0, tma_pf=bool(tma_pf) and bool(tma))
+                         ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from))
     merge = combine.combine_kernel(d, ms, min_pps)
-    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=int(tma),
+    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=bool(tma),
                         tma_from=int(tma_from) if tma else 0)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
         allow_smem(split, nbytes)
     threads = (consumers + 1) * 32
     if tma:
         from nq.ptx.tensormap import encode
-        tmap = encode(kv_layer, tma_spec(kv_layer.shape, int(tma), int(tma_l2)))
+        tmap = encode(kv_layer, tma_spec(kv_layer.shape))
         args = (q, state, table, kv_layer, part_acc, part_ml, tmap)
     else:
         args = (q, state, table, kv_layer, part_acc, part_ml)

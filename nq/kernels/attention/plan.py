@@ -78,7 +78,7 @@ def page_slot_bytes(head_dim: int, rows_per_copy: int = ROWS_PER_COPY) -> int:
 
 
 def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
-               rows_per_copy: int = ROWS_PER_COPY, tma: int = 0, tma_from: int = 0) -> int:
+               rows_per_copy: int = ROWS_PER_COPY, tma: bool = False, tma_from: int = 0) -> int:
     """Dynamic shared memory of the split kernel: nstage x consumers padded page slots (with
     tma: swizzled slots; with tma_from too: the larger of the two), plus slack to align them
     (numba declares the dynamic array `.align 4`)."""
@@ -90,49 +90,30 @@ def smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
 
 
 # ---- attn_split's shared memory with tensor-map copies (`tma`) ----------------------------------
-# tma 1: one copy a page, a slot [K/V][64-dim half][token row] of 128-byte rows; tma 2: one copy
-# a 64-dim half, [half][K/V][row].  Either way 128-byte swizzled (nq/ptx/tensormap.py): chunk c
-# of the slot's 128-byte row r at chunk c ^ (r % 8), and r % 8 is the token row's, so the 8 token
-# rows of an ldmatrix phase fall in 8 bank groups with no padding.  tma 3: one copy a page in
-# memory order, [K/V][row][half]: r % 8 = (2 row + half) % 8 at d128, so rows t and t+4 of a
-# phase share a bank group (2-way, as 2 rows a bulk copy).  Slots are 1024-byte aligned.
+# One tensor copy a 64-dim half of a page: a 4 KB box of 32 rows of 128 bytes (K token rows 0-15,
+# then V rows 16-31, dims 64h..64h+63), 128-byte swizzled (nq/ptx/tensormap.py): chunk c of row r
+# lands at chunk c ^ (r % 8), so the 8 token rows of an ldmatrix phase fall in 8 bank groups with
+# no padding.  A slot is the page's halves in turn, 1024-byte aligned (the swizzle's period).
+# Measured against one copy a page ([K/V][half][row], non-monotonic strides: the same or up to
+# 0.005 ms slower a step) and one a page in memory order ([K/V][row][half]: rows t and t+4 of a
+# phase share a bank group; 0.01-0.02 slower), and L2 promotion 0 / 256 against 128
+# (docs/PERF.md 0.10); those forms are at 85f95dc.
 TMA_ALIGN = 1024
+TMA_HALF_BYTES = 2 * PAGE * 128     # one box: 32 rows of a 64-dim half
 
 
 def tma_slot_bytes(head_dim: int) -> int:
     return 2 * PAGE * 2 * head_dim
 
 
-def tma_row128(kv: int, half: int, row: int, head_dim: int, tma: int) -> int:
-    """Index of the 128-byte row that holds dims 64*half.. of token row `row` of K (kv 0) or
-    V (kv 1) in a tma page slot."""
-    halves = head_dim // 64
-    if tma == 1:
-        return (kv * halves + half) * PAGE + row
-    if tma == 3:
-        return (kv * PAGE + row) * halves + half
-    return (half * 2 + kv) * PAGE + row
-
-
-def tma_copies(head_dim: int, tma: int) -> int:
-    """Tensor copies a page: 1, or (tma 2) one a 64-dim half."""
-    return head_dim // 64 if tma == 2 else 1
-
-
-def tma_spec(kv_layer_shape, tma: int, l2_promotion: int = 128):
+def tma_spec(kv_layer_shape):
     """The tensor map over one layer of the KV pool (n_pages, n_kv, 2, PAGE, head_dim) fp16
-    (nq/paged.py) whose box is what one copy of `tma` moves (see above); l2_promotion: the bytes
-    an L2 miss fetches (0, 64, 128, 256)."""
+    (nq/paged.py) whose box at (0, h, 0, 0, page * n_kv + kv head) is that page's half h."""
     from nq.ptx.tensormap import SWIZZLE_128B, TensorMapSpec
     n_pages, n_kv, _, _, d = kv_layer_shape
-    halves = d // 64
-    pk = n_pages * n_kv                          # (page, kv head) pairs, 64 d bytes apart
-    l2 = dict(swizzle=SWIZZLE_128B, l2_promotion=l2_promotion)
-    if tma == 1:
-        return TensorMapSpec(dims=(64, PAGE, halves, 2, pk), strides=(2 * d, 128, 32 * d, 64 * d),
-                             box=(64, PAGE, halves, 2, 1), **l2)
-    return TensorMapSpec(dims=(64, halves, PAGE, 2, pk), strides=(128, 2 * d, 32 * d, 64 * d),
-                         box=(64, halves if tma == 3 else 1, PAGE, 2, 1), **l2)
+    return TensorMapSpec(dims=(64, d // 64, PAGE, 2, n_pages * n_kv),
+                         strides=(128, 2 * d, 32 * d, 64 * d), box=(64, 1, PAGE, 2, 1),
+                         swizzle=SWIZZLE_128B, l2_promotion=128)
 
 
 def barrier_bytes(nstage: int) -> int:

@@ -74,15 +74,13 @@ def test_split_ptx_ppc():
     assert_no_local_memory(ptx)
 
 
-@pytest.mark.parametrize("tma", [1, 2, 3])
-def test_split_ptx_tma(tma):
-    _check_tma_ptx(dict(tma=tma))
+def test_split_ptx_tma():
+    _check_tma_ptx(dict(tma=True))
 
 
 def test_split_ptx_tma_from_has_both_copy_paths():
-    ptx = _check_tma_ptx(dict(tma=2, tma_from=12, tma_pf=True))
-    assert_uses(ptx, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
-                "prefetch.tensormap")
+    ptx = _check_tma_ptx(dict(tma=True, tma_from=12))
+    assert_uses(ptx, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
 
 
 def _check_tma_ptx(kw):
@@ -177,7 +175,7 @@ SIM_SCRIPT = textwrap.dedent('''
     seen = [0]
 
     def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0,
-             spread=False, tma=0, tma_from=0, tma_pf=False):
+             tma=False, tma_from=0):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
             return
@@ -187,16 +185,14 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, ppc=ppc, spread=spread, tma=tma,
-                                           tma_from=tma_from, tma_pf=tma_pf)
+                                           cluster=cl, ppc=ppc, tma=tma, tma_from=tma_from)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
-                + (f"_ppc{ppc}" if ppc else "") + ("_spread" if spread else "")
-                + (f"_tma{tma}" if tma else "") + (f"_from{tma_from}" if tma_from else "")
-                + ("_pf" if tma_pf else ""))
+                + (f"_ppc{ppc}" if ppc else "") + ("_tma" if tma else "")
+                + (f"_from{tma_from}" if tma_from else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -221,28 +217,24 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g2, 8 * 16 - 3, 1, 4, 2, 4, 12, early=True, min_pps=2, ppc=2)
     case(g2, 40, 2, 4, 2, 2, 13, min_pps=2, ppc=2)
     case(g2, 5 * 16, 1, 3, 2, 2, 14, ppc=2)
-    # spread (a stage's copies over the producer's 32 lanes): 3 pages a stage of 16 copies
-    # each (48: lanes 0-15 take two), then a stage of 2 (32: one a lane)
-    case(g2, 5 * 16 - 7, 1, 3, 2, 2, 15, early=True, ppc=1, spread=True)
-    # tma (tensor-map copies into 128-byte swizzled slots): d128 a copy a page (two 64-dim
-    # halves, 4 pages over 2 consumers, tail 5); d128 a copy a half (2 splits, the engine's
-    # early wait); d64 (one half: one copy a page either way), two kv heads
-    case(g8, 3 * 16 + 5, 1, 2, 2, 2, 16, tma=1)
-    case(g8, 37, 2, 4, 2, 2, 17, early=True, min_pps=2, ppc=1, tma=2)
-    case(g7, 40, 2, 1, 3, 2, 18, early=True, tma=2)
-    case(g8, 2 * 16 + 9, 1, 2, 2, 2, 19, tma=3)   # d128 in memory order: 2-way swizzle rows
+    # tma (a tensor-map copy a 64-dim half into 128-byte swizzled slots): d128, 4 pages over 2
+    # consumers, tail 5; d128 in 2 splits with the engine's early wait; d64 (one half), two kv
+    # heads
+    case(g8, 3 * 16 + 5, 1, 2, 2, 2, 15, tma=True)
+    case(g8, 37, 2, 4, 2, 2, 16, early=True, min_pps=2, ppc=1, tma=True)
+    case(g7, 40, 2, 1, 3, 2, 17, early=True, tma=True)
     # tma_from (tensor-map copies from 3 pages a split, bulk copies below; one kernel): a split
-    # of 3 pages takes the tensor path, splits of 1 page the bulk path; the map prefetched
-    case(g8, 3 * 16 - 2, 1, 2, 2, 2, 20, early=True, tma=2, tma_from=3, tma_pf=True)
-    case(g8, 3 * 16 - 2, 3, 2, 2, 2, 21, early=True, tma=2, tma_from=3)
+    # of 3 pages takes the tensor path, splits of 1 page the bulk path
+    case(g8, 3 * 16 - 2, 1, 2, 2, 2, 18, early=True, tma=True, tma_from=3)
+    case(g8, 3 * 16 - 2, 3, 2, 2, 2, 19, early=True, tma=True, tma_from=3)
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
-# and new: cases 6, 9), a cluster, ppc's one-of-four, spread, the three tensor-map forms at
-# d128 and tma_from's tensor path; the long tier (`pytest -m long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 13, 14, 16, 17)
-SIM_PICK_LONG = (0, 2, 4, 8, 11, 15, 18)
+# and new: cases 6, 9), a cluster, ppc's one-of-four, the tensor-map copies at d128 and d64
+# and tma_from's switch; the long tier (`pytest -m long`) the rest.
+SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 14, 15)
+SIM_PICK_LONG = (0, 2, 4, 8, 11, 13, 16)
 
 
 def _split_and_combine_under_the_simulator(pick):
@@ -324,7 +316,7 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "cluster", "ppc", "spread", "tma"}
+                                         "cluster", "ppc", "tma", "tma_from"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])

@@ -101,27 +101,19 @@ def test_attention_single_split_many_stage_rounds(length):
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2),
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, max_splits=3),
                                 dict(consumers=3, ppc=1, max_splits=3),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=True),
+                                dict(consumers=4, ppc=1, max_splits=3, tma=True),
+                                dict(consumers=1, nstage=4, max_splits=3, tma=True),
+                                dict(consumers=6, nstage=2, ppc=2, early=True, min_pps=2, tma=True),
                                 dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2,
-                                     spread=True),
-                                dict(consumers=4, ppc=1, max_splits=3, spread=True),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=1),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2),
-                                dict(consumers=4, ppc=1, max_splits=3, tma=1),
-                                dict(consumers=1, nstage=4, max_splits=3, tma=2),
-                                dict(consumers=6, nstage=2, ppc=2, early=True, min_pps=2, tma=1),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=3),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_l2=256),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_from=12,
-                                     tma_pf=True),
-                                dict(consumers=4, ppc=2, early=True, min_pps=2, tma=2, tma_from=12,
-                                     max_splits=3)],
+                                     tma=True, tma_from=12),
+                                dict(consumers=4, ppc=2, early=True, min_pps=2, rows_per_copy=2,
+                                     tma=True, tma_from=12, max_splits=3)],
                          ids=["c1", "c4", "c4st2", "st2", "c1st4", "rpc2", "rpc32", "s66", "s132",
                               "s3", "minpps2", "minpps4", "early", "early-s3", "engine", "s264",
-                              "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3", "c4-ppc2-spread",
-                              "c4-ppc1-s3-spread", "c4-ppc2-tma1", "c4-ppc2-tma2", "c4-ppc1-s3-tma1",
-                              "c1st4-s3-tma2", "c6st2-ppc2-tma1", "c4-ppc2-tma3",
-                              "c4-ppc2-tma2-l2x256", "c4-ppc2-tma2-from12-pf",
-                              "c4-ppc2-tma2-from12-s3"])
+                              "c4-ppc2", "c4-ppc2-s3", "c3-ppc1-s3", "c4-ppc2-tma",
+                              "c4-ppc1-s3-tma", "c1st4-s3-tma", "c6st2-ppc2-tma",
+                              "c4-ppc2-tma-from12", "c4-ppc2-tma-from12-s3"])
 def test_attention_variants(length, kw):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=11)
@@ -139,23 +131,23 @@ def test_attention_gqa_extremes(name, length, consumers):
 
 @pytest.mark.parametrize("length", [1, 17, 49, 3001])
 @pytest.mark.parametrize("name", ["tiny", "g8", "g1"])
-@pytest.mark.parametrize("tma", [1, 2, 3])
-def test_attention_tma_other_shapes(name, length, tma):
-    """Tensor-map copies at d64 (one 64-dim half: one copy a page either way) and GQA 8 / 1."""
+def test_attention_tma_other_shapes(name, length):
+    """Tensor-map copies at d64 (one 64-dim half: one copy a page) and GQA 8 / 1."""
     cfg = CFGS[name]
     d, ref = _setup(cfg, length, seed=length + 9)
-    np.testing.assert_allclose(_run(cfg, d, consumers=4, ppc=2, early=True, min_pps=2, tma=tma),
+    np.testing.assert_allclose(_run(cfg, d, consumers=4, ppc=2, early=True, min_pps=2, tma=True),
                                ref, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("length", [17, 49, 1000])
 @pytest.mark.parametrize("stale", [np.nan, np.inf], ids=["nan", "inf"])
-@pytest.mark.parametrize("tma", [1, 2, 3])
-def test_attention_tma_ignores_a_stale_tail(length, stale, tma):
+@pytest.mark.parametrize("tma_from", [0, 12])
+def test_attention_tma_ignores_a_stale_tail(length, stale, tma_from):
     cfg = CFGS["7b"]
     d, ref = _setup(cfg, length, seed=length + 13)
     _poison_tail(d, length, stale)
-    got = _run(cfg, d, consumers=4, ppc=2, early=True, min_pps=2, tma=tma)
+    got = _run(cfg, d, consumers=4, ppc=2, early=True, min_pps=2, max_splits=3, tma=True,
+               tma_from=tma_from)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
 
@@ -163,15 +155,13 @@ def test_attention_tma_ignores_a_stale_tail(length, stale, tma):
 @pytest.mark.parametrize("kw", [dict(early=False), dict(early=True),
                                 dict(cluster=16, early=True, min_pps=2),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3),
+                                dict(early=True, consumers=4, ppc=2, min_pps=2, tma=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
-                                     spread=True),
-                                dict(early=True, consumers=4, ppc=2, min_pps=2, tma=1),
+                                     tma=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
-                                     tma=2),
-                                dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
-                                     tma=2, tma_from=12)],
-                         ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-spread",
-                              "c4-ppc2-tma1", "c4-ppc2-s3-tma2", "c4-ppc2-s3-tma2-from12"])
+                                     tma=True, tma_from=12)],
+                         ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-tma",
+                              "c4-ppc2-s3-tma", "c4-ppc2-s3-tma-from12"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
     and an eager launch at the same length gives it bit for bit (the cluster kernel: a
@@ -253,9 +243,9 @@ def test_launcher_rejects_bad_shapes():
         attention.decode_launcher(*args, pa, pm, rows_per_copy=3)
     with pytest.raises(ValueError, match="ppc=-1"):
         attention.decode_launcher(*args, pa, pm, consumers=4, ppc=-1)
-    with pytest.raises(ValueError, match="tma=4"):
-        attention.decode_launcher(*args, pa, pm, tma=4)
+    with pytest.raises(ValueError, match="tma_from=-1"):
+        attention.decode_launcher(*args, pa, pm, tma=True, tma_from=-1)
     with pytest.raises(ValueError, match="not supported with cluster"):
-        attention.decode_launcher(*args, pa, pm, tma=1, cluster=16)
+        attention.decode_launcher(*args, pa, pm, tma=True, cluster=16)
     with pytest.raises(ValueError, match="cluster=3"):
         attention.decode_launcher(*args, pa, pm, cluster=3)
