@@ -309,9 +309,10 @@ def test_cluster_set_emits_each_instruction(cluster_ptx, instruction):
 def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, cluster_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     from test_async_copy import async_copy_ptx
+    from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 52
-    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx)
+    assert len(names) == 53
+    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx())
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")

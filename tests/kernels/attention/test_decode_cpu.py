@@ -350,5 +350,10 @@ def test_cluster_refusals():
 def test_step_attention_options_take_an_experiment_over_the_defaults():
     from nq.runtime.step import ATTN_OPTIONS, attention_options
     assert attention_options() == ATTN_OPTIONS
+    assert attention_options({"early": False, "min_pps": 4}) == \
+        {**ATTN_OPTIONS, "early": False, "min_pps": 4}
+    # the cluster merge is not built with tensor-map copies: asking for it drops the default tma
     assert attention_options({"cluster": 16, "early": False}) == \
-        {**ATTN_OPTIONS, "cluster": 16, "early": False}
+        {**ATTN_OPTIONS, "cluster": 16, "early": False, "tma": False}
+    # ...unless the experiment names both, which the launcher then refuses with its reason
+    assert attention_options({"cluster": 16, "tma": True})["tma"] is True
