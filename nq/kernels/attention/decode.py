@@ -19,6 +19,15 @@ thread arrives).  No __syncthreads inside a role branch: the CTA syncs once, aft
 init; the roles then run to the end without meeting again (every copy issued is waited for by
 the consumers, so no bulk copy is in flight when the CTA exits).
 
+Tensor-map copies (`tma`, the engine's default from 12 pages a split, `tma_from`): the
+producer's lanes < npg * 2 issue one `cp.async.bulk.tensor.5d` each, a (page, kv head)'s K and
+V rows of one 64-dim half (plan.tma_spec: a 4 KB box, 128-byte swizzle) into a 1024-byte
+aligned slot, 1/16 of the bulk path's copies and no ldmatrix bank conflicts.  The consumers
+address the swizzled rows through 4 + 4 per-lane offsets computed before the page loop (the
+XOR of the swizzle folded in); the tail zeroing follows the slot's layout.  With tma_from the
+plan picks the layout at run time, so the one captured graph copies a 512-token context's
+two-page splits as padded rows and a 32K context's 31-page splits by tensor map.
+
 Fragments (nq/ptx/mma.py; g = lane // 4, t = lane % 4, h = kv head * GQA + g):
 
   scores = Q K^T, per k-step kstep (16 dims) and token n-tile nt (8 tokens):
@@ -57,7 +66,7 @@ it), and the combine fused into the last CTA of each kv head (13c221c).  The mer
 thread block cluster is cluster.py (opt-in): split_main is this body under either kernel.
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
-(nvJitLink 13.5: 144 / 104).
+(nvJitLink 13.5: 144 / 104); with tma and four consumers 175 at d128, still two CTAs an SM.
 
 Tolerance (tests/kernels/attention/test_decode_gpu.py): scores as fp32 (hi+lo q, exact fp16 K,
 fp32 accumulate); P as hi+lo fp16 leaves ~2^-22 relative on each weight (P in fp16 alone:
@@ -74,6 +83,12 @@ Epitaphs (each in commit 13c221c):
   - `pids` (the producer reading 32 block-table entries before its loop and passing them by
     shfl, instead of one dependent table load a page): -0.013 ms a step at 32K with one
     consumer, 0 with four (H200, 2026-12-02; code at b6a6835).
+  - `spread` (a stage's bulk copies over all 32 producer lanes): -0.002 / -0.005 / -0.033 ms
+    a step at 512 / 8K / 32K, superseded by the tensor-map copies' -0.155 at 32K; tma 1 (one
+    copy a page, non-monotonic strides), tma 3 (a page in memory order, 2-way conflicts), the
+    map's L2 promotion at 256 or none, and `tma_pf` (prefetch.tensormap before the first copy)
+    each lost 0.005-0.03 against a copy a 64-dim half at 128 (H200, 2026-12-02; code at
+    85f95dc, docs/PERF.md 0.10).
 """
 from __future__ import annotations
 
