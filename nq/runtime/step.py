@@ -30,7 +30,7 @@ def attention_options(attn=None) -> dict:
     """decode_launcher's keywords: the step's defaults with `attn` over them (an experiment's
     {keyword: value}, scripts/step_variants.py).  An experiment asking for the cluster merge
     without naming tma gets the bulk copies: the two are not built together."""
-    attn = dict(attn or {})
+    attn = attn or {}
     opts = {**ATTN_OPTIONS, **attn}
     if opts.get("cluster") and "tma" not in attn:
         opts["tma"] = False
