@@ -26,6 +26,17 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 FUSE_ROPE = True
 
 
+# The short-context form of the attention (`SHORT_ATTN` over the step's options), in a second
+# captured graph the engine replays while the context is at most SHORT_LEN tokens: one CTA a
+# kv head walks the whole context with eight consumer warps and writes o itself (direct), so
+# a layer's attention is one kernel, not split + combine.  At 512 tokens a split's two pages
+# leave the split kernel with nothing to stream: its ~6.6 us and the combine's ~4.2 us a
+# layer were latency (scripts/step_timeline.py, docs/PERF.md).  SHORT_LEN is where the two
+# forms cross in the step (docs/PERF.md 0.11); 0 turns the short graph off.
+SHORT_ATTN = {"direct": True, "consumers": 8, "nstage": 2, "ppc": 2}
+SHORT_LEN = 2048
+
+
 def attention_options(attn=None) -> dict:
     """decode_launcher's keywords: the step's defaults with `attn` over them (an experiment's
     {keyword: value}, scripts/step_variants.py).  An experiment asking for the cluster merge
@@ -37,10 +48,20 @@ def attention_options(attn=None) -> dict:
     return opts
 
 
+def short_attention_options(attn=None, short=None) -> dict:
+    """The short-context graph's decode_launcher keywords: the step's (`attention_options`)
+    with SHORT_ATTN and then an experiment's `short` {keyword: value} over them."""
+    opts = {**attention_options(attn), **SHORT_ATTN, **(short or {})}
+    opts.pop("cluster", None)   # one split a kv head: nothing to merge across CTAs
+    return opts
+
+
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
-                fuse_rope: bool | None = None) -> list:
+                fuse_rope: bool | None = None, short_attn=None) -> list:
     """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
-    Shapes are checked here, once.  tilings / attn: see `Engine.variant`."""
+    Shapes are checked here, once.  tilings / attn / short_attn: see `Engine.variant`.  The
+    attention's launch runs the form the engine picks (`eng.short_form`: the short graph's,
+    SHORT_ATTN, or the long one's), so one step list captures both graphs."""
     from nq.kernels import attention, embed, feed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
     from nq.kernels.int4 import make_qkv_rope_gemv
@@ -48,6 +69,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
 
     c, weights = eng.cfg, eng.w
     opts = attention_options(attn)
+    short_opts = short_attention_options(attn, short_attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
@@ -71,10 +93,13 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                                                       L.qkv_b, eng.qkv, st)),
                 ("rope_kv_append", rope_kv.rope_kv_launcher(
                     c, eng.qkv, eng.state, eng.inv_freq, eng.d_table, kv_i, eng.q))]
+        long_form = attention.decode_launcher(c, eng.q, eng.state, eng.d_table, kv_i, eng.o,
+                                              eng.part_acc, eng.part_ml, **opts)
+        short_form = attention.decode_launcher(c, eng.q, eng.state, eng.d_table, kv_i, eng.o,
+                                               eng.part_acc, eng.part_ml, **short_opts)
         steps += [
-            ("paged_attention", attention.decode_launcher(
-                c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
-                eng.part_ml, **opts)),
+            ("paged_attention", lambda st, lf=long_form, sf=short_form: (
+                sf if eng.short_form else lf)(st)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)),
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),
