@@ -16,11 +16,9 @@ weights in the wrong order, which is fine for timing random weights and nothing 
 `kind.mma=0` / `kind.mma=1` first switches o_proj, down, gate_up, qkv or qkv_rope to the
 shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what
 NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
-or `attn` (keywords of nq.kernels.attention.decode_launcher for the long graph: consumers,
-nstage, rows_per_copy, min_pps, early, cluster, tma, ... -- e.g. "attn.cluster=16", the merge
-in a thread block cluster), or `short` (the same keywords over the short-context graph's,
-nq/runtime/step.py SHORT_ATTN, and short.len: the longest context it takes, 0 for none --
-"short.len=0" times every context on the long graph), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
+or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
+rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a thread
+block cluster), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.
@@ -41,12 +39,11 @@ from nq.config import PRESETS  # noqa: E402
 
 
 def parse_variant(text: str, defaults: dict, engines: dict | None = None
-                  ) -> tuple[dict, dict, bool | None, dict]:
-    """'down.warps=8 attn.early=1 rope.fused=1 short.len=0' -> ({kind: tiling}, {attn keyword:
-    value}, fuse_rope, {short keyword: value, 'len': reach}).  defaults: {kind: its default
-    tiling}; engines: {kind: (CUDA-core tiling, tensor-core tiling or None)}, what kind.mma=0
-    / kind.mma=1 switch to."""
-    tilings, attn, rope, short = {}, {}, None, {}
+                  ) -> tuple[dict, dict, bool | None]:
+    """'down.warps=8 attn.early=1 rope.fused=1' -> ({kind: tiling}, {attn keyword: value},
+    fuse_rope).  defaults: {kind: its default tiling}; engines: {kind: (CUDA-core tiling,
+    tensor-core tiling or None)}, what kind.mma=0 / kind.mma=1 switch to."""
+    tilings, attn, rope = {}, {}, None
     for item in text.split():
         key, _, value = item.partition("=")
         kind, _, field = key.partition(".")
@@ -61,8 +58,6 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                 v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
-        elif kind == "short":
-            short[field] = bool(v) if field in ("early", "direct") else v
         elif kind == "rope" and field == "fused":
             rope = bool(v)
         elif kind in defaults and field == "mma":
@@ -80,7 +75,7 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                                  f"{field!r}; one of {names} (or mma=0/1)") from None
         else:
             raise SystemExit(f"step_variants: unknown kind {kind!r} in {item!r}")
-    return tilings, attn, rope, short
+    return tilings, attn, rope
 
 
 def itl(eng, ctx: int, steps: int) -> float:
@@ -133,12 +128,9 @@ def main(argv=None) -> int:
                            mma_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size, hd))
     results = []
 
-    def run(name, tilings, attn, rope=None, short=None):
+    def run(name, tilings, attn, rope=None):
         t1 = time.perf_counter()
-        short = dict(short or {})
-        reach = short.pop("len", None)
-        eng.variant(tilings, attn, check_layout=False, fuse_rope=rope,  # random weights: timing
-                    short_attn=short, short_len=reach)                  # only
+        eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
         eng._tilings = tilings
         row = {"variant": name, "regs": regs(eng)}
         for c in ctxs:
@@ -155,20 +147,17 @@ def main(argv=None) -> int:
     run("baseline (again)", None, None)
     if a.leave_out:
         eng.variant()
-        from nq.tools.bench import at_context
         for region in eng.regions:
             if region == "embed":
                 continue
             keep = set(eng.regions) - {region}
+            g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions=keep), name="leave_out",
+                              programmatic=True)
+            eng.graph, saved = g, eng.graph
             row = {"variant": f"without {region}"}
             for c in ctxs:
-                at_context(eng, c, ahead=a.steps + 8)  # the attention takes this context's form
-                g = CapturedGraph(eng.stream, lambda: eng.run_eager(regions=keep),
-                                  name="leave_out", programmatic=True)
-                saved = eng.graph, eng.short_graph
-                eng.graph, eng.short_graph = g, None
                 row[c] = itl(eng, c, a.steps)
-                eng.graph, eng.short_graph = saved
+            eng.graph = saved
             results.append(row)
             print(f"{row['variant']:48s} " + "  ".join(
                 f"@{c}: {row[c]:.4f} ms (region costs {results[0][c] - row[c]:.4f})" for c in ctxs),

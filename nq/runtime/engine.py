@@ -24,13 +24,6 @@ Everything that changes per step lives in device memory (`state`, the block tabl
 step is captured once and replayed.  One graph serves every position: the kernels read `pos`
 on the device and pages are reserved ahead, so nothing differs at a page boundary
 (docs/KERNELS.md says why the seed's two graphs are not needed here).
-
-Two forms of the same step are captured, differing only in the attention: while the context
-is at most `short_len` tokens (nq/runtime/step.py SHORT_LEN) `step()` replays the short graph,
-whose attention is one kernel a layer (one CTA a kv head, no combine), and the long graph past
-it.  Both read and write the same buffers and compute the same attention, so the choice is
-speed only: it follows the host's count of the device position (`_dev_pos`, set with the
-state and advanced by every step), and a wrong count would cost time, never a wrong token.
 """
 from __future__ import annotations
 
@@ -109,9 +102,6 @@ class Engine:
         self.logits = cuda.device_array(c.vocab_size, np.float32)
         self.inv_freq = cuda.to_device(rope_kv.rope_inv_freq(c.head_dim, c.rope_theta), stream=s)
         self.part_acc, self.part_ml = attention.decode_workspace(c)
-        # the short graph's reach (tokens; 0: none) and the host's count of state.pos
-        from nq.runtime.step import SHORT_LEN
-        self.short_len, self._dev_pos, self.short_form = SHORT_LEN, 0, False
         self._h_state = cuda.pinned_array(STATE_LEN, np.int32)
         self._h_tok = cuda.pinned_array(2, np.int32)
         # what the start is made of (`nq generate --verbose`): seconds by part, each a lap of
@@ -135,10 +125,11 @@ class Engine:
         lap("kernels compiled in parallel")
         self.w.wait()  # Engine.from_file's upload thread: the warm-up reads the weights
         lap("weights upload (waiting for it)")
-        self.graph = self.short_graph = None
+        self.graph = None
         self.pdl = pdl
         if use_graph:
-            self.warm_up()  # every kernel launched once before capture (DEVICE.md)
+            self.run_eager()  # warm every kernel up before capture (DEVICE.md)
+            self.stream.synchronize()
             lap("warm-up")
             self.capture(pdl)
             lap("graph capture")
@@ -149,25 +140,21 @@ class Engine:
         self.startup[name] = TIMELINE.lap(name)
 
     def _build_steps(self, tilings=None, attn=None, check_layout: bool = True,
-                     fuse_rope: bool | None = None, short_attn=None) -> list:
+                     fuse_rope: bool | None = None) -> list:
         """(region, launch) in step order (nq/runtime/step.py); tilings / attn: see `variant`."""
         from nq.runtime.step import build_steps
-        return build_steps(self, tilings, attn, check_layout, fuse_rope, short_attn)
+        return build_steps(self, tilings, attn, check_layout, fuse_rope)
 
     def variant(self, tilings=None, attn=None, check_layout: bool = True,
-                fuse_rope: bool | None = None, short_attn=None,
-                short_len: int | None = None) -> None:
+                fuse_rope: bool | None = None) -> None:
         """Experiments (scripts/step_variants.py): rebuild the step with other GEMV tilings
         ({kind: Tiling or MmaTiling}; each must keep the uploaded weights' layout: `layout()`)
-        and attention launcher options (attention.decode_launcher keywords: `attn` for the
-        long graph, `short_attn` over the short graph's, short_len its reach, 0 none), warm it
-        up and recapture.  The decode state is kept (the warm-up's steps aside); `variant()`
-        restores the defaults.  check_layout=False allows another layout (timing random
-        weights only: the outputs are then wrong)."""
-        from nq.runtime.step import SHORT_LEN
-        self.short_len = SHORT_LEN if short_len is None else int(short_len)
-        self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope, short_attn)
-        self.warm_up()
+        and attention launcher options (attention.decode_launcher keywords), warm it up and recapture.
+        The decode state is kept; `variant()` restores the defaults.  check_layout=False
+        allows another layout (timing random weights only: the outputs are then wrong)."""
+        self.steps = self._build_steps(tilings, attn, check_layout, fuse_rope)
+        self.run_eager()
+        self.stream.synchronize()
         if self.graph is not None:
             self.capture(self.pdl)
 
@@ -192,34 +179,15 @@ class Engine:
         return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
 
     def capture(self, pdl: bool = True) -> None:
-        """(Re)capture the step graphs, long and (short_len > 0) short; with pdl their kernel
-        edges are programmatic (each kernel's weight prefetch overlaps the previous kernel's
-        tail: nq/runtime/graphs.py, nq/ptx/griddep.py)."""
+        """(Re)capture the step graph; with pdl its kernel edges are programmatic (each kernel's
+        weight prefetch overlaps the previous kernel's tail: nq/runtime/graphs.py, nq/ptx/griddep.py)."""
         self.stream.synchronize()
         self.pdl = pdl
-        self.graph = CapturedGraph(self.stream, lambda: self.run_eager(short=False),
-                                   name="decode", programmatic=pdl)
-        self.short_graph = CapturedGraph(
-            self.stream, lambda: self.run_eager(short=True), name="decode-short",
-            programmatic=pdl) if self.short_len > 0 else None
-
-    def warm_up(self) -> None:
-        """Launch both forms of the step once, eagerly (a kernel's first launch must not happen
-        inside a capture).  Each step advances the device state; the callers reset or move it."""
-        self.run_eager(short=False)
-        if self.short_len > 0:
-            self.run_eager(short=True)
-        self.stream.synchronize()
+        self.graph = CapturedGraph(self.stream, self.run_eager, name="decode", programmatic=pdl)
 
     # ---- one step -----------------------------------------------------------------------------
-    def is_short(self) -> bool:
-        """The next step attends over at most short_len tokens (the short graph's reach)."""
-        return self.short_len > 0 and self._dev_pos + 1 <= self.short_len
-
-    def run_eager(self, regions=None, short: bool | None = None) -> None:
-        """Launch one step's kernels (only those of `regions`, if given) without a graph, the
-        attention in its short form or not (None: as the next step's length picks)."""
-        self.short_form = self.is_short() if short is None else bool(short)
+    def run_eager(self, regions=None) -> None:
+        """Launch one step's kernels (only those of `regions`, if given) without a graph."""
         for region, launch in self.steps:
             if regions is None or region in regions:
                 launch(self.stream)
@@ -233,14 +201,12 @@ class Engine:
     def step(self, sampled: bool = False) -> None:
         """Enqueue one decode step (graph replay, or eager launches without a graph);
         sampled: the device sampler's step (prepare_sampler and set_sampling first)."""
-        short = self.is_short()
         if sampled:
-            self.sampling.step(short)
+            self.sampling.step()
         elif self.graph is not None:
-            (self.short_graph if short and self.short_graph is not None else self.graph).replay()
+            self.graph.replay()
         else:
-            self.run_eager(short=short)
-        self._dev_pos += 1   # argmax (or the sampler) advances state.pos
+            self.run_eager()
 
     # ---- state --------------------------------------------------------------------------------
     @property
@@ -304,7 +270,6 @@ class Engine:
         h[:] = 0
         h[STATE_TOKEN], h[STATE_POS], h[STATE_STEP] = token, pos, step
         self.state.copy_to_device(h, stream=self.stream)
-        self._dev_pos = int(pos)
 
     def _reserve(self, n_tokens: int) -> None:
         if n_tokens > self.max_len:
@@ -356,7 +321,6 @@ class Engine:
                 launch(self.stream)
         _, sample = self.sampling.steps()[-1] if sampled else self.steps[-1]
         sample(self.stream)
-        self._dev_pos += 1
 
     # ---- host-sampled interface ---------------------------------------------------------------
     def prefill(self, ids) -> np.ndarray:

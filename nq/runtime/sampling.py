@@ -75,7 +75,7 @@ class DeviceSampling:
             sampler = make_sampler(eng.cfg, eng.valid_vocab, max_len=eng.max_len)
         self.sampler = sampler
         self.hist_n = 0           # the device history's length; == the host mirror below it
-        self.graph = self.short_graph = None   # the long and short forms (Engine.capture)
+        self.graph = None
         self._graph_key = None
         self._params = None       # the block last uploaded
         self._warm = False
@@ -89,23 +89,21 @@ class DeviceSampling:
             raise RuntimeError("engine step list must end with its 'sample' step")
         return body + [("sample", lambda st: s.launch(eng.logits, eng.state, eng.out_ids, st))]
 
-    def run_eager(self, short: bool = False) -> None:
-        self.eng.short_form = bool(short)
+    def run_eager(self) -> None:
         for _, launch in self.steps():
             launch(self.eng.stream)
 
-    def step(self, short: bool = False) -> None:
-        """Enqueue one sampled decode step, the attention's short form or not (the engine's
-        choice): the sampled graph when the engine has graphs (captured again only if the
-        engine's step list, PDL setting or short reach changed), else eager."""
+    def step(self) -> None:
+        """Enqueue one sampled decode step: the sampled graph when the engine has graphs
+        (captured again only if the engine's step list or PDL setting changed), else eager."""
         eng = self.eng
         if eng.graph is None:
-            self.run_eager(short)
+            self.run_eager()
             return
-        key = (eng.steps, eng.pdl, eng.short_len)
-        if self.graph is None or self._graph_key[0] is not key[0] or self._graph_key[1:] != key[1:]:
+        key = (eng.steps, eng.pdl)
+        if self.graph is None or self._graph_key[0] is not key[0] or self._graph_key[1] != key[1]:
             self.capture()
-        (self.short_graph if short and self.short_graph is not None else self.graph).replay()
+        self.graph.replay()
 
     def warm_up(self) -> None:
         """Launch the sampler's kernels once before any capture (compilation or a first launch
@@ -130,12 +128,9 @@ class DeviceSampling:
         eng = self.eng
         self.warm_up()
         eng.stream.synchronize()
-        self.graph = CapturedGraph(eng.stream, lambda: self.run_eager(False),
-                                   name="decode-sampled", programmatic=eng.pdl)
-        self.short_graph = CapturedGraph(
-            eng.stream, lambda: self.run_eager(True), name="decode-sampled-short",
-            programmatic=eng.pdl) if eng.short_len > 0 else None
-        self._graph_key = (eng.steps, eng.pdl, eng.short_len)
+        self.graph = CapturedGraph(eng.stream, self.run_eager, name="decode-sampled",
+                                   programmatic=eng.pdl)
+        self._graph_key = (eng.steps, eng.pdl)
 
     # ---- parameters ---------------------------------------------------------------------------
     def set_params(self, params) -> None:

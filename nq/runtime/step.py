@@ -21,20 +21,12 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 # L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
 # while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge
 # in a thread block cluster, nq/kernels/attention/cluster.py; +0.022 ms at 512 as first built).
+# Retired (2026-12-03; 9b8ae46 holds it): a second, short-context step graph up to 2048 tokens
+# whose attention was one CTA a kv head writing o (`direct`), +0.166 / +0.278 ms at 512 / 1024
+# (decode.py's epitaphs).
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
-
-
-# The short-context form of the attention (`SHORT_ATTN` over the step's options), in a second
-# captured graph the engine replays while the context is at most SHORT_LEN tokens: one CTA a
-# kv head walks the whole context with eight consumer warps and writes o itself (direct), so
-# a layer's attention is one kernel, not split + combine.  At 512 tokens a split's two pages
-# leave the split kernel with nothing to stream: its ~6.6 us and the combine's ~4.2 us a
-# layer were latency (scripts/step_timeline.py, docs/PERF.md).  SHORT_LEN is where the two
-# forms cross in the step (docs/PERF.md 0.11); 0 turns the short graph off.
-SHORT_ATTN = {"direct": True, "consumers": 8, "nstage": 2, "ppc": 2}
-SHORT_LEN = 2048
 
 
 def attention_options(attn=None) -> dict:
@@ -48,20 +40,10 @@ def attention_options(attn=None) -> dict:
     return opts
 
 
-def short_attention_options(attn=None, short=None) -> dict:
-    """The short-context graph's decode_launcher keywords: the step's (`attention_options`)
-    with SHORT_ATTN and then an experiment's `short` {keyword: value} over them."""
-    opts = {**attention_options(attn), **SHORT_ATTN, **(short or {})}
-    opts.pop("cluster", None)   # one split a kv head: nothing to merge across CTAs
-    return opts
-
-
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
-                fuse_rope: bool | None = None, short_attn=None) -> list:
+                fuse_rope: bool | None = None) -> list:
     """(region, launch) in step order; the regions are what `nq bench` breaks the ITL into.
-    Shapes are checked here, once.  tilings / attn / short_attn: see `Engine.variant`.  The
-    attention's launch runs the form the engine picks (`eng.short_form`: the short graph's,
-    SHORT_ATTN, or the long one's), so one step list captures both graphs."""
+    Shapes are checked here, once.  tilings / attn: see `Engine.variant`."""
     from nq.kernels import attention, embed, feed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
     from nq.kernels.int4 import make_qkv_rope_gemv
@@ -69,7 +51,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
 
     c, weights = eng.cfg, eng.w
     opts = attention_options(attn)
-    short_opts = short_attention_options(attn, short_attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
@@ -93,13 +74,10 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                                                       L.qkv_b, eng.qkv, st)),
                 ("rope_kv_append", rope_kv.rope_kv_launcher(
                     c, eng.qkv, eng.state, eng.inv_freq, eng.d_table, kv_i, eng.q))]
-        long_form = attention.decode_launcher(c, eng.q, eng.state, eng.d_table, kv_i, eng.o,
-                                              eng.part_acc, eng.part_ml, **opts)
-        short_form = attention.decode_launcher(c, eng.q, eng.state, eng.d_table, kv_i, eng.o,
-                                               eng.part_acc, eng.part_ml, **short_opts)
         steps += [
-            ("paged_attention", lambda st, lf=long_form, sf=short_form: (
-                sf if eng.short_form else lf)(st)),
+            ("paged_attention", attention.decode_launcher(
+                c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
+                eng.part_ml, **opts)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)),
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),

@@ -179,14 +179,13 @@ def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
 def test_cluster_attention_in_the_step(model):
     """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
     the default step's greedy ids, and its last logits within 1e-3 of their spread (the two
-    merge the same split partials in another order: not bit for bit).  The long graph only
-    (short_len 0): the short graph's attention is one split, nothing to merge."""
+    merge the same split partials in another order: not bit for bit)."""
     name, nf, eng, ref = model
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     runs = []
     try:
         for attn in ({}, {"cluster": 16}, {"cluster": 8}):
-            eng.variant(attn=attn, short_len=0)
+            eng.variant(attn=attn)
             eng.reset()
             ids = list(eng.generate_ids(prompt, 24, GREEDY))
             runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
@@ -423,55 +422,3 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
         assert top[0] - top[1] <= TIE_TOL * spread, (
             f"n={n}: divergence at token {k}: batched {got[k]} vs replay {want[k]}, top-2 gap "
             f"{(top[0] - top[1]) / spread:.2e} of the spread")
-
-
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled-top1"])
-def test_short_and_long_graphs_give_the_same_tokens(model, sampled):
-    """The short-context graph (one attention kernel a layer, nq/runtime/step.py SHORT_ATTN)
-    and the long one compute the same attention; 40 steps after an 8-token prompt on the long
-    graph only (short_len 0), the short one only (256), and crossing from short to long at
-    step 22 (short_len 30) give the same ids, and last logits within 1e-3 of their spread
-    (split + combine and one split round differently).  sampled: the device sampler's graphs
-    at top-k 1 (the same choice as argmax, through the sampled short and long graphs)."""
-    name, nf, eng, ref = model
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    params = SamplingParams(temperature=0.7, top_k=1, repeat_penalty=1.0, seed=3) if sampled \
-        else GREEDY
-    runs = []
-    try:
-        for reach in (0, 256, 30):
-            eng.variant(short_len=reach)
-            assert (eng.short_graph is None) == (reach == 0)
-            eng.reset()
-            ids = list(eng.generate_ids(prompt, 40, params))
-            runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
-            if sampled:
-                assert (eng.sampling.short_graph is None) == (reach == 0)
-    finally:
-        eng.variant()
-    ids0, l0 = runs[0]
-    spread = l0.max() - l0.min()
-    for ids, logits in runs[1:]:
-        assert ids == ids0
-        assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
-
-
-def test_the_step_picks_its_graph_by_the_device_position(model):
-    """is_short follows the host's count of state.pos through prefill, decode and reset."""
-    name, nf, eng, ref = model
-    try:
-        eng.variant(short_len=20)
-        eng.reset()
-        assert eng.is_short()
-        eng.prefill(list(range(3, 22)))      # 19 tokens: the next step attends over 20
-        assert eng._dev_pos == 19 and eng.is_short()
-        eng.decode(5)
-        assert eng._dev_pos == 20 and not eng.is_short()
-        eng.stream.synchronize()
-        st = eng.state.copy_to_host()
-        from nq.paged import STATE_POS
-        assert int(st[STATE_POS]) == eng._dev_pos
-        eng.reset()
-        assert eng._dev_pos == 0 and eng.is_short()
-    finally:
-        eng.variant()

@@ -98,8 +98,6 @@ def fake_engine(monkeypatch, prefill, chunk=CHUNK):
     e._h_state, e._h_tok = np.zeros(STATE_LEN, np.int32), np.zeros(2, np.int32)
     e.x = Arr(np.zeros(2, np.float32))  # the residual stream: (token, position) after "layers"
     e.graph, e.cache, e.pdl, e.startup = None, {}, True, {}
-    e.short_graph, e.short_len, e._dev_pos, e.short_form = None, 0, 0, False
-    e.forms = []   # (position, short form?) of every step's "layers"
     e._ids, e.sampling, e.valid_vocab = np.full(max_len, -1, np.int32), None, VOCAB
     e.calls = {"layers": 0, "lm_head": 0}
 
@@ -108,7 +106,6 @@ def fake_engine(monkeypatch, prefill, chunk=CHUNK):
         feed_reference(e.prompt.a, e.feed_meta.a, s)
         tok, pos = int(s[STATE_TOKEN]), int(s[STATE_POS])
         e.cache[pos] = tok
-        e.forms.append((pos, e.short_form))
         e.x.a[:] = tok, pos
         e.calls["layers"] += 1
 
@@ -151,25 +148,6 @@ def test_greedy_ids_and_cache_length(engine):
     assert got == reference([3, 4, 5], 6)
     assert engine.length == 3 + 6 - 1  # the last token is returned, not yet fed
     assert [engine.cache[p] for p in range(8)] == [3, 4, 5] + got[:5]
-
-
-def test_the_short_form_follows_the_device_position(engine):
-    """Every step runs the attention's short form exactly while it attends over at most
-    short_len tokens (pos + 1), through prompts, generation, decode, truncate and reset: the
-    host's count of state.pos (Engine._dev_pos) never drifts from the device's."""
-    engine.short_len = 7
-    list(engine.generate_ids([3, 4, 5], 6, GREEDY))
-    engine.decode(2)
-    list(engine.generate_ids([9, 8], 3, GREEDY))
-    engine.truncate(4)
-    list(engine.generate_ids([1], 4, GREEDY))
-    engine.reset()
-    list(engine.generate_ids([6, 7, 8, 9, 10, 11, 12, 13], 2, GREEDY))
-    assert engine._dev_pos == int(engine.state.a[STATE_POS])
-    assert len(engine.forms) > 10
-    assert {short for _, short in engine.forms} == {True, False}
-    bad = [(pos, short) for pos, short in engine.forms if short != (pos + 1 <= 7)]
-    assert not bad, bad
 
 
 def test_stop_id_books_the_cache(engine):

@@ -104,10 +104,9 @@ def fake_engine(max_len=96):
     e.feed_meta, e.logits = Arr(np.zeros(2, np.int32)), Arr(np.zeros(VOCAB, np.float32))
     e._h_state, e._h_tok = np.zeros(STATE_LEN, np.int32), np.zeros(2, np.int32)
     e.graph, e.prefiller = None, None
-    e.short_graph, e.short_len, e._dev_pos, e.short_form = None, 0, 0, False
     e._ids, e.sampling, e.valid_vocab = np.full(max_len, -1, np.int32), None, VOCAB
 
-    def run_eager(regions=None, short=None):  # feed, "rope_kv" (token, position into the page), model
+    def run_eager(regions=None):  # feed, "rope_kv" (token and position into the page), model
         s, pool, table = e.state.a, e.kv.a, e.d_table.a
         feed_reference(e.prompt.a, e.feed_meta.a, s)
         tok, pos = int(s[STATE_TOKEN]), int(s[STATE_POS])

@@ -298,14 +298,10 @@ def test_step_variants_parses_variants():
     down_mma, down_cc = MmaTiling(warps=16, threads=1024), Tiling(ks=16, threads=512)
     defaults = {"down": down_mma, "gate_up": Tiling(ks=4, threads=192)}
     engines = {"down": (down_cc, down_mma), "gate_up": (Tiling(ks=4, threads=192), None)}
-    tilings, attn, rope, short = sv.parse_variant(
+    tilings, attn, rope = sv.parse_variant(
         "down.warps=8 down.min_blocks=1 attn.early=0 attn.min_pps=2 rope.fused=1", defaults)
     assert tilings == {"down": MmaTiling(warps=8, threads=1024, min_blocks=1)}
-    assert attn == {"early": False, "min_pps": 2} and rope is True and short == {}
-    # short: the short-context graph's attention keywords and its reach
-    assert sv.parse_variant("short.len=0", defaults)[3] == {"len": 0}
-    assert sv.parse_variant("short.consumers=6 short.direct=1 attn.tma=0", defaults)[1:] == (
-        {"tma": 0}, None, {"consumers": 6, "direct": True})
+    assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
     assert sv.parse_variant("attn.cluster=16", defaults)[1] == {"cluster": 16}
     # mma=0 switches to the CUDA-core tiling first, then its fields apply

@@ -105,7 +105,7 @@ def cluster_tail(split_main, gqa: int, head_dim: int, consumers: int, max_splits
     def attn_split(q, state, table, kv, o):
         xacc = cuda.shared.array((1, ROWS, D), float32)   # this split's acc, rows = heads
         xml = cuda.shared.array((1, ROWS, 2), float32)    # its (m, l) a head
-        split_main(q, state, table, kv, xacc, xml, table, q)
+        split_main(q, state, table, kv, xacc, xml, table)
         merge_out(xacc, xml, o, state)
 
     return attn_split

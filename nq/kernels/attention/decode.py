@@ -89,6 +89,13 @@ Epitaphs (each in commit 13c221c):
     map's L2 promotion at 256 or none, and `tma_pf` (prefetch.tensormap before the first copy)
     each lost 0.005-0.03 against a copy a 64-dim half at 128 (H200, 2026-12-02; code at
     85f95dc, docs/PERF.md 0.10).
+  - `direct` (one CTA a kv head walking the whole context with eight consumers and writing o
+    itself, no attn_combine), in a second, short-context step graph the engine replayed up to
+    2048 tokens: +0.166 / +0.278 ms a step at 512 / 1024 tokens; 3 stages +0.140 / +0.240, no
+    tensor maps +0.43 / +0.97 (H200, 2026-12-03; code at 9b8ae46, docs/PERF.md 0.11).  Four
+    CTAs stream a layer's context at ~64 KB a microsecond each (the bytes their stages hold
+    in flight over a ~2 us loaded round trip): one SM cannot replace 64 splits, whatever the
+    combine's boundary costs.
 """
 from __future__ import annotations
 
@@ -96,7 +103,7 @@ import functools
 import math
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
-from numba.cuda.types import float16, float32, uint32, uint64
+from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.plan import (ALIGN, CONSUMERS, LOG2E, MIN_PPS, NEG_BIG, NSTAGE, PAD,
@@ -115,17 +122,12 @@ SPLIT_SIG_TMA = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :,
 # cluster (cluster.py): no partials in global memory; o is written by the kernel itself
 SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
                 "float16[::1])")
-# direct (one split a kv head, no attn_combine): the split writes o itself; the partials'
-# arrays stay in the signature (unused) so the body is the split's
-SPLIT_SIG_DIRECT = SPLIT_SIG[:-1] + ", float16[::1])"
-SPLIT_SIG_DIRECT_TMA = SPLIT_SIG_TMA[:-1] + ", float16[::1])"
 
 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
-               direct: bool = False):
+               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -143,9 +145,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
-    DIRECT = bool(direct)    # one split a kv head: o = acc / l written here, no partials
-    if DIRECT and (max_splits != 1 or cluster):
-        raise ValueError("attention direct: one split a kv head (max_splits 1), no cluster")
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     MAXS, MINP = max_splits, min_pps
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
@@ -170,11 +169,10 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     MERGE = 2 * NST
     SCR_ML = 8 * D                     # float offset of (m, l) after acc in a merge scratch slot
 
-    def split_main(q, state, table, kv, part_acc, part_ml, tmap, o):
+    def split_main(q, state, table, kv, part_acc, part_ml, tmap):
         # q (Hq*D,) f32; state int32; table (max_pages,) int32; kv (n_pages, n_kv, 2, 16, D) f16
         # part_acc (max_splits, Hq, D) f32; part_ml (max_splits, Hq, 2) f32; tmap (16,) u64
-        # (with TMA, kv's tensor map; otherwise any array, unused); o (Hq*D,) f16 with DIRECT
-        # (otherwise any array, unused)
+        # (with TMA, kv's tensor map; otherwise any array, unused)
         # PDL: no griddepcontrol.launch_dependents (module doc); the trigger at exit.
         smu = cuda.shared.array(0, uint32)       # (NST, NC) padded page slots, plan.row_offset
         smf = cuda.shared.array(0, float32)      # the same bytes: the consumers' merge scratch
@@ -444,14 +442,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                             acc[2 * j] += smf[fo + g * D + 8 * j + 2 * t] * w
                             acc[2 * j + 1] += smf[fo + g * D + 8 * j + 2 * t + 1] * w
                     m = mx
-            if DIRECT:
-                # the only split of this kv head: its heads' outputs, acc / l rounded to fp16
-                # as attn_combine rounds them (its merge of one split is this division)
-                if row_ok:
-                    for j in range(NT):
-                        o[h * D + 8 * j + 2 * t] = float16(acc[2 * j] / l)
-                        o[h * D + 8 * j + 2 * t + 1] = float16(acc[2 * j + 1] / l)
-                return
             # the partial's place: [split, h] of the global part_acc / part_ml, or with a
             # cluster [0, g] of this CTA's own exchange arrays (cluster.py merges them)
             ps = 0 if CLUSTER else split
@@ -470,32 +460,22 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         from nq.kernels.attention.cluster import cluster_tail
         return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
 
-    if DIRECT and TMA:
-        def attn_direct_tma(q, state, table, kv, part_acc, part_ml, tmap, o):
-            split_main(q, state, table, kv, part_acc, part_ml, tmap, o)
-        return attn_direct_tma
-
-    if DIRECT:
-        def attn_direct(q, state, table, kv, part_acc, part_ml, o):
-            split_main(q, state, table, kv, part_acc, part_ml, table, o)
-        return attn_direct
-
     if TMA:
         def attn_split_tma(q, state, table, kv, part_acc, part_ml, tmap):
-            split_main(q, state, table, kv, part_acc, part_ml, tmap, q)
+            split_main(q, state, table, kv, part_acc, part_ml, tmap)
         return attn_split_tma
 
     def attn_split(q, state, table, kv, part_acc, part_ml):
-        split_main(q, state, table, kv, part_acc, part_ml, table, q)
+        split_main(q, state, table, kv, part_acc, part_ml, table)
     return attn_split
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, tma=False, tma_from=0, direct=False) -> str:
+               early, cluster=0, ppc=0, tma=False, tma_from=0) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
     ppc the pages a consumer, tma the tensor-map copies and tfrom the pages a split they start
-    at (`decode_launcher`); the one-split kernel that writes o is attn_direct_..."""
+    at (`decode_launcher`)."""
     extra = {"cl": cluster} if cluster else {}
     if ppc:
         extra["ppc"] = ppc
@@ -503,7 +483,7 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
         extra["tma"] = True
     if tma and tma_from:
         extra["tfrom"] = tma_from
-    return kernel_name("attn_direct" if direct else "attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
+    return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
 
@@ -511,18 +491,13 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
-                 direct: bool = False):
+                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
-    (cluster.py's launch); direct: one split a kv head (max_splits 1) writing o itself."""
+    (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0,
-           bool(direct))
-    if direct:
-        sig = SPLIT_SIG_DIRECT_TMA if tma else SPLIT_SIG_DIRECT
-    else:
-        sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
+           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0)
+    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
 
@@ -532,9 +507,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    tma: bool = False, tma_from: int = 0, direct: bool = False):
-    """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine
-    (or, with direct, attn_direct alone).
+                    tma: bool = False, tma_from: int = 0):
+    """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
     (max_pages,), kv_layer (n_pages, num_kv_heads, 2, 16, head_dim) f16 (nq/paged.py),
@@ -560,15 +534,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     into padded rows; the launcher encodes kv_layer's tensor map once, here.  tma_from: k > 0
     -- the tensor-map copies only for splits of k pages or more (long contexts), the bulk copies
     below, chosen in the kernel from the plan as ppc is.
-    direct: one split a kv head, whatever the length (num_kv CTAs of `consumers` warps, each
-    walking the whole context), writing o itself: no attn_combine, no partials (part_acc and
-    part_ml are not used).  For short contexts only -- the engine's short-context graph
-    (nq/runtime/step.py SHORT_ATTN); at 8K its few CTAs cannot stream the pages.
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    if direct and cluster:
-        raise ValueError("attention: direct is one split a kv head, cluster merges several; "
-                         "pass one or the other")
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
@@ -589,10 +556,10 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                             bool(early), cluster=c, ppc=int(ppc))
         return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
-    ms = 1 if direct else part_acc.shape[0]
+    ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from), direct=bool(direct))
-    merge = None if direct else combine.combine_kernel(d, ms, min_pps)
+                         ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from))
+    merge = combine.combine_kernel(d, ms, min_pps)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=bool(tma),
                         tma_from=int(tma_from) if tma else 0)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
@@ -604,12 +571,6 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
         args = (q, state, table, kv_layer, part_acc, part_ml, tmap)
     else:
         args = (q, state, table, kv_layer, part_acc, part_ml)
-    if direct:
-        args += (o,)
-
-        def launch_direct(stream=0):
-            split[(1, hkv), threads, stream, nbytes](*args)
-        return launch_direct
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](*args)

@@ -100,38 +100,6 @@ def _check_tma_ptx(kw):
     return ptx
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_direct_ptx_writes_o_and_no_partials(tma):
-    # direct (the short-context graph's attention: one split a kv head, 8 consumers): o's
-    # 2 x D/8 fp16 values a lane stored by the kernel itself, no f32 partial stored, the page
-    # loop's work as the split's, no local memory; one CTA an SM leaves 227 registers a thread
-    body = decode.split_body(7, 128, 4, 8, 2, 2, 1, 2, True, ppc=2, tma=tma,
-                             tma_from=12 if tma else 0, direct=True)
-    ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_DIRECT_TMA if tma else decode.SPLIT_SIG_DIRECT,
-                           fastmath=True)
-    assert count(ptx, "st.global.b16") + count(ptx, "st.global.u16") == 2 * (128 // 8)
-    assert count(ptx, "st.global.f32") == 0
-    assert count(ptx, "mma.sync.aligned.m16n8k16") == 128 // 16 * 2 + 1 + 128 // 8
-    assert count(ptx, "griddepcontrol.launch_dependents") == 0
-    assert_no_local_memory(ptx)
-    if have_ptxas():
-        regs, spills = ptxas_report(ptx)
-        assert spills == 0 and regs <= 224
-
-
-def test_direct_refusals():
-    with pytest.raises(ValueError, match="max_splits 1"):
-        decode.split_body(7, 128, 4, 8, 2, 2, 66, 2, True, direct=True)
-    cfg = tiny_config()
-    pa, pm = (np.zeros((4, cfg.num_heads, cfg.head_dim), np.float32),
-              np.zeros((4, cfg.num_heads, 2), np.float32))
-    with pytest.raises(ValueError, match="one or the other"):
-        decode.decode_launcher(cfg, np.zeros(cfg.q_size, np.float32), np.zeros(4, np.int32),
-                               np.zeros(8, np.int32),
-                               np.zeros((8, cfg.num_kv_heads, 2, 16, cfg.head_dim), np.float16),
-                               np.zeros(cfg.q_size, np.float16), pa, pm, direct=True, cluster=2)
-
-
 @pytest.mark.parametrize("groups", [8, 4])
 def test_combine_ptx(groups):
     ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2, groups), combine.COMBINE_SIG,
@@ -149,9 +117,6 @@ def test_combine_ptx(groups):
 def test_kernel_names_spell_every_constant():
     assert (compiled_name(decode.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
             == "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1")
-    assert (compiled_name(decode.split_kernel, 7, 128, 4, 8, 2, 2, 1, 2, True, 0, 2, False, 0,
-                          True)
-            == "attn_direct_gqa7_d128_kv4_c8_st2_rpc2_splits1_minpps2_early1_ppc2")
     assert (compiled_name(combine.combine_kernel, 128, 66, 2)
             == "attn_combine_d128_splits66_minpps2_g8")
 
@@ -210,7 +175,7 @@ SIM_SCRIPT = textwrap.dedent('''
     seen = [0]
 
     def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0,
-             tma=False, tma_from=0, direct=False):
+             tma=False, tma_from=0):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
             return
@@ -220,15 +185,14 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, ppc=ppc, tma=tma, tma_from=tma_from,
-                                           direct=direct)
+                                           cluster=cl, ppc=ppc, tma=tma, tma_from=tma_from)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
                 + (f"_ppc{ppc}" if ppc else "") + ("_tma" if tma else "")
-                + (f"_from{tma_from}" if tma_from else "") + ("_direct" if direct else ""))
+                + (f"_from{tma_from}" if tma_from else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
@@ -263,22 +227,14 @@ SIM_SCRIPT = textwrap.dedent('''
     # of 3 pages takes the tensor path, splits of 1 page the bulk path
     case(g8, 3 * 16 - 2, 1, 2, 2, 2, 18, early=True, tma=True, tma_from=3)
     case(g8, 3 * 16 - 2, 3, 2, 2, 2, 19, early=True, tma=True, tma_from=3)
-    # direct (one split a kv head, o written by the split, no combine; the partials stay NaN):
-    # 7 pages over 4 consumers in stages of 4 (the last stage's three: a consumer idle, the
-    # merge of four), tail 3; two kv heads at odd GQA, one page, one consumer; d128 by tensor
-    # map from 3 pages on, the engine's short-context options
-    case(g2, 7 * 16 - 13, 4, 4, 2, 2, 20, early=True, min_pps=2, ppc=1, direct=True)
-    case(g7, 9, 4, 2, 2, 2, 21, direct=True)
-    case(g8, 5 * 16 + 1, 4, 4, 2, 2, 22, early=True, min_pps=2, ppc=1, tma=True, tma_from=3,
-         direct=True)
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
 # and new: cases 6, 9), a cluster, ppc's one-of-four, the tensor-map copies at d128 and d64
 # and tma_from's switch; the long tier (`pytest -m long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 14, 15, 17)
-SIM_PICK_LONG = (0, 2, 4, 8, 11, 13, 16, 18, 19)
+SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 14, 15)
+SIM_PICK_LONG = (0, 2, 4, 8, 11, 13, 16)
 
 
 def _split_and_combine_under_the_simulator(pick):
@@ -353,16 +309,14 @@ def test_combine_forms_under_the_simulator():
     assert not bad, bad
 
 def test_engine_options_are_launcher_keywords():
-    """The engine's ATTN_OPTIONS and SHORT_ATTN (what the 7B step's long and short graphs run)
-    are knobs decode_launcher still has."""
+    """The engine's ATTN_OPTIONS (what the 7B step runs) are knobs decode_launcher still has."""
     import inspect
 
-    from nq.runtime.step import ATTN_OPTIONS, SHORT_ATTN
+    from nq.runtime.step import ATTN_OPTIONS
     knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
-    assert set(ATTN_OPTIONS) | set(SHORT_ATTN) <= knobs == {
-        "consumers", "nstage", "rows_per_copy", "min_pps", "early", "cluster", "ppc", "tma",
-        "tma_from", "direct"}
+    assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
+                                         "cluster", "ppc", "tma", "tma_from"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])
@@ -403,14 +357,3 @@ def test_step_attention_options_take_an_experiment_over_the_defaults():
         {**ATTN_OPTIONS, "cluster": 16, "early": False, "tma": False}
     # ...unless the experiment names both, which the launcher then refuses with its reason
     assert attention_options({"cluster": 16, "tma": True})["tma"] is True
-
-
-def test_short_graph_options_are_the_steps_with_the_short_form_over_them():
-    from nq.runtime.step import (ATTN_OPTIONS, SHORT_ATTN, attention_options,
-                                 short_attention_options)
-    assert SHORT_ATTN["direct"] is True
-    assert short_attention_options() == {**ATTN_OPTIONS, **SHORT_ATTN}
-    # an experiment on the long graph reaches the short one where SHORT_ATTN is silent; its
-    # own keywords go over both; a cluster is the long graph's alone
-    assert short_attention_options({"tma": False, "cluster": 16}, {"nstage": 3}) == \
-        {**attention_options({"tma": False}), **SHORT_ATTN, "nstage": 3}

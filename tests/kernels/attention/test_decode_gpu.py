@@ -24,16 +24,6 @@ CFGS = {"7b": PRESETS["7b"], "tiny": tiny_config(),  # GQA 7:1 d128, GQA 2:1 d64
         "g1": tiny_config(head_dim=64, num_heads=4, num_kv_heads=4)}    # MHA d64
 
 
-# direct (one split a kv head writing o, no combine): the short-context graph's attention
-DIRECT = [dict(direct=True, consumers=8, nstage=2, ppc=2, early=True, min_pps=2,
-               rows_per_copy=2),
-          dict(direct=True, consumers=8, nstage=2, ppc=2, early=True, min_pps=2,
-               rows_per_copy=2, tma=True, tma_from=12),
-          dict(direct=True, consumers=4, nstage=3, ppc=1, tma=True),
-          dict(direct=True, consumers=1, nstage=3)]
-DIRECT_IDS = ["c8st2-ppc2", "c8st2-ppc2-tma-from12", "c4st3-ppc1-tma", "c1st3"]
-
-
 def _setup(cfg, length, seed, n_pages=None):
     from numba import cuda
     rng = np.random.default_rng(seed)
@@ -169,10 +159,9 @@ def test_attention_tma_ignores_a_stale_tail(length, stale, tma_from):
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
                                      tma=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
-                                     tma=True, tma_from=12),
-                                DIRECT[1]],
+                                     tma=True, tma_from=12)],
                          ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-tma",
-                              "c4-ppc2-s3-tma", "c4-ppc2-s3-tma-from12", "direct"])
+                              "c4-ppc2-s3-tma", "c4-ppc2-s3-tma-from12"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
     and an eager launch at the same length gives it bit for bit (the cluster kernel: a
@@ -205,51 +194,6 @@ def test_graph_replay_follows_device_length(kw):
         launch(stream)  # eager launch at the same length: bit for bit the graph's answer
         stream.synchronize()
         np.testing.assert_array_equal(d["o"].copy_to_host(), got)
-
-
-# ---- direct (one split a kv head writing o, no combine): the short-context graph's attention
-
-
-
-@pytest.mark.parametrize("length", [1, 16, 17, 33, 49, 255, 512, 1000, 2049, 9000])
-@pytest.mark.parametrize("kw", DIRECT, ids=DIRECT_IDS)
-def test_direct_attention_matches_reference(length, kw):
-    cfg = CFGS["7b"]
-    d, ref = _setup(cfg, length, seed=length + 51)
-    d["o"].copy_to_device(np.full(cfg.q_size, np.nan, np.float16))  # every output written
-    np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("length", [17, 500, 1000])
-@pytest.mark.parametrize("stale", [np.nan, np.inf], ids=["nan", "inf"])
-@pytest.mark.parametrize("kw", DIRECT[:2], ids=DIRECT_IDS[:2])
-def test_direct_attention_ignores_a_stale_tail(length, stale, kw):
-    cfg = CFGS["7b"]
-    d, ref = _setup(cfg, length, seed=length + 53)
-    _poison_tail(d, length, stale)
-    got = _run(cfg, d, **kw)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("name", ["tiny", "g8", "g1"])
-@pytest.mark.parametrize("length", [1, 49, 700])
-def test_direct_attention_other_shapes(name, length):
-    cfg = CFGS[name]
-    d, ref = _setup(cfg, length, seed=length + 57)
-    np.testing.assert_allclose(_run(cfg, d, **DIRECT[1]), ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("length", [1, 17, 49, 512, 1000])
-def test_direct_attention_equals_split_and_combine_of_one_split(length):
-    """One split merged by attn_combine is acc / l rounded to fp16: direct is that, bit for bit
-    (same split body, same plan, the same division)."""
-    cfg = CFGS["7b"]
-    d, _ = _setup(cfg, length, seed=length + 59)
-    kw = dict(consumers=8, nstage=2, ppc=2, early=True, min_pps=2, rows_per_copy=2)
-    a = _run(cfg, d, max_splits=1, **kw)
-    b = _run(cfg, d, direct=True, **kw)
-    np.testing.assert_array_equal(a, b)
 
 
 # ---- the cluster kernel (cluster.py): one kernel, partials merged in distributed shared memory
