@@ -179,6 +179,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         bars = cuda.shared.array(NBARS, uint64)  # full[NST], empty[NST], merge
         # Per-lane state first, in the entry block, so SROA keeps it in registers.
         qf = cuda.local.array(QW, uint32)        # A fragments of (q_hi; q_lo), per k-step
+        qx = cuda.local.array(QW, float32)       # this lane's q values, loaded all at once
         acc = cuda.local.array(AW, float32)      # O[g, 8j + 2t + e], n-tile j
         sc = cuda.local.array(16, float32)       # score C fragments: [parity][n-tile][c0..c3]
         kof = cuda.local.array(4, uint32)        # TMA: per-lane K / V ldmatrix offsets
@@ -272,19 +273,25 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             t = lane % 4
             row_ok = g < GQA
             h = kvh * GQA + g
+            # Every q value first, branch-free, then the splits: loaded inside a branch a pair,
+            # the 16 loads went out one L2 round trip after another (ncu at 32K: 27 % of the
+            # stall samples, docs/PERF.md 0.11).  Lanes past the GQA heads read a valid head's
+            # values (qb: the last head of the group) and keep zeros.
+            qb = (kvh * GQA + min(g, GQA - 1)) * D + 2 * t
             for kstep in range(KSTEPS):
                 for half in range(2):                 # a0/a1 (dims 2t..), a2/a3 (dims 2t+8..)
-                    if row_ok:
-                        d = h * D + kstep * 16 + 2 * t + 8 * half
-                        x0 = q[d] * QSCALE
-                        x1 = q[d + 1] * QSCALE
-                        hi = pack_f16x2_from_f32(x0, x1)
-                        h0, h1 = unpack_f16x2_to_f32(hi)
-                        qf[4 * kstep + 2 * half] = hi
-                        qf[4 * kstep + 2 * half + 1] = pack_f16x2_from_f32(x0 - h0, x1 - h1)
-                    else:
-                        qf[4 * kstep + 2 * half] = Z
-                        qf[4 * kstep + 2 * half + 1] = Z
+                    d = qb + kstep * 16 + 8 * half
+                    qx[4 * kstep + 2 * half] = q[d]
+                    qx[4 * kstep + 2 * half + 1] = q[d + 1]
+            for kstep in range(KSTEPS):
+                for half in range(2):
+                    x0 = qx[4 * kstep + 2 * half] * QSCALE
+                    x1 = qx[4 * kstep + 2 * half + 1] * QSCALE
+                    hi = pack_f16x2_from_f32(x0, x1)
+                    h0, h1 = unpack_f16x2_to_f32(hi)
+                    lo = pack_f16x2_from_f32(x0 - h0, x1 - h1)
+                    qf[4 * kstep + 2 * half] = hi if row_ok else Z
+                    qf[4 * kstep + 2 * half + 1] = lo if row_ok else Z
             for j in range(2 * NT):
                 acc[j] = ZERO
             m = NEG
