@@ -77,6 +77,13 @@ def ld_global_nc_v4_f32(arr, idx):
     return (w[0], w[1], w[2], w[3])
 
 
+@ptx("ld.global.nc.v2.f32 {%0, %1}, [%2];", out=("f32",) * 2, args=("arr", "idx"), effect="load")
+def ld_global_nc_v2_f32(arr, idx):
+    """`ld.global.nc.v2.f32 {f0, f1}, [&arr[idx]];` -- two float32, 8-byte aligned, read-only."""
+    w = _bytes_at(arr, idx, 8).view(np.float32)
+    return (w[0], w[1])
+
+
 @ptx("ld.global.nc.u16 %0, [%1];", out="u16", args=("arr", "idx"), effect="load")
 def ld_global_nc_u16(arr, idx):
     """`ld.global.nc.u16 h, [&arr[idx]];` -- 2 bytes (an fp16's bits) via the read-only path,

@@ -254,6 +254,8 @@ def extras_set(w, h, f, out, o16):
     x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
     y0, y1, y2, y3 = P.ld_shared_v4_f32(ftile, 4 * (i % 2))
     x0 += y0 + y1 + y2 + y3
+    z0, z1 = P.ld_global_nc_v2_f32(f, 2 * i)
+    x1 += z0 * z1
     hb = P.ld_global_nc_u16(h, i)
     bits = P.mov_b32_u32_from_f32(x0 + x1 + x2 + x3)
     out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2)) + a3
@@ -267,7 +269,8 @@ def extras_ptx():
 
 
 @pytest.mark.parametrize("instruction", [
-    "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v4.f32", "ld.global.nc.u16",
+    "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v2.f32",
+    "ld.global.nc.v4.f32", "ld.global.nc.u16",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global", "mul.hi.u32",
     "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group",
@@ -311,7 +314,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 53
+    assert len(names) == 54
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx())
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
@@ -331,7 +334,8 @@ GPU_TEST_KERNELS = {
     "k_copy16_2d": f"void({_U2},{_U2})", "k_dp4a": f"void({_U},{_U},int32[::1],int32[::1])",
     "k_ldmatrix": f"void({_U2},{_U2},{_U2})", "k_mma": f"void({_U2},{_U2},{_F2},{_F2})",
     "k_bulk_pipeline": f"void({_U},{_U},{_U})",
-    "k_extras": f"void({_U}, float16[::1], float32[::1], {_U2}, float16[::1], {_U}, {_U})",
+    "k_extras": f"void({_U}, float16[::1], float32[::1], {_U2}, float16[::1], {_U}, {_U}, "
+                f"{_F2})",
 }
 
 

@@ -344,7 +344,7 @@ def test_bulk_copy_pipeline_with_mbarrier():
 
 # ---- narrow loads, shared 16-byte loads, u16 stores, bit casts ------------------------------
 @cuda.jit
-def k_extras(w, h, f, out, o16, addr, same):
+def k_extras(w, h, f, out, o16, addr, same, pair):
     tile = cuda.shared.array((8, 8), dtype=np.uint32, alignment=ALIGN)
     i = cuda.threadIdx.x  # 32 threads
     tile[i // 4, 2 * (i % 4)] = w[2 * i]
@@ -355,6 +355,7 @@ def k_extras(w, h, f, out, o16, addr, same):
     out[i, 4], out[i, 5] = P.ld_global_nc_v2_u32(w, 2 * i)
     x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
     out[i, 6] = P.mov_b32_u32_from_f32(x0 * x1 + x2 - x3)
+    pair[i, 0], pair[i, 1] = P.ld_global_nc_v2_f32(f, 2 * i)
     hb = P.ld_global_nc_u16(h, i)
     out[i, 7] = hb
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(out[i, 6]) * 2))
@@ -371,8 +372,9 @@ def test_extras():
     f = RNG.standard_normal(128).astype(np.float32)
     d = [cuda.to_device(x) for x in (w, h, f, np.zeros((32, 8), np.uint32),
                                      np.zeros(32, np.float16), np.zeros(32, np.uint32),
-                                     np.zeros(32, np.uint32))]
+                                     np.zeros(32, np.uint32), np.zeros((32, 2), np.float32))]
     k_extras[1, 32](*d)
+    np.testing.assert_array_equal(d[7].copy_to_host(), f[:64].reshape(32, 2))
     out, o16, addr = d[3].copy_to_host(), d[4].copy_to_host(), d[5].copy_to_host()
     tile = w.reshape(8, 8)
     lanes = np.arange(32)

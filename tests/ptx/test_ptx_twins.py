@@ -293,6 +293,9 @@ def test_narrow_and_float_loads_and_u16_store_twins():
         P.ld_global_nc_v2_u32.twin(a, 5)
     f = np.linspace(-1, 1, 8).astype(np.float32)
     assert P.ld_global_nc_v4_f32.twin(f, 4) == tuple(f[4:])
+    assert P.ld_global_nc_v2_f32.twin(f, 6) == tuple(f[6:])
+    with pytest.raises(AssertionError, match="8-byte access"):
+        P.ld_global_nc_v2_f32.twin(f, 3)
     h = np.array([1.5, -2.0, 65504.0], dtype=np.float16)
     assert P.ld_global_nc_u16.twin(h, 2) == 0x7BFF
     P.st_global_u16.twin(h, 1, P.cvt_rn_f16_f32.twin(np.float32(0.25)))

@@ -102,23 +102,30 @@ def _check_tma_ptx(kw):
 
 @pytest.mark.parametrize("groups", [8, 4])
 def test_combine_ptx(groups):
+    """attn_combine: the plan before the wait; a split's (m, l) and acc in one 8-byte and one
+    16-byte load, all of a chunk's before the first exp2, none behind a branch; no local
+    memory."""
     ptx = compile_ptx_sm90(combine.combine_body(128, 66, 2, groups), combine.COMBINE_SIG,
                            fastmath=True)
     assert_uses(ptx, "griddepcontrol.launch_dependents", "griddepcontrol.wait", "ex2.approx",
-                "cvt.rn.f16.f32")
+                "cvt.rn.f16.f32", "ld.global.nc.v2.f32", "ld.global.nc.v4.f32")
     assert_no_local_memory(ptx)
-    # the plan before the wait; every load of a chunk before its first exp2: one round trip
     head, body = ptx.split("griddepcontrol.wait", 1)
     assert head.count("ld.global") == 1
-    rows = min(-(-66 // groups), combine.chunk_rows(128, groups))
-    assert body[:body.index("ex2.approx")].count("ld.global") == 3 * rows
+    first = body[:body.index("ex2.approx")]
+    rows = min(-(-66 // groups), combine.VEC_CHUNK_ROWS)
+    assert first.count("ld.global.nc.v2.f32") == first.count("ld.global.nc.v4.f32") == rows
+    assert first.count("ld.global") == 2 * rows and first.count("bra") == 0
+    if have_ptxas():
+        regs, spills = ptxas_report(ptx)
+        assert spills == 0 and regs <= 128
 
 
 def test_kernel_names_spell_every_constant():
     assert (compiled_name(decode.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
             == "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1")
     assert (compiled_name(combine.combine_kernel, 128, 66, 2)
-            == "attn_combine_d128_splits66_minpps2_g8")
+            == "attn_combine_d128_splits66_minpps2_g8_vec4")
 
 
 def test_argument_check_refuses_with_what_it_wants():
@@ -283,13 +290,14 @@ COMBINE_SCRIPT = textwrap.dedent('''
         ref = (np.einsum("sh,shd->hd", w, acc[:n]) / (w * l[:n]).sum(axis=0)[:, None]).ravel()
         o = cuda.to_device(np.full(hq * d, np.nan, np.float16))
         args = (make_state(pos=length - 1), cuda.to_device(acc), cuda.to_device(ml), o)
-        combine.combine_kernel(d, ms, min_pps, groups)[hq, d * groups](*args)
+        threads = combine.combine_threads(d, groups)
+        combine.combine_kernel(d, ms, min_pps, groups)[hq, threads](*args)
         got = o.copy_to_host().astype(np.float64)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))
         print(f"len{length}_s{ms}_p{min_pps}_g{groups}",
               float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
-    for groups in (8, 4, 1):   # a thread's splits in 1, 2 and 5 chunks (chunk_rows 16 here)
+    for groups in (8, 4, 1):   # a thread's splits in 1, 2 and 5 chunks (16 rows a chunk)
         case(1, 66, 2, groups, 0)                  # one split, 65 stale rows
         case(40 * PAGE, 66, 2, groups, 1)          # 20 splits: groups of 3 and 2
         case(66 * 8 * PAGE, 66, 2, groups, 2)      # every row a split
