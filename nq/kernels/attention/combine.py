@@ -49,7 +49,12 @@ from nq.paged import PAGE, STATE_POS
 GROUPS = 8   # split groups a head (block head_dim / VEC * GROUPS: 9 splits a thread at 66)
 VEC = 4      # dims a thread: one 16-byte load of a split's acc
 VEC_CHUNK_ROWS = 16   # splits a thread loads at once (6 registers each)
-COMBINE_SIG = "void(int32[::1], float32[:, :, ::1], float32[:, :, ::1], float16[::1])"
+COMBINE_SIG = "void(int32[::1], float32[::1], float32[::1], float16[::1])"
+
+
+def flat_partials(part_acc, part_ml):
+    """The partial buffers as attn_combine takes them: flat views of the same memory."""
+    return part_acc.reshape(part_acc.size), part_ml.reshape(part_ml.size)
 
 
 @functools.cache
@@ -75,6 +80,9 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
     CHUNKS = -(-R // RC)
 
     def attn_combine(state, part_acc, part_ml, o):
+        # part_acc (max_splits * Hq * D,) f32 and part_ml (max_splits * Hq * 2,) f32: the
+        # split kernel's (max_splits, Hq, D) and (max_splits, Hq, 2) flat (flat_partials), so
+        # an address is one 64-bit multiply-add; o (Hq * D,) f16; the grid is Hq blocks
         red = cuda.shared.array(RED, float32)      # each group's sum of acc_s w_s, per dim
         gm = cuda.shared.array(G, float32)         # each group's max m
         gl = cuda.shared.array(G, float32)         # each group's sum of l_s w_s
@@ -85,6 +93,7 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
         x2 = cuda.local.array(RC, float32)
         x3 = cuda.local.array(RC, float32)
         h = cuda.blockIdx.x
+        HQ = cuda.gridDim.x
         tid = cuda.threadIdx.x
         d = (tid % QT) * VEC
         group = tid // QT
@@ -102,17 +111,22 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
         den = ZERO
         for c in range(CHUNKS):
             for i in range(RC):
+                # every load of the chunk, then (after the warp sync, which ptxas does not
+                # schedule across) what uses them: without it ptxas put the first uses
+                # between the loads, and the chunk's last loads went out a round trip later
                 split = group + (c * RC + i) * G
-                ok = split < n_splits
-                row = split if ok else 0           # a row every plan has; selected away below
-                v0, v1, v2, v3 = ld_global_nc_v4_f32(part_acc, (row, h, d))
-                m, l = ld_global_nc_v2_f32(part_ml, (row, h, 0))
-                ms[i] = m if ok else NEG           # weight exp2(NEG - max) = 0 below
-                ls[i] = l if ok else ZERO
-                x0[i] = v0 if ok else ZERO         # stale rows may hold NaN: 0 * NaN is NaN
-                x1[i] = v1 if ok else ZERO
-                x2[i] = v2 if ok else ZERO
-                x3[i] = v3 if ok else ZERO
+                row = split if split < n_splits else 0   # past the plan: row 0 (below)
+                rh = row * HQ + h
+                x0[i], x1[i], x2[i], x3[i] = ld_global_nc_v4_f32(part_acc, rh * D + d)
+                ms[i], ls[i] = ld_global_nc_v2_f32(part_ml, rh * 2)
+            cuda.syncwarp()
+            for i in range(RC):
+                # a row past the plan holds row 0's values (finite, so times the weight 0
+                # they are 0: o as if they were never read) and m = NEG, so its weight
+                # exp2(NEG - max) is 0; a group with no split of the plan leaves max = NEG
+                # and weights 1, but the groups' merge below weights it exp2(NEG - max) = 0
+                if group + (c * RC + i) * G >= n_splits:
+                    ms[i] = NEG
             top = mx
             for i in range(RC):
                 top = max(top, ms[i])

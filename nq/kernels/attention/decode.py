@@ -569,6 +569,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                          ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from))
     merge = combine.combine_kernel(d, ms, min_pps)
     merge_threads = combine.combine_threads(d)
+    acc_flat, ml_flat = combine.flat_partials(part_acc, part_ml)
     nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=bool(tma),
                         tma_from=int(tma_from) if tma else 0)
     if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
@@ -583,6 +584,6 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](*args)
-        merge[hq, merge_threads, stream](state, part_acc, part_ml, o)
+        merge[hq, merge_threads, stream](state, acc_flat, ml_flat, o)
 
     return launch
