@@ -8,8 +8,8 @@ o_proj, and nothing overlaps it).  The split plan is read before the wait (nothi
 writes `state`); each thread then loads, at once, every split of the plan it owns -- its (m, l)
 as one 8-byte load, its four acc values as one 16-byte load, up to VEC_CHUNK_ROWS splits (the
 7B's 66 splits / 8 groups: 9), further ones a round trip a chunk; rows past the plan are read
-from row 0 and selected away, so no load sits behind a branch -- merges them against their own
-max, and the groups meet once in shared memory, each rescaled by exp2(m_group - max m).  Fixed
+from row 0 and weighted 0, so no load sits behind a branch or waits on a select -- merges them
+against their own max, and the groups meet once in shared memory, each rescaled by exp2(m_group - max m).  Fixed
 order throughout, so a graph replay equals an eager launch bit for bit.  o (num_heads*head_dim,)
 is the o_proj GEMV's input.
 
@@ -24,6 +24,9 @@ Measured in the 7B step on the H200 (scripts/step_variants.py, ms a step at 512 
     dim form at 32K: 6.2 us for 0.9 MB of partials, its 32 warps an SM issue-bound on
     per-element 64-bit address math (stall math 23 %, not selected 22 %); here 8 warps issue
     a quarter of the instructions.
+  - (2026-12-03) a chunk's loads in one round trip (rows past the plan read row 0 instead of
+    having their acc zeroed by selects, which ptxas had placed between the loads; flat
+    partials; the warp sync): **-0.008 / -0.017 / -0.014**, o bit for bit (docs/PERF.md 0.13).
 
 Epitaphs:
   - One dim a thread (head_dim * GROUPS = 1024 threads a head, a load an element): the form
