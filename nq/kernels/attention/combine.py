@@ -9,9 +9,9 @@ writes `state`); each thread then loads, at once, every split of the plan it own
 as one 8-byte load, its four acc values as one 16-byte load, up to VEC_CHUNK_ROWS splits (the
 7B's 66 splits / 8 groups: 9), further ones a round trip a chunk; rows past the plan are read
 from row 0 and weighted 0, so no load sits behind a branch or waits on a select -- merges them
-against their own max, and the groups meet once in shared memory, each rescaled by exp2(m_group - max m).  Fixed
-order throughout, so a graph replay equals an eager launch bit for bit.  o (num_heads*head_dim,)
-is the o_proj GEMV's input.
+against their own max, and the groups meet once in shared memory, each rescaled by
+exp2(m_group - max m).  Fixed order throughout, so a graph replay equals an eager launch bit
+for bit.  o (num_heads*head_dim,) is the o_proj GEMV's input.
 
 Measured in the 7B step on the H200 (scripts/step_variants.py, ms a step at 512 / 8K / 32K):
   - (2026-12-02) the plan before the wait and a chunk's loads at once, against warp 0 reading
@@ -100,14 +100,18 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
         tid = cuda.threadIdx.x
         d = (tid % QT) * VEC
         group = tid // QT
-        length = state[STATE_POS] + 1              # the plan before the wait (combine_body)
+        # The plan before the wait: state is written by nothing in the step (attn_split's
+        # EARLY reads it there too, decode.py), so the loads below go out as the wait ends.
+        length = state[STATE_POS] + 1
         n_pages = (length + PAGE - 1) // PAGE
         pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
         n_splits = (n_pages + pps - 1) // pps
+        # PDL: trigger before waiting -- this kernel is tiny, so o_proj (next) is scheduled at
+        # once and streams its first weights while the merge runs.
         griddepcontrol_launch_dependents()
         griddepcontrol_wait()
         mx = NEG
-        a0 = ZERO
+        a0 = ZERO                                  # four dims, written out: registers
         a1 = ZERO
         a2 = ZERO
         a3 = ZERO
@@ -133,7 +137,7 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
             top = mx
             for i in range(RC):
                 top = max(top, ms[i])
-            k = math.exp2(mx - top)
+            k = math.exp2(mx - top)          # the earlier chunks' sums to the new max
             a0 *= k
             a1 *= k
             a2 *= k

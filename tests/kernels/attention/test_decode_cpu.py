@@ -119,6 +119,7 @@ def test_combine_ptx(groups):
     # the loads, then the warp sync, then the first use of what they read
     loads, uses = first.split("bar.warp.sync", 1)
     assert loads.count("ld.global") == 2 * rows and "max.ftz.f32" not in loads
+    assert "bra" not in loads
     if have_ptxas():
         regs, spills = ptxas_report(ptx)
         assert spills == 0 and regs <= 128
