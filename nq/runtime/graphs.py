@@ -128,7 +128,7 @@ def set_carveout(graph, percent: int) -> int:
     for node in all_nodes[:n_all]:
         if _check(cu.cuGraphNodeGetType(node)) != kernel:
             continue
-        v = cu.CUlaunchAttributeValue()
+        v = cu.CUkernelNodeAttrValue()
         v.sharedMemCarveout = int(percent)
         _check(cu.cuGraphKernelNodeSetAttribute(node, attr, v))
         n += 1
