@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -59,8 +58,6 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                 v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
-        elif kind == "graph" and field == "carveout":
-            attn["__carveout"] = v
         elif kind == "rope" and field == "fused":
             rope = bool(v)
         elif kind in defaults and field == "mma":
@@ -133,13 +130,7 @@ def main(argv=None) -> int:
 
     def run(name, tilings, attn, rope=None):
         t1 = time.perf_counter()
-        attn = dict(attn or {})
-        carve = attn.pop("__carveout", None)   # graph.carveout=P: every node's smem carveout
-        if carve is not None:
-            os.environ["NQ_CARVEOUT"] = str(carve)
-        else:
-            os.environ.pop("NQ_CARVEOUT", None)
-        eng.variant(tilings, attn or None, check_layout=False, fuse_rope=rope)  # timing only
+        eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
         eng._tilings = tilings
         row = {"variant": name, "regs": regs(eng)}
         for c in ctxs:

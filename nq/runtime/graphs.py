@@ -17,10 +17,14 @@ previous kernel finishes.  numba's launcher cannot pass cuLaunchKernelEx's launc
 so the edges are rewritten after capture, before instantiation.  Only for graphs whose every
 kernel executes `griddepcontrol.wait` (nq/ptx/griddep.py) before it touches data another
 kernel of the graph writes or reads -- every kernel of the decode step does.
+
+Retired: a preferred shared-memory carveout set on every kernel node (so that each SM keeps
+one configuration and a next kernel's blocks never wait for it to drain; code at 0f4633d).
+The driver's own choice per kernel beat every uniform one in the 7B step (H200, 2026-12-03,
+ms a step at 512 / 8K / 32K): 100 % +0.081 / +0.084 / +0.087, 75 % +0.003 / +0.235 / +0.142,
+50 % +0.014 / +0.246 / +0.152, 0 % +0.24 / +0.48 / +0.41 (docs/PERF.md 0.14).
 """
 from __future__ import annotations
-
-import os
 
 from cuda.bindings import driver as cu
 
@@ -49,8 +53,7 @@ class CapturedGraph:
     >>> g.replay()                                          # ~µs of host time
     """
 
-    def __init__(self, stream, fn, name: str = "graph", programmatic: bool = False,
-                 carveout: int | None = None):
+    def __init__(self, stream, fn, name: str = "graph", programmatic: bool = False):
         self.name = name
         self.stream = stream
         h = stream_handle(stream)
@@ -67,11 +70,6 @@ class CapturedGraph:
         self._graph = _check(cu.cuStreamEndCapture(h))
         self.num_nodes = _check(cu.cuGraphGetNodes(self._graph, 0))[1]
         self.programmatic_edges = make_programmatic(self._graph) if programmatic else 0
-        if carveout is None and os.environ.get("NQ_CARVEOUT"):
-            carveout = int(os.environ["NQ_CARVEOUT"])
-        self.carveout = carveout
-        if carveout is not None:
-            set_carveout(self._graph, carveout)
         self._exec = _check(cu.cuGraphInstantiate(self._graph, 0))
         _check(cu.cuGraphUpload(self._exec, h))
 
@@ -114,22 +112,3 @@ def make_programmatic(graph) -> int:
         _check(cu.cuGraphRemoveDependencies(graph, [a], [b], None, 1))
         _check(cu.cuGraphAddDependencies(graph, [a], [b], [data], 1))
     return len(pairs)
-
-
-def set_carveout(graph, percent: int) -> int:
-    """Give every kernel node of `graph` the preferred shared-memory carveout `percent` (of the
-    SM's 228 KB; 100: all of it, L1 the rest); returns how many nodes.  A kernel's blocks can
-    only share an SM with another kernel's when the SM's carveout suits both, and the driver
-    picks it per kernel from what the kernel asks for."""
-    kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-    n_all, n = _check(cu.cuGraphGetNodes(graph, 0))[1], 0
-    all_nodes, _ = _check(cu.cuGraphGetNodes(graph, n_all))
-    attr = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    for node in all_nodes[:n_all]:
-        if _check(cu.cuGraphNodeGetType(node)) != kernel:
-            continue
-        v = cu.CUkernelNodeAttrValue()
-        v.sharedMemCarveout = int(percent)
-        _check(cu.cuGraphKernelNodeSetAttribute(node, attr, v))
-        n += 1
-    return n

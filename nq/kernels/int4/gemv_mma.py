@@ -43,7 +43,11 @@ P = 1 +0.009, P = 2 +0.026 (docs/PERF.md).
 Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
 variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
 ring=R, the weights through shared memory, R groups a warp refilled as they were used
-(per-lane cp.async 805e084, cp.async.bulk 6362a1e; early keeps its prologue).
+(per-lane cp.async 805e084, cp.async.bulk 6362a1e; early keeps its prologue).  And a down
+block small enough to be resident beside gate_up's (128 threads, 2 warps a tile, early=42:
+57 % of down's weights copied into shared memory while gate_up streams; MAX_EARLY raised,
+code at 0f4633d): +0.59..+0.67 ms a step, +0.47..+0.51 at 192 threads -- four or six warps
+an SM cannot do down's math, wherever its weights wait (docs/PERF.md 0.14).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -169,7 +173,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
 
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 FULL = 0xFFFFFFFF
-MAX_EARLY = 48    # TEMP experiment
+MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
 
 
 def dynamic_smem(k: int) -> int:
