@@ -26,6 +26,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     dp4a      dp4a_s32
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
+    clock     clock64 (the SM's cycle counter: l2_pace's pacing)
     cluster   cluster_ctarank, barrier_cluster_sync, mapa_shared_cluster_u32, ld_shared_cluster_f32
               (thread block clusters and distributed shared memory)
 """
@@ -40,6 +41,7 @@ from nq.ptx.dp4a import dp4a_s32
 from nq.ptx.tensormap import cp_async_bulk_tensor_5d_g2s
 from nq.ptx.mulhi import mul_hi_u32
 from nq.ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
+from nq.ptx.clock import clock64
 from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
 from nq.ptx.half import (add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, mul_rn_f16x2,
                          pack_f16x2_from_f32, unpack_f16x2_to_f32)
@@ -57,6 +59,7 @@ from nq.ptx.permute import (LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop
                             mov_b32_f32_from_u32, mov_b32_u32_from_f32, prmt_b32)
 
 __all__ = [
+    "clock64",
     "SIMULATOR",
     "prmt_b32", "lop3_b32", "LOP3_A", "LOP3_B", "LOP3_C", "LUT_AND_OR", "LUT_AND_XOR",
     "mov_b32_u32_from_f32", "mov_b32_f32_from_u32",

@@ -29,6 +29,12 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 FUSE_ROPE = True
 
 
+# l2_pace (nq/kernels/pace.py): {"groups": G, "cycles": C} asks L2 for the first G groups of
+# each of gate_up's tiles, 32 a batch every C cycles, on a side stream beside the layer's
+# attention chain; None: not in the step.  An experiment's `attn` may carry it as "pace".
+PACE = None
+
+
 def attention_options(attn=None) -> dict:
     """decode_launcher's keywords: the step's defaults with `attn` over them (an experiment's
     {keyword: value}, scripts/step_variants.py).  An experiment asking for the cluster merge
@@ -50,6 +56,8 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     from nq.runtime.weights import gemvs
 
     c, weights = eng.cfg, eng.w
+    attn = dict(attn or {})
+    pace = attn.pop("pace", PACE)
     opts = attention_options(attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
@@ -64,6 +72,12 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]
     for i, L in enumerate(weights.layers):
         kv_i = eng.kv[i]
+        join = None
+        if pace:
+            from nq.kernels.pace import pace_launcher
+            fork, join = pace_launcher(L.gu_w, c.hidden_size, int(pace["groups"]),
+                                       int(pace["cycles"]), eng.side)
+            steps.append(("pace", fork))
         if qkv_rope is not None:
             steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
                 eng.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, eng.state, eng.inv_freq,
@@ -78,7 +92,10 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
             ("paged_attention", attention.decode_launcher(
                 c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
                 eng.part_ml, **opts)),
-            ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)),
+            ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st))]
+        if join is not None:
+            steps.append(("pace", join))
+        steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),
             ("down", lambda st, L=L: g["down"](eng.a, L.down_w, L.down_s, eng.x, st)),

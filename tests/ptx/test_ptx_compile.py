@@ -258,7 +258,9 @@ def extras_set(w, h, f, out, o16):
     x1 += z0 * z1
     hb = P.ld_global_nc_u16(h, i)
     bits = P.mov_b32_u32_from_f32(x0 + x1 + x2 + x3)
-    out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2)) + a3
+    tick = P.clock64()
+    out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2)) + a3 \
+        + (P.clock64() - tick > 1 << 40)
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(bits) + P.cvt_f32_f16(hb)))
 
 
@@ -273,7 +275,7 @@ def extras_ptx():
     "ld.global.nc.v4.f32", "ld.global.nc.u16",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global", "mul.hi.u32",
-    "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group",
+    "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "%clock64",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -314,7 +316,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 54
+    assert len(names) == 55
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx())
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
@@ -325,6 +327,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
 
 _U, _U2, _F2 = "uint32[::1]", "uint32[:, ::1]", "float32[:, ::1]"
 GPU_TEST_KERNELS = {
+    "k_clock": "void(uint64[::1], uint64[::1])",
     "k_prmt": f"void({_U},{_U},{_U},{_U})", "k_prmt_const": f"void({_U},{_U},{_U},{_U})",
     "k_lop3": f"void({_U},{_U},{_U},{_U2})", "k_half2_math": f"void({_U},{_U},{_U},{_U2})",
     "k_cvt_f32_f16": "void(uint16[::1], float32[::1])",

@@ -390,6 +390,25 @@ def test_extras():
     np.testing.assert_array_equal(d[6].copy_to_host(), np.ones(32, np.uint32))
 
 
+
+@cuda.jit
+def k_clock(out, spins):
+    # the SM's cycle counter moves, and a loop that spins on it waits at least its cycles
+    t0 = P.clock64()
+    target = t0 + spins[0]
+    while P.clock64() < target:
+        pass
+    out[0] = P.clock64() - t0
+
+
+def test_clock64_counts_cycles():
+    out = cuda.device_array(1, np.uint64)
+    for n in (0, 2000, 100000):
+        k_clock[1, 1](out, cuda.to_device(np.array([n], np.uint64)))
+        got = int(out.copy_to_host()[0])
+        assert n <= got < n + 20000, (n, got)
+
+
 # ---- thread block clusters: rank, barrier, distributed shared memory -------------------------
 @cuda.jit
 def k_cluster(out, ranks):

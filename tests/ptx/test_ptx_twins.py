@@ -488,3 +488,10 @@ def test_ldmatrix_b_tiles_give_mma_b_fragments():
 def test_warp_twins_refuse_to_run_outside_a_simulated_kernel():
     with pytest.raises(RuntimeError, match="inside a simulated kernel"):
         P.mma_sync_m16n8k16_f16_f32.twin(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_clock64_twin_counts_up():
+    from nq.ptx import clock64
+    a = clock64.twin()
+    b = clock64.twin()
+    assert isinstance(a, int) and b >= a
