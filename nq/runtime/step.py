@@ -5,6 +5,8 @@ the whole step graph (scripts/step_variants.py), where a kernel's neighbours sta
 under programmatic dependent launch."""
 from __future__ import annotations
 
+import os
+
 # attention.decode_launcher options of the step, chosen in the whole step graph by
 # scripts/step_variants.py.  Measured in the step (docs/PERF.md): early copies -0.007 ms;
 # min_pps 2 (at least two pages a split, so 16 splits at 512 tokens) -0.013 ms at 512, nothing
@@ -33,6 +35,11 @@ FUSE_ROPE = True
 # each of gate_up's tiles, 32 a batch every C cycles, on a side stream beside the layer's
 # attention chain; None: not in the step.  An experiment's `attn` may carry it as "pace".
 PACE = None
+if os.environ.get("NQ_PACE"):   # "G,C": an experiment's l2_pace in every step (nq bench)
+    _g, _c = (int(v) for v in os.environ["NQ_PACE"].split(","))
+    PACE = {"groups": _g, "cycles": _c}
+SIDE_REGIONS = ("pace",)   # launched on a side stream beside the chain: `nq bench` leaves
+#                           them out of the ITL's breakdown
 
 
 def attention_options(attn=None) -> dict:
