@@ -35,9 +35,9 @@ FUSE_ROPE = True
 # each of gate_up's tiles, 32 a batch every C cycles, on a side stream beside the layer's
 # attention chain; None: not in the step.  An experiment's `attn` may carry it as "pace".
 PACE = None
-if os.environ.get("NQ_PACE"):   # "G,C": an experiment's l2_pace in every step (nq bench)
-    _g, _c = (int(v) for v in os.environ["NQ_PACE"].split(","))
-    PACE = {"groups": _g, "cycles": _c}
+if os.environ.get("NQ_PACE"):   # "G,C[,N]": an experiment's l2_pace in every step (nq bench)
+    PACE = dict(zip(("groups", "cycles", "ctas"),
+                    (int(v) for v in os.environ["NQ_PACE"].split(","))))
 SIDE_REGIONS = ("pace",)   # launched on a side stream beside the chain: `nq bench` leaves
 #                           them out of the ITL's breakdown
 
@@ -83,7 +83,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         if pace:
             from nq.kernels.pace import pace_launcher
             fork, join = pace_launcher(L.gu_w, c.hidden_size, int(pace["groups"]),
-                                       int(pace["cycles"]), eng.side)
+                                       int(pace["cycles"]), eng.side, int(pace.get("ctas", 1)))
             steps.append(("pace", fork))
         if qkv_rope is not None:
             steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
