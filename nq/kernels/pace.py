@@ -65,7 +65,8 @@ def pace_kernel(n_tiles: int, k: int, groups: int, cycles: int, ctas: int = 1):
         raise ValueError(f"l2_pace: cycles={cycles} must be >= 0")
     TILE_WORDS = tile_groups * GROUP_BYTES // 4
     HEAD = groups * GROUP_BYTES
-    BATCHES = -(-(-(-2 * n_tiles // LANES)) // ctas)    # a CTA's
+    ALL_BATCHES = -(-2 * n_tiles // LANES)
+    BATCHES = -(-ALL_BATCHES // ctas)    # a CTA's: batches c, c + ctas, ...
     CTAS = ctas
     HALF = LANES // 2
     CYCLES = uint64(cycles)

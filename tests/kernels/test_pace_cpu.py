@@ -1,5 +1,5 @@
 """CPU tier for l2_pace (nq/kernels/pace.py): the ranges it asks L2 for (its reference), the
-same ranges issued by the kernel under the CUDA simulator, and its sm_90 PTX (the clock it
+same ranges issued by the kernel under the CUDA simulator (one CTA or two), and its sm_90 PTX (the clock it
 spins on, the prefetch, no local memory)."""
 import textwrap
 
@@ -43,26 +43,26 @@ SIM = textwrap.dedent('''
         issued.append((int(idx) * 4, int(nbytes)))
     pace.cp_async_bulk_prefetch_l2 = record      # the kernel body reads the module global
 
-    for n_tiles, k, groups, cycles in ((37, 512, 3, 0), (16, 256, 2, 50)):
+    for n_tiles, k, groups, cycles, ctas in ((37, 512, 3, 0, 1), (16, 256, 2, 50, 1),
+                                             (37, 512, 3, 0, 2)):
         issued.clear()
-        kern = pace.pace_kernel.__wrapped__(n_tiles, k, groups, cycles)
+        kern = pace.pace_kernel.__wrapped__(n_tiles, k, groups, cycles, ctas)
         qw = cuda.to_device(np.zeros(2 * n_tiles * (k // 128) * 256, np.uint32))
-        kern[1, 32](qw)
+        kern[ctas, 32](qw)
         want = pace.pace_ranges(n_tiles, k, groups)
         # the simulator runs the lanes as threads: compare as sets, count each once
         ok = sorted(issued) == sorted(want) and len(issued) == len(want)
-        print(f"t{n_tiles}_c{cycles}", 0.0 if ok else 1.0, flush=True)
+        print(f"t{n_tiles}_c{cycles}_n{ctas}", 0.0 if ok else 1.0, flush=True)
 ''')
 
 
 @pytest.mark.slow
 def test_kernel_issues_the_reference_ranges_under_the_simulator():
     values, out = run_under_simulator(SIM, timeout=600)
-    assert values == {"t37_c0": 0.0, "t16_c50": 0.0}, out
+    assert values == {"t37_c0_n1": 0.0, "t16_c50_n1": 0.0, "t37_c0_n2": 0.0}, out
 
 
 def test_ptx_spins_on_the_clock_and_prefetches():
-    from nq.kernels.build import compile_kernel  # noqa: F401 -- the factory's import path
     n_tiles, k, groups, cycles = 1184, 3584, 10, 300
     body = _body(n_tiles, k, groups, cycles)
     ptx = compile_ptx_sm90(body, "void(uint32[::1])")
