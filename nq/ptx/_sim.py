@@ -24,7 +24,6 @@ _lock = threading.RLock()
 _regions: list[tuple[int, int, int, np.ndarray]] = []  # (host start, nbytes, base, uint8 view)
 _next_base = 0x400
 _barriers: dict[int, "Mbarrier"] = {}
-_warps: dict[tuple, "_Exchange"] = {}
 WARP_TIMEOUT_S = 60.0  # a lane that never arrives is a bug in the kernel: fail, do not hang
 
 
@@ -136,8 +135,12 @@ def warp_exchange(value, size: int = 32) -> list:
     nthreads = int(np.prod(manager._block_dim))
     warp, lane = divmod(tid, size)
     lanes = min(size, nthreads - size * warp)
+    # The rendezvous lives on the launch's block manager, not in a table keyed by id(manager):
+    # a later launch's manager can reuse a freed one's id, and with another block size its
+    # partial warp would meet a stale barrier sized for the old lane count and never complete.
     with _lock:
-        ex = _warps.setdefault((id(manager), block, warp, size), _Exchange(lanes))
+        warps = manager.__dict__.setdefault("_nq_exchanges", {})
+        ex = warps.setdefault((block, warp, size), _Exchange(lanes))
     ex.slots[lane] = value
     ex.barrier.wait()
     values = list(ex.slots)

@@ -495,3 +495,40 @@ def test_clock64_twin_counts_up():
     a = clock64.twin()
     b = clock64.twin()
     assert isinstance(a, int) and b >= a
+
+
+def test_warp_exchange_survives_a_recycled_block_manager(monkeypatch):
+    """Launch after launch with alternating partial warps (8 and 16 live lanes): each launch's
+    rendezvous must be sized for its own block.  Keyed by id(manager), a freed manager's id came
+    back for the next launch and its 16 lanes met a barrier sized for 8, which never opened."""
+    import threading
+
+    from nq.ptx import _sim
+
+    monkeypatch.setattr(_sim, "WARP_TIMEOUT_S", 5.0)
+
+    class Manager:
+        def __init__(self, nthreads):
+            self._block_dim = (nthreads, 1, 1)
+
+    def launch(nthreads):
+        manager, got, errors = Manager(nthreads), {}, []
+
+        def lane(tid):
+            t = threading.current_thread()
+            t.thread_id, t._manager, t.blockIdx = tid, manager, (0, 0, 0)
+            try:
+                got[tid] = _sim.warp_exchange(tid)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=lane, args=(i,)) for i in range(nthreads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for tid in range(32, nthreads):
+            assert got[tid] == list(range(32, nthreads))
+
+    for i in range(12):
+        launch(40 if i % 2 == 0 else 48)
