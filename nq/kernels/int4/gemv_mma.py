@@ -166,6 +166,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
                          f"early groups and scales beside {k * 2} of activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
                          f"or fewer threads")
+    if not 0 <= t.l2ahead <= MAX_L2AHEAD:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
+                         f"of its loads) is 0..{MAX_L2AHEAD}")
     if t.rope and (t.rope % TILE or n_out % t.rope):
         raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
                          f"dividing N={n_out}")
@@ -174,6 +177,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 FULL = 0xFFFFFFFF
 MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
+MAX_L2AHEAD = 8   # a warp's groups in flight to L2 (past that, L2 holds them for too long)
 
 
 def dynamic_smem(k: int) -> int:
@@ -204,7 +208,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early"):
+    for f in ("rope", "hilo", "early", "l2ahead"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -309,6 +313,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     SC_ITERS = -(-SC_CHUNKS // (32 * TILE_WARPS))
     BAR_B = SC_W * 4 + TILES * MATS * TILE * GROUPS * 2
     SLOT_TX = MATS * 1024
+    # l2ahead (t.l2ahead > 0): when a warp issues the loads of its group grp, lane 0 (and lane
+    # 1, gate_up's up tile) asks L2 for the same tile's group grp + L2AHEAD * TILE_WARPS -- 1 KB
+    # a tile, contiguous -- so the loads find it in L2 (a round trip of ~0.6 us instead of
+    # DRAM's ~1.2 under load) while no register holds it; the prologue asks for the first
+    # L2AHEAD groups after `first` before griddepcontrol.wait
+    L2AHEAD = t.l2ahead
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -506,10 +516,28 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             ga = kw + 2 * it * TILE_WARPS
             gb = ga + TILE_WARPS
             na, nb = load_both(qw, sc, bases, min(gb, GROUPS - 1))
+            if L2AHEAD:
+                to_l2(qw, bases, gb + L2AHEAD * TILE_WARPS)
             acc = add_group(acc, ca, cb, abase, ga, t4, invf)
             ca, cb = load_both(qw, sc, bases, min(gb + TILE_WARPS, GROUPS - 1))
+            if L2AHEAD:
+                to_l2(qw, bases, gb + (L2AHEAD + 1) * TILE_WARPS)
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
+
+    def to_l2(qw, bases, grp):
+        """(lanes 0 and, gate_up, 1) l2ahead: group grp of the warp's tile (lane 1: of its up
+        tile) into L2, 1 KB a tile; nothing past the last group."""
+        lane = cuda.threadIdx.x & 31
+        if lane < MATS and grp < GROUPS:
+            wa, _, wb, _ = bases
+            w = wa if lane == 0 else wb
+            cp_async_bulk_prefetch_l2(qw, w - lane * 8 + grp * 256, 1024)
+
+    def ahead_prologue(qw, bases, g0):
+        # l2ahead: groups g0 + TILE_WARPS .. g0 + L2AHEAD * TILE_WARPS (g0: `first`'s group)
+        for j in range(L2AHEAD):
+            to_l2(qw, bases, g0 + (j + 1) * TILE_WARPS)
 
     def early_issue(qw, dyn, bases, grp, slot, warp):
         """(lane 0) Group grp's 1 KB of the warp's tile into the warp's slot: one
@@ -663,6 +691,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
         kr = kw + EARLY * TILE_WARPS      # the register loop's first group
         first = load_both(qw, sc, bases, min(kr, GROUPS - 1))  # weights wait for nothing
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kr)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         tl2, r, row = out_row()
@@ -697,6 +727,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kw)
         norm_to_l2(norm_w)
         _, _, r0 = pair_row(cuda.threadIdx.x)
         row0 = 2 * (r0 // D * HALF + r0 % D)   # the pair's row0 (weight_row's convention)
@@ -752,6 +784,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kw)
         norm_to_l2(norm_w)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
@@ -770,12 +804,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
         stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, \
         pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, \
-        put_qkv, gate_up_sums = (
+        put_qkv, gate_up_sums, to_l2, ahead_prologue = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, stage, stage_norm, stage_group, add_group, mainloop, roles,
                              file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
                              block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, put_qkv,
-                             gate_up_sums))
+                             gate_up_sums, to_l2, ahead_prologue))
     put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
     put_rope = dev(put_rope)
     early_issue, early_prologue, early_scale, early_read, early_loop = (

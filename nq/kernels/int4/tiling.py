@@ -88,6 +88,8 @@ class MmaTiling:
     hilo: int = 0        # gate_up, qkv: h staged as fp16 hi + lo in B's even / odd columns
     early: int = 0       # o_proj / down: a warp's first `early` groups (and its tile's scales)
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
+    l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
+    #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -101,7 +103,8 @@ class MmaTiling:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
-                + (f"_early{self.early}" if self.early else ""))
+                + (f"_early{self.early}" if self.early else "")
+                + (f"_l2a{self.l2ahead}" if self.l2ahead else ""))
 
 
 def hilo_bytes(k: int) -> int:

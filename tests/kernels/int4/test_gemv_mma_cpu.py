@@ -67,6 +67,11 @@ def test_layout_round_trip_and_refusals():
         == 2 * 27648 + 12 * 3 * 1032 + 16 * 216 * 2
     assert gemv_mma.gemv_mma_name("down", 3584, 18944, r).endswith("_min_blocks0_early1")
     assert "early" not in gemv_mma.gemv_mma_name("down", 3584, 18944, t)   # names stand
+    a = MmaTiling(warps=16, threads=1024, early=1, l2ahead=2)
+    assert a.tag() == "mma_w16_t1024_early1_l2a2"
+    assert gemv_mma.gemv_mma_name("down", 3584, 18944, a).endswith("_early1_l2ahead2")
+    with pytest.raises(ValueError, match="l2ahead"):
+        gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, l2ahead=9))
     for bad in (7,):
         with pytest.raises(ValueError, match="early"):
             gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, early=bad))
@@ -98,6 +103,7 @@ def test_mma_tiling_rule():
     ("down", 5120, 27648, MmaTiling(warps=12, threads=384, early=3)),
     ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=4)),   # one-shot, then registers
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, early=2)),
+    ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, l2ahead=2)),
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
@@ -110,6 +116,8 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     if tiling.early:   # the first groups through bulk copies counted off a slot's mbarrier
         ptx_util.assert_uses(ptx, "cp.async.bulk.shared::cluster.global",
                              "mbarrier.try_wait.parity", "cp.async.wait_group")
+    # l2ahead: a bulk L2 prefetch in the loop (two sites) and the prologue's; none without
+    assert (ptx_util.count(ptx, "cp.async.bulk.prefetch.L2") >= 3) == bool(tiling.l2ahead)
     # one mma and four lop3 per word, eight words a group
     assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") % 8 == 0
     assert ptx_util.count(ptx, "lop3.b32") == 4 * ptx_util.count(ptx, "mma.sync.aligned.m16n8k16")
@@ -140,8 +148,17 @@ SIM_SCRIPT = textwrap.dedent('''
     # tile over 5 groups (three iterations, the last one half empty); early (the first groups
     # bulk-copied to shared memory before the wait): 3 tiles over blocks of 2, 5 groups over
     # 2 warps with 2 slots (warp 1's second slot past the last group: only arrived on), then
-    # one warp's 3 slots of its 8 groups and 5 through the register loop
+    # one warp's 3 slots of its 8 groups and 5 through the register loop; l2ahead: every
+    # group after a warp's first asked of L2 once (the twin records what, below), beside early
+    import nq.kernels.int4.gemv_mma as gm
+    asked = []
+    twin = gm.cp_async_bulk_prefetch_l2
+    gm.cp_async_bulk_prefetch_l2 = lambda src, i, nb: (asked.append((src.size, int(i), int(nb))),
+                                                        twin(src, i, nb))
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
+                          ("l2a3", 48, 640, MmaTiling(warps=2, threads=128, l2ahead=3)),
+                          ("early_l2a2", 32, 1024, MmaTiling(warps=1, threads=64, early=3,
+                                                             l2ahead=2)),
                           ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
                           ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
@@ -155,7 +172,13 @@ SIM_SCRIPT = textwrap.dedent('''
         g = ResidualMmaGemv("down", n, k, t)
         pq, ps = g.prepare([(qw, sc)])
         xd = cuda.to_device(x)
+        asked.clear()
         g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd)
+        groups, first = k // 128, (t.early + 1) * t.warps
+        want = {(tile, grp) for tile in range(n // 16) for grp in range(first, groups)}
+        got_l2 = {divmod(i // 256, groups) for size, i, nb in asked if size == pq.size}
+        assert all(nb == 1024 and i % 256 == 0 for _, i, nb in asked), asked
+        assert got_l2 == (want if t.l2ahead else set()), (name, sorted(got_l2 ^ want))
         got = xd.copy_to_host().astype(np.float64)
         ref = ref_down(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
         delta = got - x            # the dot products alone, against the reference's
@@ -168,6 +191,7 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "tail", "w4", "w1", "early", "early3"}, stdout
+    assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early",
+                         "early3"}, stdout
     for name, e in errs.items():
         assert e < 1e-5, (name, e)

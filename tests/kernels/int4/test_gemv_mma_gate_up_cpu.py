@@ -141,6 +141,14 @@ SIM_SCRIPT = textwrap.dedent('''
              ("w1", 32, 640, MmaTiling(warps=1, threads=64))]
     cases += [(name + "_hilo", n, k, MmaTiling(t.warps, t.threads, hilo=1))
               for name, n, k, t in cases]
+    # l2ahead: every group after a warp's first, of its gate and its up tile, asked of L2 once
+    cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
+              ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3))]
+    import nq.kernels.int4.gemv_mma as gm
+    asked = []
+    twin = gm.cp_async_bulk_prefetch_l2
+    gm.cp_async_bulk_prefetch_l2 = lambda src, i, nb: (asked.append((src.size, int(i), int(nb))),
+                                                        twin(src, i, nb))
     for name, n, k, t in cases:
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)
@@ -150,7 +158,13 @@ SIM_SCRIPT = textwrap.dedent('''
         g = GateUpMmaGemv(cfg, n, k, t)
         pq, ps = g.prepare([(qw[:n], sc[:n]), (qw[n:], sc[n:])])
         out = cuda.to_device(np.full(n, np.nan, np.float16))
+        asked.clear()
         g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out)
+        groups = k // 128
+        want = {(tile, grp) for tile in range(2 * n // 16) for grp in range(t.warps, groups)}
+        got_l2 = {divmod(i // 256, groups) for size, i, nb in asked if size == pq.size}
+        assert all(nb == 1024 and i % 256 == 0 for size, i, nb in asked if size == pq.size)
+        assert got_l2 == (want if t.l2ahead else set()), (name, sorted(got_l2 ^ want))
         got = out.copy_to_host().astype(np.float64)
         w = dequantize_packed(qw, sc).astype(np.float64)
         ref = ref64(x, nw, cfg.rms_norm_eps, w[:n], w[n:])
@@ -181,7 +195,7 @@ def test_gate_up_under_the_simulator():
     across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
     2.3e-4..9.0e-4, so the bound tells the two apart)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    names = {"t2_w2", "tail", "w4", "w1"}
+    names = {"t2_w2", "tail", "w4", "w1", "l2a2"}
     assert set(errs) == {n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}, stdout
     for name in names:
         assert errs[name] < 2e-3, (name, errs[name])

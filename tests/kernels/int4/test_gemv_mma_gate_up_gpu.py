@@ -54,6 +54,8 @@ def run(n, k, tiling, seed):
     (18944, 3584, T(warps=4, threads=256)),
     (18944, 3584, T(warps=1, threads=128)),
     (48, 384, T(warps=2, threads=128)),        # a clamped tile in the last block
+    (18944, 3584, T(warps=2, threads=576, l2ahead=2)),   # l2ahead: its own next groups to L2
+    (18944, 3584, T(warps=2, threads=576, l2ahead=4)),
     (1008, 640, T(warps=3, threads=192)),     # 5 groups over 3 warps, 2 tiles a block
     (18944, 3584, T(warps=2, threads=256, hilo=1)),   # the default: h as fp16 hi + lo
     (4864, 896, T(warps=2, threads=256, hilo=1)),

@@ -58,6 +58,9 @@ def run(kind, n, k, tiling, seed):
     ("o_proj", 3584, 3584, T(warps=14, threads=448, early=1)),
     ("down", 5120, 27648, T(warps=12, threads=384, early=3)),    # the 32B: activations dynamic too
     ("o_proj", 48, 384, T(warps=2, threads=128, early=1)),
+    ("down", 3584, 18944, T(warps=16, threads=1024, early=1, l2ahead=2)),   # l2ahead
+    ("down", 3584, 18944, T(warps=16, threads=1024, early=1, l2ahead=4)),
+    ("o_proj", 3584, 3584, T(warps=14, threads=448, l2ahead=2)),
 ])
 def test_mma_gemv_against_the_reference(kind, n, k, tiling):
     got, ref, x = run(kind, n, k, tiling, seed=n + k + tiling.warps)
