@@ -16,7 +16,6 @@ weights in the wrong order, which is fine for timing random weights and nothing 
 `kind.mma=0` / `kind.mma=1` first switches o_proj, down, gate_up, qkv or qkv_rope to the
 shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what
 NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
-or `pace` (groups, cycles: l2_pace on a side stream, nq/kernels/pace.py),
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
 rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a thread
 block cluster), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
@@ -59,8 +58,6 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                 v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
-        elif kind == "pace":   # l2_pace beside the attention chain (nq/kernels/pace.py)
-            attn.setdefault("pace", {"groups": 10, "cycles": 300})[field] = v
         elif kind == "rope" and field == "fused":
             rope = bool(v)
         elif kind in defaults and field == "mma":

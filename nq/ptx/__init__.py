@@ -26,7 +26,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     dp4a      dp4a_s32
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
-    clock     clock64 (the SM's cycle counter: l2_pace's pacing)
+    clock     clock64 (the SM's cycle counter)
     cluster   cluster_ctarank, barrier_cluster_sync, mapa_shared_cluster_u32, ld_shared_cluster_f32
               (thread block clusters and distributed shared memory)
 """

@@ -1,10 +1,10 @@
 """The SM's cycle counter, for kernels that keep time themselves.
 
-`l2_pace` (nq/kernels/pace.py) issues its L2 prefetches one batch every so many cycles so that
-the queue it adds in front of the decode step's latency-bound kernels stays short; it needs a
-clock that only this SM reads and that nothing reorders.  The twin is the host's monotonic
-nanosecond clock (the simulator runs kernels one thread at a time, so any monotonic count will
-do there).
+A kernel that paces itself (issues work one batch every so many cycles) needs a clock that only
+this SM reads and that nothing reorders; the first user, l2_pace (20358ec), paced L2 prefetches
+beside the decode step and was retired (docs/PERF.md 0.15), the instruction kept for the next
+(and for timing a loop from inside a kernel).  The twin is the host's monotonic nanosecond
+clock (the simulator runs kernels one thread at a time, so any monotonic count will do there).
 """
 from __future__ import annotations
 

@@ -81,7 +81,6 @@ class Engine:
         self.sampling = None  # nq/runtime/sampling.DeviceSampling, made on first use
         self.startup: dict[str, float] = getattr(weights, "startup", {}).copy()
         self.stream = cuda.stream()
-        self.side = cuda.stream()   # l2_pace's (nq/kernels/pace.py), when the step has it
         s = self.stream
         c = cfg
         # ---- decode state and scratch: allocated once; graphs keep pointing at them -------

@@ -89,25 +89,11 @@ class CapturedGraph:
         return f"<CapturedGraph {self.name}: {self.num_nodes} nodes>"
 
 
-SIDE_KERNELS = (b"l2_pace",)   # kernels of a side stream: their edges stay full dependencies
-
-
-def _side(node) -> bool:
-    """Whether a kernel node runs one of SIDE_KERNELS (nq/kernels/pace.py): it executes no
-    griddepcontrol, so an edge into or out of it must wait for whole grids."""
-    params = _check(cu.cuGraphKernelNodeGetParams(node))
-    func = params.func
-    if int(func):
-        name = _check(cu.cuFuncGetName(func))
-    else:
-        name = _check(cu.cuKernelGetName(params.kern))
-    name = name if isinstance(name, bytes) else str(name).encode()
-    return any(k in name for k in SIDE_KERNELS)
-
-
 def make_programmatic(graph) -> int:
-    """Rewrite each kernel -> kernel edge of `graph` as a programmatic one (but those of a side
-    kernel, `SIDE_KERNELS`); returns how many.
+    """Rewrite each kernel -> kernel edge of `graph` as a programmatic one; returns how many.
+    (Every kernel of the step executes griddepcontrol.wait before it reads upstream data; a
+    kernel that did not -- l2_pace's, on a side stream, retired with it at 20358ec -- needs
+    its edges left as full dependencies.)
 
     A programmatic edge leaves the dependent kernel's port open once every CTA of the upstream
     kernel has triggered (griddepcontrol.launch_dependents) or exited; memory visibility is
@@ -120,8 +106,7 @@ def make_programmatic(graph) -> int:
     src, dst, _, n = _check(cu.cuGraphGetEdges(graph, n))
     kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
     pairs = [(a, b) for a, b in zip(src[:n], dst[:n])
-             if _check(cu.cuGraphNodeGetType(a)) == kernel and _check(cu.cuGraphNodeGetType(b)) == kernel
-             and not (_side(a) or _side(b))]
+             if _check(cu.cuGraphNodeGetType(a)) == kernel and _check(cu.cuGraphNodeGetType(b)) == kernel]
     for a, b in pairs:
         data = cu.CUgraphEdgeData()
         data.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC

@@ -5,7 +5,6 @@ the whole step graph (scripts/step_variants.py), where a kernel's neighbours sta
 under programmatic dependent launch."""
 from __future__ import annotations
 
-import os
 
 # attention.decode_launcher options of the step, chosen in the whole step graph by
 # scripts/step_variants.py.  Measured in the step (docs/PERF.md): early copies -0.007 ms;
@@ -31,15 +30,12 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 FUSE_ROPE = True
 
 
-# l2_pace (nq/kernels/pace.py): {"groups": G, "cycles": C} asks L2 for the first G groups of
-# each of gate_up's tiles, 32 a batch every C cycles, on a side stream beside the layer's
-# attention chain; None: not in the step.  An experiment's `attn` may carry it as "pace".
-PACE = None
-if os.environ.get("NQ_PACE"):   # "G,C[,N]": an experiment's l2_pace in every step (nq bench)
-    PACE = dict(zip(("groups", "cycles", "ctas"),
-                    (int(v) for v in os.environ["NQ_PACE"].split(","))))
-SIDE_REGIONS = ("pace",)   # launched on a side stream beside the chain: `nq bench` leaves
-#                           them out of the ITL's breakdown
+# Retired (2026-12-03; 20358ec holds it): l2_pace, a kernel on a side stream forked after a
+# layer's down and joined before its gate_up, asking L2 for the head of each of gate_up's tiles
+# while the attention chain ran.  One warp: +1.0..+5.0 ms a step (one SM's bulk-prefetch unit
+# moves ~0.3 TB/s and gate_up waited for it at the join); 16-64 CTAs: -0.001..+0.056 (docs/
+# PERF.md 0.15).  A layer's own next weights asked of L2 from inside its GEMV won instead
+# (MmaTiling.l2ahead, 0.16).
 
 
 def attention_options(attn=None) -> dict:
@@ -64,7 +60,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
 
     c, weights = eng.cfg, eng.w
     attn = dict(attn or {})
-    pace = attn.pop("pace", PACE)
     opts = attention_options(attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
@@ -79,12 +74,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]
     for i, L in enumerate(weights.layers):
         kv_i = eng.kv[i]
-        join = None
-        if pace:
-            from nq.kernels.pace import pace_launcher
-            fork, join = pace_launcher(L.gu_w, c.hidden_size, int(pace["groups"]),
-                                       int(pace["cycles"]), eng.side, int(pace.get("ctas", 1)))
-            steps.append(("pace", fork))
         if qkv_rope is not None:
             steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
                 eng.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, eng.state, eng.inv_freq,
@@ -100,8 +89,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                 c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
                 eng.part_ml, **opts)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st))]
-        if join is not None:
-            steps.append(("pace", join))
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),

@@ -285,8 +285,7 @@ def measure_breakdown(eng, ctx: int, replays: int = 100, steps: int = 32) -> dic
     at_context(eng, ctx, ahead=steps + 8)
     itl = statistics.median(eng.time_steps(steps))
     at_context(eng, ctx, ahead=8)
-    from nq.runtime.step import SIDE_REGIONS   # beside the chain: not a share of the ITL
-    regions = [r for r in eng.regions if r not in SIDE_REGIONS]
+    regions = list(eng.regions)
     order = [r for r in regions if r != "sample"] + [r for r in regions if r == "sample"]
     ms = {r: region_ms(eng, r, replays) for r in order}
     at_context(eng, ctx, ahead=8)

@@ -198,28 +198,6 @@ def test_cluster_attention_in_the_step(model):
         assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
 
 
-def test_l2_pace_beside_the_step_changes_nothing(model):
-    """The step with l2_pace on its side stream (pace: asks L2 for gate_up's tile heads, writes
-    nothing) gives the default step's greedy ids and last logits bit for bit; its edges stay
-    full dependencies (one fork and one join a layer), every other edge programmatic."""
-    name, nf, eng, ref = model
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    runs, graphs = [], []
-    try:
-        for attn in ({}, {"pace": {"groups": 2, "cycles": 100}}):
-            eng.variant(attn=attn)
-            graphs.append((eng.graph.num_nodes, eng.graph.programmatic_edges))
-            eng.reset()
-            ids = list(eng.generate_ids(prompt, 24, GREEDY))
-            runs.append((ids, eng.logits.copy_to_host()))
-    finally:
-        eng.variant()
-    layers = nf.config.num_layers
-    assert graphs[1] == (graphs[0][0] + layers, graphs[0][1])
-    assert runs[0][0] == runs[1][0]
-    np.testing.assert_array_equal(runs[0][1], runs[1][1])
-
-
 def test_fill_kernels_match_their_reference():
     from numba import cuda
 

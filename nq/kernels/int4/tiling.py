@@ -222,8 +222,12 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
     # on the tensor cores, against the CUDA-core entries above, in the 7B step (32d8702):
     measured_mma = {
         # a 16-row tile a block, 14 warps splitting its 28 groups: -0.048 ms a step at 512
-        # beside the mma down (7 warps t448, two tiles a block: -0.007; 14 warps t896: +0.030)
-        ("o_proj", 3584, 3584): MmaTiling(warps=14, threads=448),
+        # beside the mma down (7 warps t448, two tiles a block: -0.007; 14 warps t896: +0.030).
+        # Then l2ahead=2 (a warp's group two ahead asked of L2), with gate_up's l2ahead=1
+        # below: -0.011 / -0.018 / -0.017 and -0.009 / -0.018 / -0.019 ms at 512 / 8K / 32K
+        # (H200, 2026-12-03, two runs); o_proj alone l2ahead 1 / 2 / 3 -0.006 / -0.006 /
+        # -0.008 at 512 (docs/PERF.md 0.16)
+        ("o_proj", 3584, 3584): MmaTiling(warps=14, threads=448, l2ahead=2),
         # two tiles a block of 32 warps, 16 a tile: -0.091 ms at 512 and 8K against the
         # CUDA-core down, which ncu read as issue-bound; 16 warps t512 -0.069, 32 t1024 +0.022,
         # 8 t512 +0.11, 8 t256 +0.16, 4 t256 +0.61.  Then early=1 (a warp's first group and
@@ -239,7 +243,9 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # warp's first gate and up groups copied before the wait; tried, not kept) +0.237 at
         # t256 (90 registers: two blocks an SM, two waves), +0.003 at t576; early=2 worse.
         # The fp32-accurate step keeps mma_tiling's t256 with hilo, which is what it measured.
-        measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576)
+        # l2ahead=1 (its group one ahead asked of L2): -0.004 / -0.012 / -0.009 and -0.000 /
+        # -0.011 / -0.010 ms (H200, 2026-12-03); l2ahead 2 +0.008 / -0.002 / -0.004, 4 +0.039
+        measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576, l2ahead=1)
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
         if t is not None:

@@ -86,7 +86,7 @@ def test_mma_tiling_rule():
     memory); the 7B's measured entries; gate_up's (opt-in) in test_gemv_mma_gate_up_cpu.py;
     nothing for qkv."""
     assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024, early=1)
-    assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448)
+    assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448, l2ahead=2)
     assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=12, threads=384)    # 14B: 108 groups
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
     assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=12, threads=384)  # 32B: 216 groups

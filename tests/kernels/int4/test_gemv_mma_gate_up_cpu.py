@@ -35,7 +35,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert off == default_tiling("gate_up", i, h, mma=False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", True)
     on = default_tiling("gate_up", i, h)   # the 7B's measured entry: one block an SM of 132
-    assert on == MmaTiling(warps=2, threads=576) and on.layout() == SEVEN_B.layout()
+    assert on == MmaTiling(warps=2, threads=576, l2ahead=1) and on.layout() == SEVEN_B.layout()
     assert default_tiling("gate_up", i, h, sms=114) == SEVEN_B   # other SM counts: the rule
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
@@ -79,7 +79,7 @@ def test_gate_up_refusals():
 
 @pytest.mark.parametrize("n,k,t", [
     (18944, 3584, SEVEN_B),                              # 7B (the rule's)
-    (18944, 3584, MmaTiling(warps=2, threads=576)),      # 7B (the measured default)
+    (18944, 3584, MmaTiling(warps=2, threads=576, l2ahead=1)),   # 7B (the measured default)
     (18944, 3584, HILO),                                 # 7B, the fp32-accurate step
     (13824, 5120, HILO),                                 # 14B, the fp32-accurate step
     (4864, 896, SEVEN_B),                                # 0.5B

@@ -65,7 +65,7 @@ def test_qkv_tiling_follows_the_switch(monkeypatch):
     assert default_tiling("qkv_rope", n, h, head_dim=128) == SEVEN_B   # one layout, both
     assert default_tiling("qkv", n, h, head_dim=128, mma=False) == off
     assert default_tiling("qkv", n, h) == off                    # no head_dim: CUDA cores
-    assert default_tiling("o_proj", h, h) == MmaTiling(warps=14, threads=448)   # rope 0
+    assert default_tiling("o_proj", h, h) == MmaTiling(warps=14, threads=448, l2ahead=2)   # rope 0
 
 
 @pytest.mark.parametrize("value,want", [("1", "True"), ("0", "False"), (None, "False")])
