@@ -40,6 +40,13 @@ are -- inside the kernel as it is.  In the step on the H200 (2026-12-02) down P 
 -0.018 / -0.016 ms at 512 / 8K / 32K, P = 2 about the same, P = 3 +0.017, P = 4 +0.051; o_proj
 P = 1 +0.009, P = 2 +0.026 (docs/PERF.md).
 
+l2ahead (`MmaTiling.l2ahead=P`; the 7B's gate_up P = 1, o_proj P = 2): when a warp issues the
+loads of its group g, lane 0 (lane 1: gate_up's up tile) asks L2 for the same tile's group
+g + P * warps (`to_l2`, one cp.async.bulk.prefetch.L2 of its contiguous 1 KB), and the
+prologue for the first P after `first`, before the wait.  In the step on the H200 (2026-12-03)
+both together -0.010 / -0.018 / -0.018 ms at 512 / 8K / 32K; down lost at every P, and P > 2
+loses everywhere (docs/PERF.md 0.16).
+
 Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
 variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
 ring=R, the weights through shared memory, R groups a warp refilled as they were used
