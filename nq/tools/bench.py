@@ -285,11 +285,10 @@ def measure_breakdown(eng, ctx: int, replays: int = 100, steps: int = 32) -> dic
     at_context(eng, ctx, ahead=steps + 8)
     itl = statistics.median(eng.time_steps(steps))
     at_context(eng, ctx, ahead=8)
-    regions = list(eng.regions)
-    order = [r for r in regions if r != "sample"] + [r for r in regions if r == "sample"]
+    order = [r for r in eng.regions if r != "sample"] + [r for r in eng.regions if r == "sample"]
     ms = {r: region_ms(eng, r, replays) for r in order}
     at_context(eng, ctx, ahead=8)
-    b = breakdown(itl, {r: ms[r] for r in regions})
+    b = breakdown(itl, {r: ms[r] for r in eng.regions})
     b["ctx"] = ctx
     return b
 
