@@ -46,6 +46,20 @@ def install() -> None:
     _mma.mma_m16n8k16_f16_f32_warp = mma_m16n8k16_f16_f32_warp
 
 
+def record_l2_prefetches(module) -> list:
+    """Wrap `module`'s cp_async_bulk_prefetch_l2 (the twin a kernel body looks up at call time)
+    so that every call is also logged as (source array's size, index, bytes); returns the log,
+    which the caller clears between launches."""
+    asked = []
+    twin = module.cp_async_bulk_prefetch_l2
+
+    def recorded(src, i, nbytes):
+        asked.append((src.size, int(i), int(nbytes)))
+        return twin(src, i, nbytes)
+    module.cp_async_bulk_prefetch_l2 = recorded
+    return asked
+
+
 def patch_simulator(syncwarp: bool = False) -> None:
     """What the CUDA simulator lacks for nq's kernels, for scripts run under it: warp shuffles
     (and, with syncwarp, __syncwarp) as a rendezvous of the caller's warp, and a throttle on the

@@ -36,15 +36,16 @@ def test_rope_kv_rows_ptx_matches_rope_kv(name):
 
 
 SIM_SCRIPT = textwrap.dedent('''
+    import sys
+
     import numpy as np
     from numba import cuda
-    from numba.cuda.simulator import kernel as simk, kernelapi
+    from numba.cuda.simulator import kernel as simk
 
-    from nq.ptx import _sim
-
+    sys.path.insert(0, "tests")
+    import sim_warp
     # The simulator has no shuffles (rmsnorm's warp sums): a rendezvous of the caller's warp.
-    kernelapi.FakeCUDAModule.shfl_xor_sync = \\
-        lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+    sim_warp.patch_simulator()
 
     from nq.config import tiny_config
     from nq.kernels import rmsnorm, rope_kv, rows

@@ -226,24 +226,12 @@ def test_the_two_kernel_factories_do_not_import_each_other():
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
 
 SIM_PRELUDE = textwrap.dedent('''
-    import threading, numpy as np
+    import sys
+    import numpy as np
     from numba import cuda
-    from numba.cuda.simulator import kernelapi
-    _lock = threading.Lock()
-
-    def shfl_xor_sync(self, mask, value, lanemask):
-        # the simulator has no shuffles: a per-warp barrier exchange (full-mask calls only)
-        t = threading.current_thread()
-        with _lock:
-            warps = t._manager.__dict__.setdefault("_nq_warps", {})
-            bar, box = warps.setdefault(t.thread_id // 32, (threading.Barrier(32), {}))
-        lane = t.thread_id % 32
-        box[lane] = value
-        bar.wait()
-        v = box[lane ^ lanemask]
-        bar.wait()
-        return v
-    kernelapi.FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
+    sys.path.insert(0, "tests")
+    import sim_warp
+    sim_warp.patch_simulator()   # shuffles: a rendezvous of the caller's warp (nq/ptx/_sim.py)
 ''')
 
 SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''

@@ -128,18 +128,18 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
 
 
 SIM_SCRIPT = textwrap.dedent('''
+    import sys
     import numpy as np
     from numba import cuda
-    from numba.cuda.simulator import kernelapi
+    sys.path.insert(0, "tests")
+    import sim_warp
+    sim_warp.patch_simulator(syncwarp=True)
+    import nq.kernels.int4.gemv_mma as gm
     from nq.kernels.int4.launch import ResidualMmaGemv
     from nq.kernels.int4.reference import ref_down
     from nq.kernels.int4.tiling import MmaTiling
     from nq.loader.quant import dequantize_packed
-    from nq.ptx import _sim
 
-    kernelapi.FakeCUDAModule.shfl_xor_sync = \\
-        lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
-    kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
     rng = np.random.default_rng(0)
 
     # (name, N, K, tiling): 2 tiles a block, 3 groups over 2 warps (warp 1's second iteration
@@ -150,11 +150,7 @@ SIM_SCRIPT = textwrap.dedent('''
     # 2 warps with 2 slots (warp 1's second slot past the last group: only arrived on), then
     # one warp's 3 slots of its 8 groups and 5 through the register loop; l2ahead: every
     # group after a warp's first asked of L2 once (the twin records what, below), beside early
-    import nq.kernels.int4.gemv_mma as gm
-    asked = []
-    twin = gm.cp_async_bulk_prefetch_l2
-    gm.cp_async_bulk_prefetch_l2 = lambda src, i, nb: (asked.append((src.size, int(i), int(nb))),
-                                                        twin(src, i, nb))
+    asked = sim_warp.record_l2_prefetches(gm)
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("l2a3", 48, 640, MmaTiling(warps=2, threads=128, l2ahead=3)),
                           ("early_l2a2", 32, 1024, MmaTiling(warps=1, threads=64, early=3,

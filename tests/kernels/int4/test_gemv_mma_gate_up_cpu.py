@@ -145,10 +145,7 @@ SIM_SCRIPT = textwrap.dedent('''
     cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
               ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3))]
     import nq.kernels.int4.gemv_mma as gm
-    asked = []
-    twin = gm.cp_async_bulk_prefetch_l2
-    gm.cp_async_bulk_prefetch_l2 = lambda src, i, nb: (asked.append((src.size, int(i), int(nb))),
-                                                        twin(src, i, nb))
+    asked = sim_warp.record_l2_prefetches(gm)
     for name, n, k, t in cases:
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)
