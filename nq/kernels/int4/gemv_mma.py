@@ -176,6 +176,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
+    if t.sets not in (0, 3) or (t.sets and kind != "gate_up"):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: sets (register sets of weights in the "
+                         f"loop) is 3 for gate_up, or 0 (two)")
     if t.rope and (t.rope % TILE or n_out % t.rope):
         raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
                          f"dividing N={n_out}")
@@ -215,7 +218,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead"):
+    for f in ("rope", "hilo", "early", "l2ahead", "sets"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -326,6 +329,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     # DRAM's ~1.2 under load) while no register holds it; the prologue asks for the first
     # L2AHEAD groups after `first` before griddepcontrol.wait
     L2AHEAD = t.l2ahead
+    # sets (t.sets == 3, gate_up): three register sets of weights take turns in the loop
+    # (mainloop3), so a group's loads go out two groups ahead of its math instead of one:
+    #   TRIPLES      mainloop3's iterations, three groups each (the last slots clamped)
+    SETS = t.sets or 2
+    TRIPLES = -(-ITERS // 3)
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -530,6 +538,35 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             if L2AHEAD:
                 to_l2(qw, bases, gb + (L2AHEAD + 1) * TILE_WARPS)
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
+        return acc
+
+    def mainloop3(qw, sc, abase, bases, kw, t4, first, second, invf):
+        """sets=3: mainloop with three register sets taking turns, the warp's groups three an
+        iteration: each group's loads are issued two groups ahead of its math, so a warp has
+        two groups in flight while it computes one (mainloop: one).  The groups are added in
+        the same order as mainloop adds them: the sums are the same to the bit.  first,
+        second: the loads of the warp's first two groups (issued before the wait); slots past
+        the warp's last group load the matrix's last group again and add nothing."""
+        ca, cb = first
+        na, nb = second
+        z = float32(0.0)
+        acc = (z, z, z, z)
+        for it in range(TRIPLES):
+            ga = kw + 3 * it * TILE_WARPS
+            gb = ga + TILE_WARPS
+            gc = gb + TILE_WARPS
+            ma, mb = load_both(qw, sc, bases, min(gc, GROUPS - 1))
+            if L2AHEAD:
+                to_l2(qw, bases, gc + L2AHEAD * TILE_WARPS)
+            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
+            ca, cb = load_both(qw, sc, bases, min(gc + TILE_WARPS, GROUPS - 1))
+            if L2AHEAD:
+                to_l2(qw, bases, gc + (L2AHEAD + 1) * TILE_WARPS)
+            acc = add_group(acc, na, nb, abase, gb, t4, invf)
+            na, nb = load_both(qw, sc, bases, min(gc + 2 * TILE_WARPS, GROUPS - 1))
+            if L2AHEAD:
+                to_l2(qw, bases, gc + (L2AHEAD + 2) * TILE_WARPS)
+            acc = add_group(acc, ma, mb, abase, gc, t4, invf)
         return acc
 
     def to_l2(qw, bases, grp):
@@ -806,6 +843,28 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r, rstd
 
+    def gate_up_sums3(x, norm_w, qw, sc, act, red, invf, ssum):
+        """gate_up_sums with three register sets (sets=3): the warp's first two groups' loads
+        before the wait, then mainloop3."""
+        lane, g, t4, tl, kw, tile = roles()
+        bases = tile_bases(tile, lane, g)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        second = load_both(qw, sc, bases, min(kw + TILE_WARPS, GROUPS - 1))
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kw + TILE_WARPS)
+        norm_to_l2(norm_w)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        abase = uint64(cvta_to_shared_u32(act))
+        if HILO:   # lanes of odd g hold B's odd columns: lo
+            abase += uint64((g & 1) * LO_WORDS * 4)
+        acc = mainloop3(qw, sc, abase, bases, kw, t4, first, second, invf)
+        put_partials(red, tl, kw, g, t4, acc)
+        cuda.syncthreads()
+        tl2, r, row = out_row()
+        return row, tl2, r, rstd
+
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
@@ -821,6 +880,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     put_rope = dev(put_rope)
     early_issue, early_prologue, early_scale, early_read, early_loop = (
         dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
+    if SETS == 3:   # (made device functions only here: the default kernels' PTX stands)
+        mainloop3 = dev(mainloop3)
+        gate_up_sums = dev(gate_up_sums3)
 
     if kind in ROPE_KINDS:
         def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,

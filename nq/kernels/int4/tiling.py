@@ -90,6 +90,8 @@ class MmaTiling:
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
     l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
+    sets: int = 0        # gate_up: register sets of weights taking turns in the loop, 3 (a
+    #                      group's loads issued two groups ahead of its math); 0: two
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -104,7 +106,8 @@ class MmaTiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
-                + (f"_l2a{self.l2ahead}" if self.l2ahead else ""))
+                + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
+                + (f"_sets{self.sets}" if self.sets else ""))
 
 
 def hilo_bytes(k: int) -> int:
