@@ -179,6 +179,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.sets not in (0, 3) or (t.sets and kind != "gate_up"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: sets (register sets of weights in the "
                          f"loop) is 3 for gate_up, or 0 (two)")
+    if t.apart and (kind != "gate_up" or t.sets or t.threads % (64 * t.warps)):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: apart (a warp computes one matrix of "
+                         f"its tile) is for gate_up, without sets, threads a multiple of "
+                         f"64 * warps")
     if t.rope and (t.rope % TILE or n_out % t.rope):
         raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
                          f"dividing N={n_out}")
@@ -218,7 +222,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "sets"):
+    for f in ("rope", "hilo", "early", "l2ahead", "sets", "apart"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -264,6 +268,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   THREADS, WARPS, TILES      a block's threads, warps and 16-row tiles
     #   GROUPS, N_TILES            a row's groups, the matrix's tiles (gate_up: of gate)
     #   MATS         weight matrices a warp's tile reads: 2 for gate_up (gate, up), else 1
+    #   APART, MW    gate_up with t.apart: a warp computes one of them (MW = 1), the tile's
+    #                TILE_WARPS gate warps then its TILE_WARPS up warps; else MW = MATS
     #   PAIRS        two-group iterations of a warp's loop (the last may be short)
     #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
     #   PARTIALS     the warps' row partials in shared memory
@@ -281,10 +287,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
-    TILES = WARPS // TILE_WARPS
+    APART = bool(t.apart)
+    TILES = WARPS // (TILE_WARPS * (2 if APART else 1))
     GROUPS = k // GROUP_SIZE
     N_TILES = n_out // TILE
     MATS = 2 if kind == "gate_up" else 1
+    MW = 1 if APART else MATS    # matrices a warp computes (apart: gate or up, MATS in red)
     PAIRS = -(-GROUPS // (2 * TILE_WARPS))
     CHUNKS = GROUPS * (GROUP_SIZE // CHUNK)
     ACT_WORDS = CHUNKS * 8
@@ -357,7 +365,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         wa, sa, wb, sb = bases
         ca = load_group(qw, sc, wa, sa, grp)
         cb = ca
-        if MATS == 2:
+        if MW == 2:
             cb = load_group(qw, sc, wb, sb, grp)
         return ca, cb
 
@@ -371,7 +379,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         # gate_up, of the up tile: one B fragment serves both)
         b0, b1 = ld_shared_v2_u32_at(baddr)
         da = dequant_mma(qa, b0, b1, da)
-        if MATS == 2:
+        if MW == 2:
             db = dequant_mma(qb, b0, b1, db)
         return da, db
 
@@ -573,7 +581,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         """(lanes 0 and, gate_up, 1) l2ahead: group grp of the warp's tile (lane 1: of its up
         tile) into L2, 1 KB a tile; nothing past the last group."""
         lane = cuda.threadIdx.x & 31
-        if lane < MATS and grp < GROUPS:
+        if lane < MW and grp < GROUPS:
             wa, _, wb, _ = bases
             w = wa if lane == 0 else wb
             cp_async_bulk_prefetch_l2(qw, w - lane * 8 + grp * 256, 1024)
@@ -843,6 +851,43 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r, rstd
 
+    def gate_up_sums_apart(x, norm_w, qw, sc, act, red, invf, ssum):
+        """gate_up_sums with t.apart: warp w of the block works on tile w // (2 TILE_WARPS),
+        matrix m = (w // TILE_WARPS) % 2 (gate, up), share kw = w % TILE_WARPS: mainloop on
+        that matrix alone (bases point at it), its partials where the both-matrix warp puts
+        them, so the epilogue (and the sums) are gate_up's."""
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        g = lane >> 2
+        t4 = lane & 3
+        warp = tid >> 5
+        tl = warp // (2 * TILE_WARPS)
+        m = (warp // TILE_WARPS) & 1
+        kw = warp % TILE_WARPS
+        tile = min(cuda.blockIdx.x * TILES + tl, N_TILES - 1)
+        wa, sa, wb, sb = tile_bases(tile, lane, g)
+        if m == 1:
+            wa, sa = wb, sb
+        bases = (wa, sa, wa, sa)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kw)
+        norm_to_l2(norm_w)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        abase = uint64(cvta_to_shared_u32(act))
+        if HILO:   # lanes of odd g hold B's odd columns: lo
+            abase += uint64((g & 1) * LO_WORDS * 4)
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        if t4 == 0:
+            o = (tl * TILE_WARPS + kw) * TILE * MATS + m * TILE + g
+            red[o] = acc[0]
+            red[o + 8] = acc[1]
+        cuda.syncthreads()
+        tl2, r, row = out_row()
+        return row, tl2, r, rstd
+
     def gate_up_sums3(x, norm_w, qw, sc, act, red, invf, ssum):
         """gate_up_sums with three register sets (sets=3): the warp's first two groups' loads
         before the wait, then mainloop3."""
@@ -880,6 +925,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     put_rope = dev(put_rope)
     early_issue, early_prologue, early_scale, early_read, early_loop = (
         dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
+    if APART:
+        gate_up_sums = dev(gate_up_sums_apart)
     if SETS == 3:   # (made device functions only here: the default kernels' PTX stands)
         mainloop3 = dev(mainloop3)
         gate_up_sums = dev(gate_up_sums3)

@@ -92,9 +92,11 @@ class MmaTiling:
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
     sets: int = 0        # gate_up: register sets of weights taking turns in the loop, 3 (a
     #                      group's loads issued two groups ahead of its math); 0: two
+    apart: int = 0       # gate_up: 1, a warp computes one matrix (gate or up) of its tile,
+    #                      2 * warps warps a tile; 0: a warp both (one B fragment serves two)
 
     def rows_per_block(self) -> int:
-        return TILE * (self.threads // 32 // self.warps)
+        return TILE * (self.threads // 32 // self.warps // (2 if self.apart else 1))
 
     def layout(self) -> tuple:
         """What fixes the prepared weights: the mma fragment layout (layout.mma_layout), for
@@ -107,7 +109,8 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + (f"_sets{self.sets}" if self.sets else ""))
+                + (f"_sets{self.sets}" if self.sets else "")
+                + ("_apart" if self.apart else ""))
 
 
 def hilo_bytes(k: int) -> int:

@@ -122,11 +122,31 @@ def test_three_sets_ptx_sm90():
         gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, sets=3))
     with pytest.raises(ValueError, match="sets"):
         gemv_mma.build_kernel("gate_up", 64, 256, MmaTiling(warps=2, threads=128, sets=2), 1e-6)
+    with pytest.raises(ValueError, match="apart"):
+        gemv_mma.build_kernel("gate_up", 64, 256, MmaTiling(warps=2, threads=192, apart=1), 1e-6)
+    with pytest.raises(ValueError, match="apart"):
+        gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, apart=1))
     if not ptx_util.have_ptxas():
         pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
     regs, spill = ptx_util.ptxas_report(ptx)
     print(f"gemv_mma gate_up {t.tag()}: {regs} registers, {spill} bytes spilled")
     assert regs <= 96 and spill <= 16, (regs, spill)
+
+
+def test_apart_ptx_sm90():
+    # apart=1: a warp's group is 8 mmas of one matrix, two groups an iteration (16 mmas);
+    # three blocks of 384 threads an SM (9 warps a scheduler: 56 registers) without a spill
+    t = MmaTiling(warps=2, threads=384, min_blocks=3, apart=1)
+    assert t.rows_per_block() == 48 and t.tag().endswith("_apart")
+    fn, sig = gemv_mma.build_kernel("gate_up", 18944, 3584, t, 1e-6)
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads, t.min_blocks))
+    ptx_util.assert_no_local_memory(ptx)
+    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 16
+    if not ptx_util.have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptx_util.ptxas_report(ptx)
+    print(f"gemv_mma gate_up {t.tag()}: {regs} registers, {spill} bytes spilled")
+    assert regs <= 56 and spill == 0, (regs, spill)
 
 
 SIM_SCRIPT = textwrap.dedent('''
@@ -173,6 +193,14 @@ SIM_SCRIPT = textwrap.dedent('''
               ("s3_hilo", 32, 384, MmaTiling(warps=2, threads=128, hilo=1, sets=3)),
               ("s3l2", 48, 640, MmaTiling(warps=2, threads=128, l2ahead=1, sets=3)),
               ("s3l2_hilo", 32, 640, MmaTiling(warps=1, threads=64, hilo=1, l2ahead=2, sets=3))]
+    # apart=1 (a warp computes gate or up, not both): two tiles a block of one warp a matrix,
+    # and 3 groups over 2 warps a matrix in blocks of one tile (3 blocks), with hilo and
+    # l2ahead; each the both-matrix kernel's output, bit for bit
+    cases += [("ap", 32, 640, MmaTiling(warps=1, threads=128, apart=1)),
+              ("ap_hilo", 32, 640, MmaTiling(warps=1, threads=128, hilo=1, apart=1)),
+              ("apl2", 48, 384, MmaTiling(warps=2, threads=128, l2ahead=1, apart=1)),
+              ("apl2_hilo", 48, 384, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=1,
+                                               apart=1))]
     import dataclasses
     import nq.kernels.int4.gemv_mma as gm
     asked = sim_warp.record_l2_prefetches(gm)
@@ -194,8 +222,8 @@ SIM_SCRIPT = textwrap.dedent('''
         assert all(nb == 1024 and i % 256 == 0 for size, i, nb in asked if size == pq.size)
         assert got_l2 == (want if t.l2ahead else set()), (name, sorted(got_l2 ^ want))
         got = out.copy_to_host().astype(np.float64)
-        if t.sets:
-            two = GateUpMmaGemv(cfg, n, k, dataclasses.replace(t, sets=0, l2ahead=0))
+        if t.sets or t.apart:
+            two = GateUpMmaGemv(cfg, n, k, dataclasses.replace(t, sets=0, l2ahead=0, apart=0))
             out2 = cuda.to_device(np.full(n, np.nan, np.float16))
             two(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps),
                 out2)
@@ -230,11 +258,11 @@ def test_gate_up_under_the_simulator():
     across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
     2.3e-4..9.0e-4, so the bound tells the two apart)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    names = {"t2_w2", "tail", "w4", "w1", "l2a2", "s3", "s3l2"}
+    names = {"t2_w2", "tail", "w4", "w1", "l2a2", "s3", "s3l2", "ap", "apl2"}
+    same = ("s3", "s3l2", "ap", "apl2")
     assert set(errs) == ({n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}
-                         | {n + s for n in ("s3", "s3l2") for s in ("_same", "_hilo_same")}), \
-        stdout
-    for name in ("s3", "s3l2"):   # sets=3 gives the two-set kernel's output, bit for bit
+                         | {n + s for n in same for s in ("_same", "_hilo_same")}), stdout
+    for name in same:   # sets=3 and apart give the plain kernel's output, bit for bit
         assert errs[name + "_same"] == 0 and errs[name + "_hilo_same"] == 0, stdout
     for name in names:
         assert errs[name] < 2e-3, (name, errs[name])

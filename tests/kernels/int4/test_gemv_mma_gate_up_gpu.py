@@ -60,6 +60,10 @@ def run(n, k, tiling, seed):
     (18944, 3584, T(warps=2, threads=576, sets=3)),   # three register sets in the loop
     (1008, 640, T(warps=3, threads=192, sets=3, l2ahead=1)),
     (4864, 896, T(warps=2, threads=256, sets=3, hilo=1)),
+    (18944, 3584, T(warps=2, threads=384, min_blocks=3, apart=1)),   # a warp: gate or up
+    (18944, 3584, T(warps=2, threads=128, min_blocks=9, apart=1, l2ahead=1)),
+    (4864, 896, T(warps=2, threads=256, apart=1, hilo=1)),
+    (1008, 640, T(warps=3, threads=192, apart=1)),
     (18944, 3584, T(warps=2, threads=256, hilo=1)),   # the default: h as fp16 hi + lo
     (4864, 896, T(warps=2, threads=256, hilo=1)),
     (1008, 640, T(warps=3, threads=192, hilo=1)),
@@ -84,11 +88,14 @@ def test_gate_up_is_deterministic():
     (18944, 3584, T(warps=2, threads=576, sets=3)),
     (18944, 3584, T(warps=2, threads=576, sets=3, l2ahead=1)),
     (1008, 640, T(warps=3, threads=192, sets=3, hilo=1)),
+    (18944, 3584, T(warps=2, threads=384, min_blocks=3, apart=1)),
+    (1008, 640, T(warps=3, threads=192, apart=1, hilo=1)),
 ])
-def test_three_sets_give_the_two_set_output_bit_for_bit(n, k, tiling):
+def test_three_sets_and_apart_give_the_plain_output_bit_for_bit(n, k, tiling):
     import dataclasses
     a, _ = run(n, k, tiling, seed=5)
-    b, _ = run(n, k, dataclasses.replace(tiling, sets=0, l2ahead=0), seed=5)
+    b, _ = run(n, k, dataclasses.replace(tiling, sets=0, l2ahead=0, apart=0, min_blocks=0),
+               seed=5)
     assert np.array_equal(a, b)   # the same groups added in the same order
 
 
