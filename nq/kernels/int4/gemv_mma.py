@@ -54,7 +54,11 @@ ring=R, the weights through shared memory, R groups a warp refilled as they were
 block small enough to be resident beside gate_up's (128 threads, 2 warps a tile, early=42:
 57 % of down's weights copied into shared memory while gate_up streams; MAX_EARLY raised,
 code at 0f4633d): +0.59..+0.67 ms a step, +0.47..+0.51 at 192 threads -- four or six warps
-an SM cannot do down's math, wherever its weights wait (docs/PERF.md 0.14).
+an SM cannot do down's math, wherever its weights wait (docs/PERF.md 0.14).  And for gate_up
+(a8a7e72 holds both; docs/PERF.md 0.17): sets=3, three register sets so a group's loads go
+out two groups ahead (96 registers + 12 B spilled at 576 threads), +0.066 / +0.065 / +0.078;
+apart=1, a warp computing gate or up alone (56 registers, three 384-thread blocks an SM, 36
+warps instead of 18), -0.014 / -0.004 / +0.007 for 21 % more instructions.
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -176,13 +180,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
-    if t.sets not in (0, 3) or (t.sets and kind != "gate_up"):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: sets (register sets of weights in the "
-                         f"loop) is 3 for gate_up, or 0 (two)")
-    if t.apart and (kind != "gate_up" or t.sets or t.threads % (64 * t.warps)):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: apart (a warp computes one matrix of "
-                         f"its tile) is for gate_up, without sets, threads a multiple of "
-                         f"64 * warps")
     if t.rope and (t.rope % TILE or n_out % t.rope):
         raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
                          f"dividing N={n_out}")
@@ -222,7 +219,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "sets", "apart"):
+    for f in ("rope", "hilo", "early", "l2ahead"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -268,8 +265,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     #   THREADS, WARPS, TILES      a block's threads, warps and 16-row tiles
     #   GROUPS, N_TILES            a row's groups, the matrix's tiles (gate_up: of gate)
     #   MATS         weight matrices a warp's tile reads: 2 for gate_up (gate, up), else 1
-    #   APART, MW    gate_up with t.apart: a warp computes one of them (MW = 1), the tile's
-    #                TILE_WARPS gate warps then its TILE_WARPS up warps; else MW = MATS
     #   PAIRS        two-group iterations of a warp's loop (the last may be short)
     #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
     #   PARTIALS     the warps' row partials in shared memory
@@ -287,12 +282,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
-    APART = bool(t.apart)
-    TILES = WARPS // (TILE_WARPS * (2 if APART else 1))
+    TILES = WARPS // TILE_WARPS
     GROUPS = k // GROUP_SIZE
     N_TILES = n_out // TILE
     MATS = 2 if kind == "gate_up" else 1
-    MW = 1 if APART else MATS    # matrices a warp computes (apart: gate or up, MATS in red)
     PAIRS = -(-GROUPS // (2 * TILE_WARPS))
     CHUNKS = GROUPS * (GROUP_SIZE // CHUNK)
     ACT_WORDS = CHUNKS * 8
@@ -337,11 +330,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     # DRAM's ~1.2 under load) while no register holds it; the prologue asks for the first
     # L2AHEAD groups after `first` before griddepcontrol.wait
     L2AHEAD = t.l2ahead
-    # sets (t.sets == 3, gate_up): three register sets of weights take turns in the loop
-    # (mainloop3), so a group's loads go out two groups ahead of its math instead of one:
-    #   TRIPLES      mainloop3's iterations, three groups each (the last slots clamped)
-    SETS = t.sets or 2
-    TRIPLES = -(-ITERS // 3)
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -365,7 +353,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         wa, sa, wb, sb = bases
         ca = load_group(qw, sc, wa, sa, grp)
         cb = ca
-        if MW == 2:
+        if MATS == 2:
             cb = load_group(qw, sc, wb, sb, grp)
         return ca, cb
 
@@ -379,7 +367,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         # gate_up, of the up tile: one B fragment serves both)
         b0, b1 = ld_shared_v2_u32_at(baddr)
         da = dequant_mma(qa, b0, b1, da)
-        if MW == 2:
+        if MATS == 2:
             db = dequant_mma(qb, b0, b1, db)
         return da, db
 
@@ -548,40 +536,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             acc = add_group(acc, na, nb, abase, gb, t4, invf)
         return acc
 
-    def mainloop3(qw, sc, abase, bases, kw, t4, first, second, invf):
-        """sets=3: mainloop with three register sets taking turns, the warp's groups three an
-        iteration: each group's loads are issued two groups ahead of its math, so a warp has
-        two groups in flight while it computes one (mainloop: one).  The groups are added in
-        the same order as mainloop adds them: the sums are the same to the bit.  first,
-        second: the loads of the warp's first two groups (issued before the wait); slots past
-        the warp's last group load the matrix's last group again and add nothing."""
-        ca, cb = first
-        na, nb = second
-        z = float32(0.0)
-        acc = (z, z, z, z)
-        for it in range(TRIPLES):
-            ga = kw + 3 * it * TILE_WARPS
-            gb = ga + TILE_WARPS
-            gc = gb + TILE_WARPS
-            ma, mb = load_both(qw, sc, bases, min(gc, GROUPS - 1))
-            if L2AHEAD:
-                to_l2(qw, bases, gc + L2AHEAD * TILE_WARPS)
-            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
-            ca, cb = load_both(qw, sc, bases, min(gc + TILE_WARPS, GROUPS - 1))
-            if L2AHEAD:
-                to_l2(qw, bases, gc + (L2AHEAD + 1) * TILE_WARPS)
-            acc = add_group(acc, na, nb, abase, gb, t4, invf)
-            na, nb = load_both(qw, sc, bases, min(gc + 2 * TILE_WARPS, GROUPS - 1))
-            if L2AHEAD:
-                to_l2(qw, bases, gc + (L2AHEAD + 2) * TILE_WARPS)
-            acc = add_group(acc, ma, mb, abase, gc, t4, invf)
-        return acc
-
     def to_l2(qw, bases, grp):
         """(lanes 0 and, gate_up, 1) l2ahead: group grp of the warp's tile (lane 1: of its up
         tile) into L2, 1 KB a tile; nothing past the last group."""
         lane = cuda.threadIdx.x & 31
-        if lane < MW and grp < GROUPS:
+        if lane < MATS and grp < GROUPS:
             wa, _, wb, _ = bases
             w = wa if lane == 0 else wb
             cp_async_bulk_prefetch_l2(qw, w - lane * 8 + grp * 256, 1024)
@@ -851,65 +810,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r, rstd
 
-    def gate_up_sums_apart(x, norm_w, qw, sc, act, red, invf, ssum):
-        """gate_up_sums with t.apart: warp w of the block works on tile w // (2 TILE_WARPS),
-        matrix m = (w // TILE_WARPS) % 2 (gate, up), share kw = w % TILE_WARPS: mainloop on
-        that matrix alone (bases point at it), its partials where the both-matrix warp puts
-        them, so the epilogue (and the sums) are gate_up's."""
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        g = lane >> 2
-        t4 = lane & 3
-        warp = tid >> 5
-        tl = warp // (2 * TILE_WARPS)
-        m = (warp // TILE_WARPS) & 1
-        kw = warp % TILE_WARPS
-        tile = min(cuda.blockIdx.x * TILES + tl, N_TILES - 1)
-        wa, sa, wb, sb = tile_bases(tile, lane, g)
-        if m == 1:
-            wa, sa = wb, sb
-        bases = (wa, sa, wa, sa)
-        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
-        if L2AHEAD:
-            ahead_prologue(qw, bases, kw)
-        norm_to_l2(norm_w)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        abase = uint64(cvta_to_shared_u32(act))
-        if HILO:   # lanes of odd g hold B's odd columns: lo
-            abase += uint64((g & 1) * LO_WORDS * 4)
-        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
-        if t4 == 0:
-            o = (tl * TILE_WARPS + kw) * TILE * MATS + m * TILE + g
-            red[o] = acc[0]
-            red[o + 8] = acc[1]
-        cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r, rstd
-
-    def gate_up_sums3(x, norm_w, qw, sc, act, red, invf, ssum):
-        """gate_up_sums with three register sets (sets=3): the warp's first two groups' loads
-        before the wait, then mainloop3."""
-        lane, g, t4, tl, kw, tile = roles()
-        bases = tile_bases(tile, lane, g)
-        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
-        second = load_both(qw, sc, bases, min(kw + TILE_WARPS, GROUPS - 1))
-        if L2AHEAD:
-            ahead_prologue(qw, bases, kw + TILE_WARPS)
-        norm_to_l2(norm_w)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        abase = uint64(cvta_to_shared_u32(act))
-        if HILO:   # lanes of odd g hold B's odd columns: lo
-            abase += uint64((g & 1) * LO_WORDS * 4)
-        acc = mainloop3(qw, sc, abase, bases, kw, t4, first, second, invf)
-        put_partials(red, tl, kw, g, t4, acc)
-        cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r, rstd
-
     dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
@@ -925,11 +825,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     put_rope = dev(put_rope)
     early_issue, early_prologue, early_scale, early_read, early_loop = (
         dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
-    if APART:
-        gate_up_sums = dev(gate_up_sums_apart)
-    if SETS == 3:   # (made device functions only here: the default kernels' PTX stands)
-        mainloop3 = dev(mainloop3)
-        gate_up_sums = dev(gate_up_sums3)
 
     if kind in ROPE_KINDS:
         def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,

@@ -80,7 +80,8 @@ class Tiling:
 class MmaTiling:
     """The tensor-core GEMV's split: a block holds threads / 32 / warps row tiles of 16 rows;
     the `warps` warps of a tile split its groups (warp w: groups w, w + warps, ...).
-    Retired: split-K, prefetch=2, preload=2 and ring (gemv_mma.py's epitaphs)."""
+    Retired: split-K, prefetch=2, preload=2, ring, and gate_up's sets=3 and apart
+    (gemv_mma.py's epitaphs)."""
     warps: int           # warps a 16-row tile's groups are split over
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
@@ -90,13 +91,9 @@ class MmaTiling:
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
     l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
-    sets: int = 0        # gate_up: register sets of weights taking turns in the loop, 3 (a
-    #                      group's loads issued two groups ahead of its math); 0: two
-    apart: int = 0       # gate_up: 1, a warp computes one matrix (gate or up) of its tile,
-    #                      2 * warps warps a tile; 0: a warp both (one B fragment serves two)
 
     def rows_per_block(self) -> int:
-        return TILE * (self.threads // 32 // self.warps // (2 if self.apart else 1))
+        return TILE * (self.threads // 32 // self.warps)
 
     def layout(self) -> tuple:
         """What fixes the prepared weights: the mma fragment layout (layout.mma_layout), for
@@ -108,9 +105,7 @@ class MmaTiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
-                + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + (f"_sets{self.sets}" if self.sets else "")
-                + ("_apart" if self.apart else ""))
+                + (f"_l2a{self.l2ahead}" if self.l2ahead else ""))
 
 
 def hilo_bytes(k: int) -> int:

@@ -108,47 +108,6 @@ def test_gate_up_ptx_sm90(n, k, t):
     assert spill == 0 and regs <= 128, (regs, spill)
 
 
-def test_three_sets_ptx_sm90():
-    # sets=3: three groups an iteration (48 mmas), the first two groups' loads before the
-    # wait; at 576 threads (5 warps a scheduler: 96 registers) ptxas keeps it in registers but
-    # for a word or two (8 bytes spilled with this repository's toolchain)
-    t = MmaTiling(warps=2, threads=576, sets=3)
-    fn, sig = gemv_mma.build_kernel("gate_up", 18944, 3584, t, 1e-6)
-    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads,))
-    ptx_util.assert_no_local_memory(ptx)
-    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 48
-    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, t, 1e-6).endswith("_sets3_eps1em06")
-    with pytest.raises(ValueError, match="sets"):
-        gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, sets=3))
-    with pytest.raises(ValueError, match="sets"):
-        gemv_mma.build_kernel("gate_up", 64, 256, MmaTiling(warps=2, threads=128, sets=2), 1e-6)
-    with pytest.raises(ValueError, match="apart"):
-        gemv_mma.build_kernel("gate_up", 64, 256, MmaTiling(warps=2, threads=192, apart=1), 1e-6)
-    with pytest.raises(ValueError, match="apart"):
-        gemv_mma.build_kernel("down", 64, 256, MmaTiling(warps=2, threads=128, apart=1))
-    if not ptx_util.have_ptxas():
-        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
-    regs, spill = ptx_util.ptxas_report(ptx)
-    print(f"gemv_mma gate_up {t.tag()}: {regs} registers, {spill} bytes spilled")
-    assert regs <= 96 and spill <= 16, (regs, spill)
-
-
-def test_apart_ptx_sm90():
-    # apart=1: a warp's group is 8 mmas of one matrix, two groups an iteration (16 mmas);
-    # three blocks of 384 threads an SM (9 warps a scheduler: 56 registers) without a spill
-    t = MmaTiling(warps=2, threads=384, min_blocks=3, apart=1)
-    assert t.rows_per_block() == 48 and t.tag().endswith("_apart")
-    fn, sig = gemv_mma.build_kernel("gate_up", 18944, 3584, t, 1e-6)
-    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads, t.min_blocks))
-    ptx_util.assert_no_local_memory(ptx)
-    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 16
-    if not ptx_util.have_ptxas():
-        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
-    regs, spill = ptx_util.ptxas_report(ptx)
-    print(f"gemv_mma gate_up {t.tag()}: {regs} registers, {spill} bytes spilled")
-    assert regs <= 56 and spill == 0, (regs, spill)
-
-
 SIM_SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
@@ -185,23 +144,6 @@ SIM_SCRIPT = textwrap.dedent('''
     # l2ahead: every group after a warp's first, of its gate and its up tile, asked of L2 once
     cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
               ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3))]
-    # sets=3 (three register sets in the loop): one warp's 5 groups (two iterations, the last
-    # slot clamped), 3 groups over 2 warps (warp 1: one group, five clamped slots), with hilo
-    # and with l2ahead (every group after a warp's first two asked of L2 once); each must equal
-    # the two-set kernel's output bit for bit (the same sums in the same order)
-    cases += [("s3", 32, 640, MmaTiling(warps=1, threads=64, sets=3)),
-              ("s3_hilo", 32, 384, MmaTiling(warps=2, threads=128, hilo=1, sets=3)),
-              ("s3l2", 48, 640, MmaTiling(warps=2, threads=128, l2ahead=1, sets=3)),
-              ("s3l2_hilo", 32, 640, MmaTiling(warps=1, threads=64, hilo=1, l2ahead=2, sets=3))]
-    # apart=1 (a warp computes gate or up, not both): two tiles a block of one warp a matrix,
-    # and 3 groups over 2 warps a matrix in blocks of one tile (3 blocks), with hilo and
-    # l2ahead; each the both-matrix kernel's output, bit for bit
-    cases += [("ap", 32, 640, MmaTiling(warps=1, threads=128, apart=1)),
-              ("ap_hilo", 32, 640, MmaTiling(warps=1, threads=128, hilo=1, apart=1)),
-              ("apl2", 48, 384, MmaTiling(warps=2, threads=128, l2ahead=1, apart=1)),
-              ("apl2_hilo", 48, 384, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=1,
-                                               apart=1))]
-    import dataclasses
     import nq.kernels.int4.gemv_mma as gm
     asked = sim_warp.record_l2_prefetches(gm)
     for name, n, k, t in cases:
@@ -216,19 +158,11 @@ SIM_SCRIPT = textwrap.dedent('''
         asked.clear()
         g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out)
         groups = k // 128
-        first = t.warps * (2 if t.sets == 3 else 1)     # loaded before the wait, not asked
-        want = {(tile, grp) for tile in range(2 * n // 16) for grp in range(first, groups)}
+        want = {(tile, grp) for tile in range(2 * n // 16) for grp in range(t.warps, groups)}
         got_l2 = {divmod(i // 256, groups) for size, i, nb in asked if size == pq.size}
         assert all(nb == 1024 and i % 256 == 0 for size, i, nb in asked if size == pq.size)
         assert got_l2 == (want if t.l2ahead else set()), (name, sorted(got_l2 ^ want))
         got = out.copy_to_host().astype(np.float64)
-        if t.sets or t.apart:
-            two = GateUpMmaGemv(cfg, n, k, dataclasses.replace(t, sets=0, l2ahead=0, apart=0))
-            out2 = cuda.to_device(np.full(n, np.nan, np.float16))
-            two(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps),
-                out2)
-            print(name + "_same", float(not np.array_equal(out2.copy_to_host(), out.copy_to_host())),
-                  flush=True)
         w = dequantize_packed(qw, sc).astype(np.float64)
         ref = ref64(x, nw, cfg.rms_norm_eps, w[:n], w[n:])
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref) if np.isfinite(got).all() else 1.0
@@ -258,12 +192,8 @@ def test_gate_up_under_the_simulator():
     across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
     2.3e-4..9.0e-4, so the bound tells the two apart)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    names = {"t2_w2", "tail", "w4", "w1", "l2a2", "s3", "s3l2", "ap", "apl2"}
-    same = ("s3", "s3l2", "ap", "apl2")
-    assert set(errs) == ({n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}
-                         | {n + s for n in same for s in ("_same", "_hilo_same")}), stdout
-    for name in same:   # sets=3 and apart give the plain kernel's output, bit for bit
-        assert errs[name + "_same"] == 0 and errs[name + "_hilo_same"] == 0, stdout
+    names = {"t2_w2", "tail", "w4", "w1", "l2a2"}
+    assert set(errs) == {n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}, stdout
     for name in names:
         assert errs[name] < 2e-3, (name, errs[name])
         assert errs[name + "_hilo"] < 6e-4, (name, errs[name + "_hilo"])
