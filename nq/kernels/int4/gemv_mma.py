@@ -103,6 +103,11 @@ kernels wrote.  On a 2-layer
 model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the logit spread with
 qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
 at ~40 %, the KV cache's fp16 at ~30 %, the attention output's and SwiGLU's at the rest).
+
+Where the body lives: build_kernel (here) checks the shape, takes its constants from
+gemv_mma_shape.py, a warp's weights (tile, loads, dequant-mma, the loop, early, l2ahead) from
+gemv_mma_weights.py and the staged activations from gemv_mma_stage.py, and assembles the
+kernels with the row sums and epilogues.
 """
 from __future__ import annotations
 
@@ -110,108 +115,24 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
 
-from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import (SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT, block_rstd, dev, warp_max,
-                               warp_sum)
-from nq.kernels.int4.dequant import dequant_word, pow2_scale_f32
-from nq.kernels.int4.layout import CHUNK
+from nq.kernels.common import dev
+# check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
+from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
+                                            launch_smem, shape_of)
+from nq.kernels.int4.gemv_mma_stage import act_path
+from nq.kernels.int4.gemv_mma_weights import weight_path
 from nq.kernels.int4.rope_epilogue import put_rope_body
-from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_bytes
+from nq.kernels.int4.tiling import ROPE_KINDS, TILE, MmaTiling
 from nq.paged import PAGE, STATE_POS
-from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_bulk_prefetch_l2,
-                    cp_async_cg_shared_global_16,
-                    cp_async_commit_group, cp_async_wait_group, cvt_f32_f16, cvt_rn_f16_f32,
-                    cvta_to_shared_u32, fence_mbarrier_init,
-                    griddepcontrol_launch_dependents, griddepcontrol_wait, ld_global_nc_u16,
-                    ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
-                    ld_shared_v2_u32_at, ld_shared_v4_u32_at, mma_sync_m16n8k16_f16_f32,
-                    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
-                    mbarrier_wait_parity, pack_f16x2_from_f32, st_global_u16,
-                    unpack_f16x2_to_f32)
+from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, cp_async_wait_group, cvt_rn_f16_f32,
+                    cvta_to_shared_u32, griddepcontrol_launch_dependents, griddepcontrol_wait,
+                    st_global_u16)
 
-
-def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
-    """Refuse what the kernel cannot do, with what to use instead."""
-    if kind not in MMA_KINDS:
-        raise ValueError(f"gemv_mma: kind {kind!r} is not one of {MMA_KINDS} (the CUDA-core "
-                         f"kernel, gemv.py, takes the others)")
-    if not isinstance(t, MmaTiling):
-        raise ValueError(f"gemv_mma: {t} is not an MmaTiling (a Tiling is gemv.py's)")
-    if n_out % TILE or k % GROUP_SIZE:
-        raise ValueError(f"gemv_mma: N={n_out} must be a multiple of {TILE} (an mma tile) and "
-                         f"K={k} of {GROUP_SIZE}")
-    if t.warps < 1 or t.threads % (32 * t.warps) or t.threads > 1024:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*warps "
-                         f"(warps = those a tile's groups are split over) and at most 1024")
-    partials = (t.threads // 32) * TILE * 4
-    if t.hilo and kind not in NORM_KINDS:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: hilo (h staged as fp16 hi + lo) is for "
-                         f"{NORM_KINDS}, which stage rmsnorm(x) themselves; {kind}'s activations "
-                         f"arrive in fp16")
-    if t.hilo and hilo_bytes(k) > STATIC_SMEM_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs "
-                         f"{hilo_bytes(k)} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
-                         f"shared memory; use hilo=0")
-    if k * 2 + partials > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
-                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
-    if kind in NORM_KINDS and dynamic_smem(k):
-        raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
-                         f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
-                         f"shared memory it stages in; use the CUDA-core {kind} (a Tiling)")
-    if (kind in ROPE_KINDS) != bool(t.rope):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
-                         f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
-                         f"which need it (mma_tiling(kind, n, k, head_dim))")
-    if t.early and (kind not in ("o_proj", "down") or not 1 <= t.early <= MAX_EARLY):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
-                         f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
-                         f"down; 0 copies none")
-    if t.early and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
-            > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
-                         f"early groups and scales beside {k * 2} of activations, over the "
-                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
-                         f"or fewer threads")
-    if not 0 <= t.l2ahead <= MAX_L2AHEAD:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
-                         f"of its loads) is 0..{MAX_L2AHEAD}")
-    if t.rope and (t.rope % TILE or n_out % t.rope):
-        raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
-                         f"dividing N={n_out}")
-
-
-NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
-FULL = 0xFFFFFFFF
-MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
-MAX_L2AHEAD = 8   # a warp's groups in flight to L2 (past that, L2 holds them for too long)
-
-
-def dynamic_smem(k: int) -> int:
-    """Bytes of dynamic shared memory a launch needs: 0 while the staged activations (2K
-    bytes) fit the 48 KB of static shared memory (every shape up to the 14B), else all of
-    them (the 32B's down, K = 27,648: 55 KB), with the kernel opted in (`allow_smem`)."""
-    return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
-
-
-def early_smem(k: int, t: MmaTiling) -> int:
-    """Bytes of dynamic shared memory `early` takes (0 without): each warp's `early` slots of
-    1 KB, the block's tiles' scales, then an mbarrier a slot."""
-    if not t.early:
-        return 0
-    warps, groups = t.threads // 32, k // GROUP_SIZE
-    tiles = warps // t.warps
-    return warps * t.early * (1024 + 8) + tiles * TILE * groups * 2
-
-
-def launch_smem(k: int, t: MmaTiling) -> int:
-    """Dynamic shared memory a launch passes: the activations where they outgrow static
-    shared memory (dynamic_smem), then the early groups (early_smem)."""
-    return dynamic_smem(k) + early_smem(k, t)
+__all__ = ["NORM_KINDS", "build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem",
+           "gemv_mma_name", "launch_smem"]
 
 
 def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
@@ -260,398 +181,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             raise ValueError(f"gemv_mma: qkv_rope N={n_out}, heads {heads}: N must be "
                              f"(num_heads + 2*num_kv_heads)*head_dim and head_dim the tiling's "
                              f"rope ({t.rope})")
-    # The constants the body closes over (numba freezes them):
-    #   TILE_WARPS   warps a tile's groups are split over (MmaTiling.warps)
-    #   THREADS, WARPS, TILES      a block's threads, warps and 16-row tiles
-    #   GROUPS, N_TILES            a row's groups, the matrix's tiles (gate_up: of gate)
-    #   MATS         weight matrices a warp's tile reads: 2 for gate_up (gate, up), else 1
-    #   PAIRS        two-group iterations of a warp's loop (the last may be short)
-    #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
-    #   PARTIALS     the warps' row partials in shared memory
-    #   NORM_ITERS   gate_up, qkv: groups a warp stages (warp w: w, w + WARPS, ...)
-    #   D, HALF, TPH qkv: head_dim (t.rope; 0 elsewhere), D / 2, a head's tiles (D / 16)
-    #   PARTNER      the file row of a tile's row g + 8, from row g's: 8, or qkv's D / 2
-    #   HILO         gate_up, qkv: h staged twice, hi = fp16(v) and lo = fp16(v - hi) at
-    #                word LO_WORDS on; lanes of odd g read lo (B's odd columns), so a D row's
-    #                even + odd columns are the fp32-accurate h's dot product (module doc).
-    #                LO_WORDS is 8 words past ACT_WORDS (a multiple of 32; tiling.hilo_bytes
-    #                counts both halves): a warp's B load
-    #                then reads hi from banks 0-7 and lo from 8-15, one wavefront (unpadded,
-    #                the same banks: 2-way conflicts); stage_group stores both
-    #   ACT_ALLOC    the staged words: ACT_WORDS, twice that with HILO
-    TILE_WARPS = t.warps
-    THREADS = t.threads
-    WARPS = THREADS // 32
-    TILES = WARPS // TILE_WARPS
-    GROUPS = k // GROUP_SIZE
-    N_TILES = n_out // TILE
-    MATS = 2 if kind == "gate_up" else 1
-    PAIRS = -(-GROUPS // (2 * TILE_WARPS))
-    CHUNKS = GROUPS * (GROUP_SIZE // CHUNK)
-    ACT_WORDS = CHUNKS * 8
-    PARTIALS = TILES * TILE_WARPS * TILE * MATS
-    STAGE_ITERS = -(-CHUNKS // THREADS)
-    NORM_ITERS = -(-GROUPS // WARPS)
-    EPS = np.float32(eps or 0.0)
-    INV_K = np.float32(1.0 / k)
-    NORM = kind in NORM_KINDS
-    ROPE = kind == "qkv_rope"
-    D = t.rope
-    HALF = max(D // 2, 1)
-    TPH = max(D // TILE, 1)
-    PARTNER = HALF if D else 8
-    HILO = bool(t.hilo)
-    LO_WORDS = ACT_WORDS + 8 if HILO else 0
-    ACT_ALLOC = ACT_WORDS + LO_WORDS
-    # early (t.early > 0, o_proj and down; "early" in the module doc), in the dynamic shared
-    # array `dyn`:
-    #   EARLY        a warp's slots, each its next group (1 KB: the file's bytes, the lane's
-    #                32 at 32 * lane), filled once, before griddepcontrol.wait
-    #   ITERS        the iterations of the warp with the most groups
-    #   PAIRS_MAIN   mainloop's iterations: PAIRS, or those left after the early groups
-    #   ACT_DYN      words of activations at the start of dyn (the 32B's down), else 0
-    #   SLOTS_B, SC_W  the slots' byte offset in dyn, the scales' word offset after them
-    #   SC_CHUNKS    16-byte copies of a tile's scale block (16 rows x GROUPS fp16, contiguous)
-    #   BAR_B        the slots' mbarriers (8 bytes each, [warp][slot]) after the scales
-    #   SLOT_TX      bytes a slot's copy delivers
-    EARLY = t.early
-    ITERS = -(-GROUPS // TILE_WARPS)
-    PAIRS_MAIN = PAIRS if not EARLY else max(0, -(-(ITERS - EARLY) // 2))
-    ACT_DYN = ACT_WORDS if dynamic_smem(k) else 0
-    SLOTS_B = ACT_DYN * 4
-    SC_W = ACT_DYN + WARPS * EARLY * MATS * 256
-    SC_CHUNKS = TILE * GROUPS * 2 // 16
-    SC_ITERS = -(-SC_CHUNKS // (32 * TILE_WARPS))
-    BAR_B = SC_W * 4 + TILES * MATS * TILE * GROUPS * 2
-    SLOT_TX = MATS * 1024
-    # l2ahead (t.l2ahead > 0): when a warp issues the loads of its group grp, lane 0 (and lane
-    # 1, gate_up's up tile) asks L2 for the same tile's group grp + L2AHEAD * TILE_WARPS -- 1 KB
-    # a tile, contiguous -- so the loads find it in L2 (a round trip of ~0.6 us instead of
-    # DRAM's ~1.2 under load) while no register holds it; the prologue asks for the first
-    # L2AHEAD groups after `first` before griddepcontrol.wait
-    L2AHEAD = t.l2ahead
-
-    def load_words(qw, base):
-        # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
-        w0, w1, w2, w3 = ld_global_nc_v4_u32(qw, base)
-        w4, w5, w6, w7 = ld_global_nc_v4_u32(qw, base + 4)
-        return w0, w1, w2, w3, w4, w5, w6, w7
-
-    def load_scales(sc, sbase, grp):
-        # the scale bits of the lane's rows g (scales from sbase) and g + 8 (8 rows further)
-        return (uint32(ld_global_nc_u16(sc, sbase + grp)),
-                uint32(ld_global_nc_u16(sc, sbase + PARTNER * GROUPS + grp)))
-
-    def load_group(qw, sc, wbase, sbase, grp):
-        # group grp of the lane's tile (words from wbase, 256 a group): 8 words, 2 scales' bits
-        w0, w1, w2, w3, w4, w5, w6, w7 = load_words(qw, wbase + grp * 256)
-        s0, s1 = load_scales(sc, sbase, grp)
-        return (w0, w1, w2, w3, w4, w5, w6, w7, s0, s1)
-
-    def load_both(qw, sc, bases, grp):
-        # group grp of the warp's tile and (gate_up) of its up tile; else the same loads twice
-        wa, sa, wb, sb = bases
-        ca = load_group(qw, sc, wa, sa, grp)
-        cb = ca
-        if MATS == 2:
-            cb = load_group(qw, sc, wb, sb, grp)
-        return ca, cb
-
-    def dequant_mma(q, b0, b1, d):
-        # one k16 chunk: the word's 8 weights as the A fragment (gemv.py's dequant), times B
-        a0, a1, a2, a3 = dequant(q)
-        return mma_sync_m16n8k16_f16_f32(a0, a1, a2, a3, b0, b1, d[0], d[1], d[2], d[3])
-
-    def chunk(qa, qb, baddr, da, db):
-        # one k16 chunk: its B fragment from shared memory, then the mma of the tile (and,
-        # gate_up, of the up tile: one B fragment serves both)
-        b0, b1 = ld_shared_v2_u32_at(baddr)
-        da = dequant_mma(qa, b0, b1, da)
-        if MATS == 2:
-            db = dequant_mma(qb, b0, b1, db)
-        return da, db
-
-    def group_dot(ca, cb, abase, grp, t4):
-        """Rows g and g+8 of one group, fp32, times their weight scales; then the same of the
-        up tile (gate_up; zeros otherwise: mainloop says why).  Written out, not looped: tuple
-        elements need literal indices to stay in registers."""
-        z = float32(0.0)
-        da = (z, z, z, z)
-        db = da
-        b = abase + uint32(grp * (GROUP_SIZE // CHUNK) * 32) + uint32(t4 * 8)  # chunk stride 32 B
-        da, db = chunk(ca[0], cb[0], b, da, db)
-        da, db = chunk(ca[1], cb[1], b + uint32(32), da, db)
-        da, db = chunk(ca[2], cb[2], b + uint32(64), da, db)
-        da, db = chunk(ca[3], cb[3], b + uint32(96), da, db)
-        da, db = chunk(ca[4], cb[4], b + uint32(128), da, db)
-        da, db = chunk(ca[5], cb[5], b + uint32(160), da, db)
-        da, db = chunk(ca[6], cb[6], b + uint32(192), da, db)
-        da, db = chunk(ca[7], cb[7], b + uint32(224), da, db)
-        if HILO:   # columns 2t (hi) + 2t+1 (lo) of rows g and g+8
-            return ((da[0] + da[1]) * cvt_f32_f16(ca[8]), (da[2] + da[3]) * cvt_f32_f16(ca[9]),
-                    (db[0] + db[1]) * cvt_f32_f16(cb[8]), (db[2] + db[3]) * cvt_f32_f16(cb[9]))
-        return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
-                db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
-
-    def stage(a, act):
-        # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
-        # 8c: lane t's B fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
-        for it in range(STAGE_ITERS):
-            c = it * THREADS + cuda.threadIdx.x
-            if c < CHUNKS:
-                p0, p1, p2, p3 = ld_global_nc_v4_u32(a, c * CHUNK)
-                p4, p5, p6, p7 = ld_global_nc_v4_u32(a, c * CHUNK + 8)
-                w = c * 8
-                act[w] = p0
-                act[w + 1] = p4
-                act[w + 2] = p1
-                act[w + 3] = p5
-                act[w + 4] = p2
-                act[w + 5] = p6
-                act[w + 6] = p3
-                act[w + 7] = p7
-
-    def stage_norm(x, norm_w, act, invf, ssum):
-        """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
-        invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; lane l
-        holds a group's values 4l..4l+3: pairs 2(l%4) and 2(l%4)+1 of chunk l//4, which land
-        at words 2j (j < 4) or 2(j-4)+1 of the chunk.  gemv.py's piece_put, value for value."""
-        lane = cuda.threadIdx.x & 31
-        warp = cuda.threadIdx.x >> 5
-        ss = float32(0.0)
-        if HILO:   # the groups written out, up to 8 (stage_group says why)
-            ss += stage_group(x, norm_w, act, invf, warp, lane)
-            if NORM_ITERS > 1:
-                ss += stage_group(x, norm_w, act, invf, WARPS + warp, lane)
-            if NORM_ITERS > 2:
-                ss += stage_group(x, norm_w, act, invf, 2 * WARPS + warp, lane)
-            if NORM_ITERS > 3:
-                ss += stage_group(x, norm_w, act, invf, 3 * WARPS + warp, lane)
-            if NORM_ITERS > 4:
-                ss += stage_group(x, norm_w, act, invf, 4 * WARPS + warp, lane)
-            if NORM_ITERS > 5:
-                ss += stage_group(x, norm_w, act, invf, 5 * WARPS + warp, lane)
-            if NORM_ITERS > 6:
-                ss += stage_group(x, norm_w, act, invf, 6 * WARPS + warp, lane)
-            if NORM_ITERS > 7:
-                ss += stage_group(x, norm_w, act, invf, 7 * WARPS + warp, lane)
-            for it in range(8, NORM_ITERS):
-                ss += stage_group(x, norm_w, act, invf, it * WARPS + warp, lane)
-        else:
-            for it in range(NORM_ITERS):
-                grp = it * WARPS + warp
-                base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
-                x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-                n0, n1 = unpack_f16x2_to_f32(w01)
-                n2, n3 = unpack_f16x2_to_f32(w23)
-                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-                m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
-                f, fi = pow2_scale(m)
-                if grp < GROUPS:
-                    ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-                    j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
-                    w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-                    w += 2 * j if j < 4 else 2 * j - 7
-                    act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
-                    act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
-                    if lane == 0:
-                        invf[grp] = fi
-        ss = wsum(ss)
-        if lane == 0:
-            ssum[warp] = ss
-        cuda.syncthreads()
-        return rstd_of(ssum, WARPS, INV_K, EPS)
-
-    def stage_group(x, norm_w, act, invf, grp, lane):
-        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
-        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
-        squares of x (0 past the last group).  Called once a group, written out: as a loop
-        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
-        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
-        base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
-        x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-        w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-        n0, n1 = unpack_f16x2_to_f32(w01)
-        n2, n3 = unpack_f16x2_to_f32(w23)
-        p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-        m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
-        f, fi = pow2_scale(m)
-        ss = float32(0.0)
-        if grp < GROUPS:
-            ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-            j = (lane & 3) * 2
-            w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-            w += 2 * j if j < 4 else 2 * j - 7
-            v0, v1, v2, v3 = p0 * f, p1 * f, p2 * f, p3 * f
-            hi01 = pack_f16x2_from_f32(v0, v1)
-            hi23 = pack_f16x2_from_f32(v2, v3)
-            act[w] = hi01
-            act[w + 2] = hi23
-            h0, h1 = unpack_f16x2_to_f32(hi01)
-            h2, h3 = unpack_f16x2_to_f32(hi23)
-            act[LO_WORDS + w] = pack_f16x2_from_f32(v0 - h0, v1 - h1)
-            act[LO_WORDS + w + 2] = pack_f16x2_from_f32(v2 - h2, v3 - h3)
-            if lane == 0:
-                invf[grp] = fi
-        return ss
-
-    def add_group(acc, ca, cb, abase, grp, t4, invf):
-        # acc + group grp's sums (none past the last group; gate_up's and qkv's undo f_g)
-        a0, a1, a2, a3 = acc
-        if grp < GROUPS:
-            v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
-            if NORM:
-                fi = invf[grp]
-                v0, v1, v2, v3 = v0 * fi, v1 * fi, v2 * fi, v3 * fi
-            a0 += v0
-            a1 += v1
-            a2 += v2
-            a3 += v3
-        return a0, a1, a2, a3
-
-    def mainloop(qw, sc, abase, bases, kw, t4, first, invf):
-        """The warp's groups kw, kw + TILE_WARPS, ..., two an iteration, into two register
-        sets that take turns (no copies): each group's loads are issued a group ahead of its
-        math.  The conditions are the same for the whole warp: the mma sees all 32 lanes.
-        first: the first group's loads (issued before griddepcontrol.wait).
-
-        acc is rows g and g+8, then those of the up tile (gate_up).  o_proj and down keep the
-        last two, zeros: in a loop LLVM does not unroll (down's) their adds survive as 2 dead
-        fma.f32 a group, never stored; dropping them changes the default kernels' PTX, so
-        that is left to a deliberate change measured on the device."""
-        ca, cb = first
-        z = float32(0.0)
-        acc = (z, z, z, z)
-        for it in range(PAIRS_MAIN):
-            ga = kw + 2 * it * TILE_WARPS
-            gb = ga + TILE_WARPS
-            na, nb = load_both(qw, sc, bases, min(gb, GROUPS - 1))
-            if L2AHEAD:
-                to_l2(qw, bases, gb + L2AHEAD * TILE_WARPS)
-            acc = add_group(acc, ca, cb, abase, ga, t4, invf)
-            ca, cb = load_both(qw, sc, bases, min(gb + TILE_WARPS, GROUPS - 1))
-            if L2AHEAD:
-                to_l2(qw, bases, gb + (L2AHEAD + 1) * TILE_WARPS)
-            acc = add_group(acc, na, nb, abase, gb, t4, invf)
-        return acc
-
-    def to_l2(qw, bases, grp):
-        """(lanes 0 and, gate_up, 1) l2ahead: group grp of the warp's tile (lane 1: of its up
-        tile) into L2, 1 KB a tile; nothing past the last group."""
-        lane = cuda.threadIdx.x & 31
-        if lane < MATS and grp < GROUPS:
-            wa, _, wb, _ = bases
-            w = wa if lane == 0 else wb
-            cp_async_bulk_prefetch_l2(qw, w - lane * 8 + grp * 256, 1024)
-
-    def ahead_prologue(qw, bases, g0):
-        # l2ahead: groups g0 + TILE_WARPS .. g0 + L2AHEAD * TILE_WARPS (g0: `first`'s group)
-        for j in range(L2AHEAD):
-            to_l2(qw, bases, g0 + (j + 1) * TILE_WARPS)
-
-    def early_issue(qw, dyn, bases, grp, slot, warp):
-        """(lane 0) Group grp's 1 KB of the warp's tile into the warp's slot: one
-        cp.async.bulk, counted off the slot's mbarrier.  Past the last group only an arrival,
-        so the slot's phase still completes for the lanes that wait on it."""
-        wa, sa, wb, sb = bases
-        base = cvta_to_shared_u32(dyn)
-        bar = base + uint32(BAR_B + (warp * EARLY + slot) * 8)
-        if grp < GROUPS:
-            d = base + uint32(SLOTS_B + (warp * EARLY + slot) * SLOT_TX)
-            mbarrier_arrive_expect_tx(bar, uint32(SLOT_TX))
-            cp_async_bulk_g2s(d, qw, wa + grp * 256, uint32(1024), bar)   # wa: lane 0's words
-        else:
-            mbarrier_arrive(bar)
-
-    def early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, warp):
-        """What needs no activations, issued before griddepcontrol.wait: the tile's scale
-        block into shared memory by the tile's warps (cp.async, one group: the caller waits
-        for it and a block barrier publishes it); lane 0 arms the warp's slot barriers and
-        starts the copies of its first EARLY groups."""
-        sbase = cvta_to_shared_u32(dyn) + uint32(SC_W * 4)
-        tt = kw * 32 + lane
-        for m in range(MATS):
-            src = (tile + m * N_TILES) * TILE * GROUPS
-            dst = sbase + uint32((tl * MATS + m) * TILE * GROUPS * 2)
-            for it in range(SC_ITERS):
-                c = it * 32 * TILE_WARPS + tt
-                if c < SC_CHUNKS:
-                    cp_async_cg_shared_global_16(dst + uint32(c * 16), sc, src + c * 8)
-        cp_async_commit_group()
-        if lane == 0:
-            bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * EARLY * 8)
-            for s_ in range(EARLY):
-                mbarrier_init(bar + uint32(s_ * 8), uint32(1))
-            fence_mbarrier_init()
-            for s_ in range(EARLY):
-                early_issue(qw, dyn, bases, kw + s_ * TILE_WARPS, s_, warp)
-        cuda.syncwarp(FULL)
-
-    def early_scale(dyn, tl, m, r, grp):
-        # the scale bits of row r of the block's tile tl, group grp (m: 0)
-        e = SC_W * 2 + ((tl * MATS + m) * TILE + r) * GROUPS + grp
-        return (dyn[e >> 1] >> uint32((e & 1) * 16)) & uint32(0xFFFF)
-
-    def early_read(dyn, slot, lane, warp, tl, g, m, grp):
-        # the group in the warp's slot (the lane's 8 words are its 32 bytes at 32 * lane),
-        # and its rows' two scales
-        d = cvta_to_shared_u32(dyn) + uint32(SLOTS_B + (warp * EARLY + slot) * SLOT_TX
-                                             + m * 1024 + lane * 32)
-        w0, w1, w2, w3 = ld_shared_v4_u32_at(d)
-        w4, w5, w6, w7 = ld_shared_v4_u32_at(d + uint32(16))
-        gc = min(grp, GROUPS - 1)
-        return (w0, w1, w2, w3, w4, w5, w6, w7, early_scale(dyn, tl, m, g, gc),
-                early_scale(dyn, tl, m, g + 8, gc))
-
-    def early_loop(dyn, abase, t4, invf):
-        """The sums of the warp's first EARLY groups from their slots: wait for the slot's
-        (only) phase -- its bulk copy has landed -- then the group's math as mainloop's."""
-        lane, g, t4_, tl, kw, tile = roles()
-        warp = cuda.threadIdx.x >> 5
-        bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * EARLY * 8)
-        z = float32(0.0)
-        acc = (z, z, z, z)
-        for it in range(EARLY):
-            grp = kw + it * TILE_WARPS
-            slot = it % EARLY                 # it (written as when slots were refilled: the
-            mbarrier_wait_parity(bar + uint32(slot * 8), uint32((it // EARLY) & 1))  # same PTX)
-            ca = early_read(dyn, slot, lane, warp, tl, g, 0, grp)
-            acc = add_group(acc, ca, ca, abase, grp, t4, invf)
-        return acc
-
-    def roles():
-        # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
-        # matrix: the last block's spare tile loads words that exist and is not written)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
-        tl = warp // TILE_WARPS
-        tile = min(cuda.blockIdx.x * TILES + tl, N_TILES - 1)
-        return lane, lane >> 2, lane & 3, tl, warp - tl * TILE_WARPS, tile
-
-    def file_row(tile, g):
-        # the file row of a tile's row g (qkv: rope-ordered, layout.rope_row; its row g + 8 is
-        # PARTNER rows further)
-        r = tile * TILE + g
-        if D:
-            r = tile // TPH * D + tile % TPH * 8 + g
-        return r
-
-    def tile_bases(tile, lane, g):
-        # where the lane's words of a tile start (256 a group) and its row g's scales; then
-        # the same of its up tile (gate_up: the same rows, N_TILES tiles on; else repeated)
-        # (file_row, written out: one more device function changes o_proj's and down's PTX)
-        wa = (tile * GROUPS * 32 + lane) * 8
-        r = tile * TILE + g
-        if D:
-            r = tile // TPH * D + tile % TPH * 8 + g
-        sa = r * GROUPS
-        wb, sb = wa, sa
-        if MATS == 2:
-            up = tile + N_TILES
-            wb, sb = (up * GROUPS * 32 + lane) * 8, (up * TILE + g) * GROUPS
-        return wa, sa, wb, sb
+    s = shape_of(kind, n_out, k, t, eps)   # the constants (gemv_mma_shape.py says what each is)
+    TILE_WARPS, WARPS, TILES, GROUPS, N_TILES = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS, s.N_TILES
+    MATS, ACT_WORDS, PARTIALS, ACT_ALLOC = s.MATS, s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
+    ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
+    EARLY, L2AHEAD = s.EARLY, s.L2AHEAD
+    # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
+    # (gemv_mma_stage.py); the names below are the device functions the rest calls
+    w, a_ = weight_path(s), act_path(s)
+    roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
+                                                        w.load_both, w.mainloop)
+    ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop
+    stage, stage_norm = a_.stage, a_.stage_norm
 
     def out_row():
         # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
@@ -810,21 +351,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tl2, r, row = out_row()
         return row, tl2, r, rstd
 
-    dequant, pow2_scale = dev(dequant_word), dev(pow2_scale_f32)
-    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
-    load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, stage, \
-        stage_norm, stage_group, add_group, mainloop, roles, file_row, tile_bases, out_row, \
-        pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, \
-        put_qkv, gate_up_sums, to_l2, ahead_prologue = (
-            dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
-                             group_dot, stage, stage_norm, stage_group, add_group, mainloop, roles,
-                             file_row, tile_bases, out_row, pair_row, put_partials, row_sum,
-                             block_sums, qkv_sums, norm_to_l2, pair_i, weight_row, put_qkv,
-                             gate_up_sums, to_l2, ahead_prologue))
+    out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, \
+        weight_row, put_qkv, gate_up_sums = (
+            dev(f) for f in (out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums,
+                             norm_to_l2, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
     put_rope = dev(put_rope)
-    early_issue, early_prologue, early_scale, early_read, early_loop = (
-        dev(f) for f in (early_issue, early_prologue, early_scale, early_read, early_loop))
 
     if kind in ROPE_KINDS:
         def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,

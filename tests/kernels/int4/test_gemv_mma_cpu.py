@@ -134,7 +134,7 @@ SIM_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, "tests")
     import sim_warp
     sim_warp.patch_simulator(syncwarp=True)
-    import nq.kernels.int4.gemv_mma as gm
+    import nq.kernels.int4.gemv_mma_weights as gw
     from nq.kernels.int4.launch import ResidualMmaGemv
     from nq.kernels.int4.reference import ref_down
     from nq.kernels.int4.tiling import MmaTiling
@@ -150,7 +150,7 @@ SIM_SCRIPT = textwrap.dedent('''
     # 2 warps with 2 slots (warp 1's second slot past the last group: only arrived on), then
     # one warp's 3 slots of its 8 groups and 5 through the register loop; l2ahead: every
     # group after a warp's first asked of L2 once (the twin records what, below), beside early
-    asked = sim_warp.record_l2_prefetches(gm)
+    asked = sim_warp.record_l2_prefetches(gw)   # to_l2 lives in the weight path
     for name, n, k, t in [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
                           ("l2a3", 48, 640, MmaTiling(warps=2, threads=128, l2ahead=3)),
                           ("early_l2a2", 32, 1024, MmaTiling(warps=1, threads=64, early=3,

@@ -144,8 +144,8 @@ SIM_SCRIPT = textwrap.dedent('''
     # l2ahead: every group after a warp's first, of its gate and its up tile, asked of L2 once
     cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
               ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3))]
-    import nq.kernels.int4.gemv_mma as gm
-    asked = sim_warp.record_l2_prefetches(gm)
+    import nq.kernels.int4.gemv_mma_weights as gw
+    asked = sim_warp.record_l2_prefetches(gw)   # to_l2 lives in the weight path
     for name, n, k, t in cases:
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)

@@ -1,0 +1,134 @@
+"""The block's activations in the tensor-core GEMV (gemv_mma.py's module doc has the why):
+`stage` copies fp16 `a` (o_proj, down) into shared memory in B-fragment order, `stage_norm`
+writes rmsnorm(x) * norm_w there (gate_up, qkv: each group times a power of two, its inverse in
+`invf`, and with hilo a lo half beside the hi) and returns rstd.  `act_path(shape)` returns them
+as device functions for gemv_mma.build_kernel."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from numba import cuda, float32  # module globals: the simulator swaps cuda
+
+from nq.config import GROUP_SIZE
+from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
+from nq.kernels.int4.dequant import pow2_scale_f32
+from nq.kernels.int4.gemv_mma_shape import MmaShape
+from nq.kernels.int4.layout import CHUNK
+from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
+                    pack_f16x2_from_f32, unpack_f16x2_to_f32)
+
+
+def act_path(s: MmaShape) -> SimpleNamespace:
+    """The activation side of one kernel's body, as device functions."""
+    THREADS, WARPS, GROUPS, CHUNKS = s.THREADS, s.WARPS, s.GROUPS, s.CHUNKS
+    STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
+    LO_WORDS = s.LO_WORDS
+
+    def stage(a, act):
+        # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
+        # 8c: lane t's B fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
+        for it in range(STAGE_ITERS):
+            c = it * THREADS + cuda.threadIdx.x
+            if c < CHUNKS:
+                p0, p1, p2, p3 = ld_global_nc_v4_u32(a, c * CHUNK)
+                p4, p5, p6, p7 = ld_global_nc_v4_u32(a, c * CHUNK + 8)
+                w = c * 8
+                act[w] = p0
+                act[w + 1] = p4
+                act[w + 2] = p1
+                act[w + 3] = p5
+                act[w + 4] = p2
+                act[w + 5] = p6
+                act[w + 6] = p3
+                act[w + 7] = p7
+
+    def stage_norm(x, norm_w, act, invf, ssum):
+        """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
+        invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; lane l
+        holds a group's values 4l..4l+3: pairs 2(l%4) and 2(l%4)+1 of chunk l//4, which land
+        at words 2j (j < 4) or 2(j-4)+1 of the chunk.  gemv.py's piece_put, value for value."""
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.threadIdx.x >> 5
+        ss = float32(0.0)
+        if HILO:   # the groups written out, up to 8 (stage_group says why)
+            ss += stage_group(x, norm_w, act, invf, warp, lane)
+            if NORM_ITERS > 1:
+                ss += stage_group(x, norm_w, act, invf, WARPS + warp, lane)
+            if NORM_ITERS > 2:
+                ss += stage_group(x, norm_w, act, invf, 2 * WARPS + warp, lane)
+            if NORM_ITERS > 3:
+                ss += stage_group(x, norm_w, act, invf, 3 * WARPS + warp, lane)
+            if NORM_ITERS > 4:
+                ss += stage_group(x, norm_w, act, invf, 4 * WARPS + warp, lane)
+            if NORM_ITERS > 5:
+                ss += stage_group(x, norm_w, act, invf, 5 * WARPS + warp, lane)
+            if NORM_ITERS > 6:
+                ss += stage_group(x, norm_w, act, invf, 6 * WARPS + warp, lane)
+            if NORM_ITERS > 7:
+                ss += stage_group(x, norm_w, act, invf, 7 * WARPS + warp, lane)
+            for it in range(8, NORM_ITERS):
+                ss += stage_group(x, norm_w, act, invf, it * WARPS + warp, lane)
+        else:
+            for it in range(NORM_ITERS):
+                grp = it * WARPS + warp
+                base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
+                x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+                n0, n1 = unpack_f16x2_to_f32(w01)
+                n2, n3 = unpack_f16x2_to_f32(w23)
+                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+                m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
+                f, fi = pow2_scale(m)
+                if grp < GROUPS:
+                    ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+                    j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
+                    w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+                    w += 2 * j if j < 4 else 2 * j - 7
+                    act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
+                    act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                    if lane == 0:
+                        invf[grp] = fi
+        ss = wsum(ss)
+        if lane == 0:
+            ssum[warp] = ss
+        cuda.syncthreads()
+        return rstd_of(ssum, WARPS, INV_K, EPS)
+
+    def stage_group(x, norm_w, act, invf, grp, lane):
+        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
+        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
+        squares of x (0 past the last group).  Called once a group, written out: as a loop
+        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
+        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
+        base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
+        x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+        w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+        n0, n1 = unpack_f16x2_to_f32(w01)
+        n2, n3 = unpack_f16x2_to_f32(w23)
+        p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
+        m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
+        f, fi = pow2_scale(m)
+        ss = float32(0.0)
+        if grp < GROUPS:
+            ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+            j = (lane & 3) * 2
+            w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+            w += 2 * j if j < 4 else 2 * j - 7
+            v0, v1, v2, v3 = p0 * f, p1 * f, p2 * f, p3 * f
+            hi01 = pack_f16x2_from_f32(v0, v1)
+            hi23 = pack_f16x2_from_f32(v2, v3)
+            act[w] = hi01
+            act[w + 2] = hi23
+            h0, h1 = unpack_f16x2_to_f32(hi01)
+            h2, h3 = unpack_f16x2_to_f32(hi23)
+            act[LO_WORDS + w] = pack_f16x2_from_f32(v0 - h0, v1 - h1)
+            act[LO_WORDS + w + 2] = pack_f16x2_from_f32(v2 - h2, v3 - h3)
+            if lane == 0:
+                invf[grp] = fi
+        return ss
+
+
+    pow2_scale = dev(pow2_scale_f32)
+    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
+    stage, stage_norm, stage_group = (dev(f) for f in (stage, stage_norm, stage_group))
+    return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group)
