@@ -4,8 +4,9 @@ The CUDA simulator runs each thread as a Python thread with shared arrays as num
 and has no shared-memory addresses, mbarriers or warps.  This module models the three:
 
 * shared addresses: `shared_address(arr)` hands out a stable 32-bit stand-in address for a
-  numpy buffer (1 KiB-aligned regions from 0x400), and `shared_bytes(addr, n)` maps one back
-  to a writable uint8 view, so kernels can do address arithmetic exactly as on the GPU;
+  numpy buffer (1 KiB-aligned regions from 0x400, reused once the buffer is freed, so they
+  stay inside the 256 KiB a wgmma descriptor can name), and `shared_bytes(addr, n)` maps one
+  back to a writable uint8 view, so kernels can do address arithmetic exactly as on the GPU;
 * mbarriers: the phase / pending-arrival / transaction-count state machine of the PTX ISA,
   kept beside the memory (the 8 bytes of the barrier itself are not touched);
 * warps: `warp_exchange(value)` is a rendezvous of the 32 lanes of the calling thread's warp
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import numpy as np
 
 _lock = threading.RLock()
-_regions: list[tuple[int, int, int, np.ndarray]] = []  # (host start, nbytes, base, uint8 view)
-_next_base = 0x400
+# live regions, one a shared array: (host start, nbytes, base, weak reference to the array)
+_regions: list[tuple[int, int, int, "weakref.ref"]] = []
+FIRST_BASE = 0x400
+WINDOW = 1 << 18   # wgmma descriptors carry 14 bits of (address >> 4): 256 KiB, as an SM's
 _barriers: dict[int, "Mbarrier"] = {}
 WARP_TIMEOUT_S = 60.0  # a lane that never arrives is a bug in the kernel: fail, do not hang
 
@@ -33,28 +37,62 @@ def _host_view(arr) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _owner(arr) -> np.ndarray:
+    """The numpy array that owns arr's memory (the root of its .base chain): it lives exactly
+    as long as the memory, where a view handed to cvta may be a temporary."""
+    a = np.asarray(getattr(arr, "_ary", arr))
+    while True:
+        b = a.base
+        if isinstance(b, memoryview):   # np.frombuffer (the simulator's dynamic shared memory:
+            b = b.obj                   # a new array a call over one buffer of the block's)
+        if not isinstance(b, np.ndarray):
+            return a
+        a = b
+
+
+def _live() -> list:
+    """The regions whose memory is still alive (a finished block's shared arrays are freed,
+    and their addresses given out again: the window stays as small as a CTA's); a freed
+    region's mbarriers are forgotten with it."""
+    dead = [r for r in _regions if r[3]() is None]
+    if dead:
+        _regions[:] = [r for r in _regions if r[3]() is not None]
+        for _, size, base, _ in dead:
+            for a in [a for a in _barriers if base <= a < base + size]:
+                del _barriers[a]
+    return _regions
+
+
 def shared_address(arr) -> np.uint32:
-    """A 32-bit stand-in shared-memory address for element 0 of arr."""
-    global _next_base
-    raw = _host_view(arr)
-    p, n = raw.ctypes.data, raw.size
+    """A 32-bit stand-in shared-memory address for element 0 of arr.  The region given out is
+    the whole of the array owning arr's memory (so every view of one shared array maps into
+    one range), at the lowest free 1 KiB-aligned place among the live regions: addresses stay
+    below 256 KiB (what a wgmma descriptor can name) however many blocks a run goes through."""
+    p = _host_view(arr).ctypes.data
+    owner = _owner(arr)
+    start, n = owner.ctypes.data, owner.nbytes
     with _lock:
-        for start, size, base, _ in _regions:
-            if start <= p and p + n <= start + size:
-                return np.uint32(base + (p - start))
-        base = _next_base
-        _next_base = (base + max(n, 1) + 0x3FF) & ~0x3FF
-        assert _next_base < 2**32, "simulated shared window exhausted"
-        _regions.append((p, n, base, raw))
-        return np.uint32(base)
+        live = _live()
+        for rs, size, base, _ in live:
+            if rs <= p < rs + size or (size == 0 and p == rs):
+                return np.uint32(base + (p - rs))
+        base = FIRST_BASE
+        for _, size, b, _ in sorted(live, key=lambda r: r[2]):
+            if base + n <= b:
+                break
+            base = max(base, (b + max(size, 1) + 0x3FF) & ~0x3FF)
+        assert base + n <= WINDOW, "simulated shared window exhausted (live arrays over 256 KiB)"
+        _regions.append((start, n, base, weakref.ref(owner)))
+        return np.uint32(base + (p - start))
 
 
 def shared_bytes(addr, n: int) -> np.ndarray:
     """Writable uint8 view of n bytes of simulated shared memory at addr."""
     addr = int(addr)
     with _lock:
-        for _, size, base, raw in _regions:
+        for _, size, base, ref in _live():
             if base <= addr and addr + n <= base + size:
+                raw = ref().reshape(-1).view(np.uint8)
                 return raw[addr - base: addr - base + n]
     raise IndexError(f"simulated shared address 0x{addr:x} (+{n}) is not in any shared array "
                      "that went through cvta_to_shared_u32")

@@ -340,6 +340,54 @@ def test_shared_address_twin_is_consistent_across_views():
     assert other >= base + 256 or other + 32 <= base  # distinct buffers never overlap
 
 
+def test_shared_addresses_are_given_out_again_once_freed():
+    # each simulated block allocates its shared arrays anew; a run of many blocks must not walk
+    # the stand-in addresses past the 256 KiB that a wgmma descriptor's 14 bits of (addr >> 4)
+    # name (the batched prefill's wgmma attention read a wrapped address before this)
+    import gc
+    from nq.ptx import _sim
+    seen = set()
+    for _ in range(200):
+        block = np.zeros(96 * 1024 // 4, np.uint32)          # 96 KiB a "block"
+        base = int(P.cvta_to_shared_u32.twin(block))
+        seen.add(base)
+        assert base + block.nbytes <= _sim.WINDOW
+        del block
+        gc.collect()
+    assert len(seen) <= 2, sorted(seen)
+    # a live array keeps its range, and a temporary view of it resolves inside it
+    keep = np.zeros(1024, np.uint32)
+    kb = int(P.cvta_to_shared_u32.twin(keep[16:]))
+    other = np.zeros(1024, np.uint32)
+    ob = int(P.cvta_to_shared_u32.twin(other))
+    assert ob >= kb - 64 + 4096 or ob + 4096 <= kb - 64      # never overlapping a live one
+    assert int(P.cvta_to_shared_u32.twin(keep)) == kb - 64
+    _sim.shared_bytes(kb - 64, 4096)[:] = 7                  # the whole of keep, through it
+    assert (keep.view(np.uint8) == 7).all()
+    # the simulator's dynamic shared memory: each thread's cuda.shared.array(0) is a new
+    # np.frombuffer array over the block's one buffer; the range lives as long as the buffer,
+    # not as the first thread's array
+    dyn = np.zeros(4096, np.byte)
+    t0 = np.frombuffer(dyn.data, dtype=np.uint32, count=1024)
+    db = int(P.cvta_to_shared_u32.twin(t0))
+    del t0
+    gc.collect()
+    t1 = np.frombuffer(dyn.data, dtype=np.uint32, count=1024)
+    assert int(P.cvta_to_shared_u32.twin(t1[4:])) == db + 16
+    _sim.shared_bytes(db, 4096)[:] = 3
+    assert (dyn == 3).all()
+    # a freed region forgets its mbarriers: a new array at the same address must init its own
+    bars = np.zeros(2, np.uint64)
+    bar = int(P.cvta_to_shared_u32.twin(bars))
+    P.mbarrier_init.twin(bar, 1)
+    del bars
+    gc.collect()
+    fresh = np.zeros(2, np.uint64)
+    assert int(P.cvta_to_shared_u32.twin(fresh)) == bar
+    with pytest.raises(RuntimeError, match="before mbarrier_init"):
+        P.mbarrier_arrive.twin(bar)
+
+
 def test_mbarrier_arrival_counting_and_phases():
     bars = np.zeros(2, dtype=np.uint64)
     bar = P.cvta_to_shared_u32.twin(bars)

@@ -11,13 +11,10 @@ SCRIPT = r"""
 import sys, types
 import numpy as np
 from numba import cuda
-from numba.cuda.simulator import kernelapi
-from nq.ptx import _sim
 sys.path.insert(0, "tests")
 import sim_warp
 sim_warp.install()              # the vectorised whole-warp mma model (bit for bit the twin's)
-kernelapi.FakeCUDAModule.shfl_xor_sync = \
-    lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+sim_warp.patch_simulator()      # warp shuffles as a rendezvous of the warp
 from nq.loader.format import NanoqwenFile
 from nq.loader.weights import load_host_weights
 from nq.paged import gather_kv, pool_shape, pages_for
