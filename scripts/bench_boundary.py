@@ -25,7 +25,6 @@ each kernel's slice is disjoint, so L2 holds none of it on the next replay (the 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -251,16 +250,7 @@ def main(argv=None) -> int:
               "persistent": CapturedGraph(stream, persistent, "persistent")}
     res = {}
     for name, g in graphs.items():
-        for _ in range(3):
-            g.replay()
-        evs = [cuda.event() for _ in range(a.reps + 1)]
-        evs[0].record(stream)
-        for r in range(a.reps):
-            g.replay()
-            evs[r + 1].record(stream)
-        evs[-1].synchronize()
-        res[name] = statistics.median(cuda.event_elapsed_time(evs[r], evs[r + 1])
-                                      for r in range(a.reps))
+        res[name] = g.median_ms(a.reps)
     n = len(sizes)
     tile_bytes = sum(t * g * 1024 for t, g, _ in shapes)
     for name, ms in res.items():

@@ -22,7 +22,6 @@ launches (no PDL: a ~1 us launch gap each is in the figure), median of `--reps` 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -157,16 +156,7 @@ def main(argv=None) -> int:
                     for c in range(4):
                         k[grid, threads, stream](buf[c * words:(c + 1) * words], out)
                 g = CapturedGraph(stream, launches, f"stream_{fam}_{spin}_{form}_{depth}")
-                for _ in range(3):
-                    g.replay()
-                evs = [cuda.event() for _ in range(a.reps + 1)]
-                evs[0].record(stream)
-                for r in range(a.reps):
-                    g.replay()
-                    evs[r + 1].record(stream)
-                evs[-1].synchronize()
-                ms = statistics.median(cuda.event_elapsed_time(evs[r], evs[r + 1])
-                                       for r in range(a.reps)) / 4
+                ms = g.median_ms(a.reps) / 4
                 used = min(grid, sms)
                 print(f"| {fam} | {form} | {depth} | {spin} | {ms * 1e3:.2f} | "
                       f"{words * 4 / ms / 1e9:.2f} | {words * 4 / ms / 1e6 / used:.1f} |",

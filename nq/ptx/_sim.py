@@ -25,6 +25,7 @@ import numpy as np
 _lock = threading.RLock()
 # live regions, one a shared array: (host start, nbytes, base, weak reference to the array)
 _regions: list[tuple[int, int, int, "weakref.ref"]] = []
+_views: dict[int, np.ndarray] = {}   # base -> the region's bytes, cached until the next region
 FIRST_BASE = 0x400
 WINDOW = 1 << 18   # wgmma descriptors carry 14 bits of (address >> 4): 256 KiB, as an SM's
 _barriers: dict[int, "Mbarrier"] = {}
@@ -50,10 +51,12 @@ def _owner(arr) -> np.ndarray:
         a = b
 
 
-def _live() -> list:
-    """The regions whose memory is still alive (a finished block's shared arrays are freed,
-    and their addresses given out again: the window stays as small as a CTA's); a freed
-    region's mbarriers are forgotten with it."""
+def _prune() -> list:
+    """Drop the regions whose memory is freed (a finished block's shared arrays: their
+    addresses are given out again, so the window stays as small as a CTA's), forget their
+    mbarriers, and the byte views cached since the last allocation (they alone would keep a
+    finished block's arrays alive).  Called when a new region is made; returns the live ones."""
+    _views.clear()
     dead = [r for r in _regions if r[3]() is None]
     if dead:
         _regions[:] = [r for r in _regions if r[3]() is not None]
@@ -69,15 +72,14 @@ def shared_address(arr) -> np.uint32:
     one range), at the lowest free 1 KiB-aligned place among the live regions: addresses stay
     below 256 KiB (what a wgmma descriptor can name) however many blocks a run goes through."""
     p = _host_view(arr).ctypes.data
-    owner = _owner(arr)
-    start, n = owner.ctypes.data, owner.nbytes
     with _lock:
-        live = _live()
-        for rs, size, base, _ in live:
-            if rs <= p < rs + size or (size == 0 and p == rs):
+        for rs, size, base, ref in _regions:
+            if (rs <= p < rs + size or (size == 0 and p == rs)) and ref() is not None:
                 return np.uint32(base + (p - rs))
+        owner = _owner(arr)
+        start, n = owner.ctypes.data, owner.nbytes
         base = FIRST_BASE
-        for _, size, b, _ in sorted(live, key=lambda r: r[2]):
+        for _, size, b, _ in sorted(_prune(), key=lambda r: r[2]):
             if base + n <= b:
                 break
             base = max(base, (b + max(size, 1) + 0x3FF) & ~0x3FF)
@@ -90,9 +92,14 @@ def shared_bytes(addr, n: int) -> np.ndarray:
     """Writable uint8 view of n bytes of simulated shared memory at addr."""
     addr = int(addr)
     with _lock:
-        for _, size, base, ref in _live():
+        for _, size, base, ref in _regions:
             if base <= addr and addr + n <= base + size:
-                raw = ref().reshape(-1).view(np.uint8)
+                raw = _views.get(base)
+                if raw is None:
+                    owner = ref()
+                    if owner is None:
+                        continue
+                    raw = _views[base] = owner.reshape(-1).view(np.uint8)
                 return raw[addr - base: addr - base + n]
     raise IndexError(f"simulated shared address 0x{addr:x} (+{n}) is not in any shared array "
                      "that went through cvta_to_shared_u32")

@@ -76,6 +76,23 @@ class CapturedGraph:
     def replay(self, stream=None) -> None:
         _check(cu.cuGraphLaunch(self._exec, stream_handle(stream or self.stream)))
 
+    def median_ms(self, reps: int = 20, warmup: int = 3) -> float:
+        """The median of `reps` replays' times by CUDA events on the graph's stream, after
+        `warmup` replays (the benches' timing of a captured graph)."""
+        import statistics
+
+        from numba import cuda
+        for _ in range(warmup):
+            self.replay()
+        evs = [cuda.event() for _ in range(reps + 1)]
+        evs[0].record(self.stream)
+        for r in range(reps):
+            self.replay()
+            evs[r + 1].record(self.stream)
+        evs[-1].synchronize()
+        return statistics.median(cuda.event_elapsed_time(evs[r], evs[r + 1])
+                                 for r in range(reps))
+
     def __del__(self):
         try:
             if getattr(self, "_exec", None) is not None:
