@@ -209,10 +209,5 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # L2AHEAD groups after `first` before griddepcontrol.wait
     L2AHEAD = t.l2ahead
 
-    return MmaShape(TILE_WARPS=TILE_WARPS, THREADS=THREADS, WARPS=WARPS, TILES=TILES,
-        GROUPS=GROUPS, N_TILES=N_TILES, MATS=MATS, PAIRS=PAIRS, CHUNKS=CHUNKS, ACT_WORDS=ACT_WORDS,
-        PARTIALS=PARTIALS, STAGE_ITERS=STAGE_ITERS, NORM_ITERS=NORM_ITERS, EPS=EPS, INV_K=INV_K,
-        NORM=NORM, ROPE=ROPE, D=D, HALF=HALF, TPH=TPH, PARTNER=PARTNER, HILO=HILO,
-        LO_WORDS=LO_WORDS, ACT_ALLOC=ACT_ALLOC, EARLY=EARLY, ITERS=ITERS, PAIRS_MAIN=PAIRS_MAIN,
-        ACT_DYN=ACT_DYN, SLOTS_B=SLOTS_B, SC_W=SC_W, SC_CHUNKS=SC_CHUNKS, SC_ITERS=SC_ITERS,
-        BAR_B=BAR_B, SLOT_TX=SLOT_TX, L2AHEAD=L2AHEAD)
+    here = locals()
+    return MmaShape(**{f.name: here[f.name] for f in dataclasses.fields(MmaShape)})
