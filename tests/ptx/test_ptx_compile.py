@@ -311,13 +311,53 @@ def test_cluster_set_emits_each_instruction(cluster_ptx, instruction):
     assert count(cluster_ptx, "call") == 0
 
 
-def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, cluster_ptx):
+def gridsync_set(flag, data, out):
+    # gemv_mlp.py's grid barrier in miniature: arrive, the last publishes, the rest spin; then
+    # read what the other blocks wrote through L2
+    if cuda.threadIdx.x == 0:
+        gen = P.ld_acquire_gpu_u32(flag, 1)
+        P.fence_acq_rel_gpu()
+        if P.atom_add_acq_rel_gpu_u32(flag, 0, 1) == cuda.gridDim.x - 1:
+            flag[0] = 0
+            P.st_release_gpu_u32(flag, 1, gen + 1)
+        else:
+            while P.ld_acquire_gpu_u32(flag, 1) == gen:
+                P.nanosleep_u32(64)
+    cuda.syncthreads()
+    a, b, c, d = P.ld_global_cg_v4_u32(data, 4 * cuda.threadIdx.x)
+    out[cuda.threadIdx.x] = a + b + c + d
+
+
+@pytest.fixture(scope="module")
+def gridsync_ptx():
+    return compile_ptx_sm90(gridsync_set, f"void({U32}, {U32}, {U32})")
+
+
+@pytest.mark.parametrize("instruction", [
+    "atom.add.acq_rel.gpu.global.u32", "ld.acquire.gpu.global.u32", "st.release.gpu.global.u32",
+    "fence.acq_rel.gpu", "ld.global.cg.v4.u32", "nanosleep.u32",
+])
+def test_gridsync_set_emits_each_instruction(gridsync_ptx, instruction):
+    assert_uses(gridsync_ptx, instruction)
+    assert_no_local_memory(gridsync_ptx)
+    assert count(gridsync_ptx, "call") == 0
+
+
+@needs_ptxas
+def test_gridsync_set_assembles_for_sm90(gridsync_ptx):
+    regs, spill_bytes = ptxas_report(gridsync_ptx)
+    assert spill_bytes == 0 and regs > 0
+
+
+def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, cluster_ptx,
+                                           gridsync_ptx):
     # a new wrapper must get a compile check: its template's opcode appears in some PTX here
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 55
-    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx())
+    assert len(names) == 61
+    sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx(),
+            gridsync_ptx)
     for n in names:
         words = getattr(P, n).ptx_template.replace("{", " ").replace(":", " ").split()
         opcode = next(w for w in words if "." in w and not w.startswith(".") and w != "nq_wait")

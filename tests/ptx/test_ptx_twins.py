@@ -580,3 +580,19 @@ def test_warp_exchange_survives_a_recycled_block_manager(monkeypatch):
 
     for i in range(12):
         launch(40 if i % 2 == 0 else 48)
+
+
+def test_gridsync_twins_count_publish_and_read():
+    # the twins of gemv_mlp.py's grid barrier: the add returns the value before, acquire reads
+    # what release wrote, the L2 load reads 16 bytes in memory order
+    from nq.ptx import (atom_add_acq_rel_gpu_u32, ld_acquire_gpu_u32, ld_global_cg_v4_u32,
+                        st_release_gpu_u32)
+    flag = np.zeros(2, np.uint32)
+    olds = [int(atom_add_acq_rel_gpu_u32.twin(flag, 0, 1)) for _ in range(5)]
+    assert olds == [0, 1, 2, 3, 4] and flag[0] == 5
+    flag[0] = 0xFFFFFFFF
+    assert atom_add_acq_rel_gpu_u32.twin(flag, 0, 2) == 0xFFFFFFFF and flag[0] == 1   # wraps
+    st_release_gpu_u32.twin(flag, 1, 7)
+    assert ld_acquire_gpu_u32.twin(flag, 1) == 7
+    data = np.arange(8, dtype=np.uint32)
+    assert [int(v) for v in ld_global_cg_v4_u32.twin(data, 4)] == [4, 5, 6, 7]

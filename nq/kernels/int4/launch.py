@@ -323,3 +323,58 @@ def make_down_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
     """down: prepare([(down_qw, down_sc)]); call (swiglu_out fp16, qw, sc, x, stream); the
     kernel as make_o_proj_gemv's."""
     return _residual("down", cfg, tiling)
+
+
+class MlpMmaGemv:
+    """A layer's MLP in one kernel (gemv_mlp.py): `g(x, norm_w, gu_qw, gu_sc, dn_qw, dn_sc, a,
+    bar, stream)`, x fp32 (H,) += Wd . (silu(Wg . h) * (Wu . h)), h = rmsnorm(x, norm_w); the
+    weights as gate_up's and down's tensor-core launchers prepare them; a fp16 (I,) the SwiGLU
+    scratch, bar uint32 (2,) the grid barrier's words (zeros once, then left to the kernel:
+    one pair a layer, or one for all, since the kernels of a step run in turn)."""
+
+    def __init__(self, cfg: ModelConfig, tiling=None, sms: int | None = None):
+        from nq.kernels.int4.gemv_mlp import MlpTiling, check_mlp, compile_gemv_mlp, mlp_grid
+        from nq.kernels.int4.gemv_mma_shape import launch_smem
+        self.tiling = tiling or MlpTiling()
+        self.inter, self.hidden = cfg.intermediate_size, cfg.hidden_size
+        self.eps = float(cfg.rms_norm_eps)
+        sms = sms or _sm_count()
+        check_mlp(self.inter, self.hidden, self.tiling, sms, self.eps)
+        self.grid = mlp_grid(self.inter, self.hidden, self.tiling)
+        self.block = self.tiling.threads
+        self.kernel = compile_gemv_mlp(self.inter, self.hidden, self.tiling, self.eps, self.grid)
+        self.name = f"gemv_mlp_{self.tiling.tag()}"
+        self.smem = launch_smem(self.inter, self.tiling.down())
+        allow_smem(self.kernel, self.smem)
+
+    def __call__(self, x, norm_w, gu_qw, gu_sc, dn_qw, dn_sc, a, bar, stream=0, phases=3):
+        """phases: 3 (both, the grid barrier between); the simulator runs 1 then 2, one launch
+        each (gemv_mlp.py's module doc)."""
+        i, h = self.inter, self.hidden
+        need(x, f"{self.name} x", np.float32, (h,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (h,), 8)
+        need(gu_qw, f"{self.name} gate_up qweight", np.uint32, (2 * i, h // 8))
+        need(gu_sc, f"{self.name} gate_up scales", np.float16, (2 * i, h // GROUP_SIZE), 2)
+        need(dn_qw, f"{self.name} down qweight", np.uint32, (h, i // 8))
+        need(dn_sc, f"{self.name} down scales", np.float16, (h, i // GROUP_SIZE), 2)
+        need(a, f"{self.name} a", np.float16, (i,), 16)
+        need(bar, f"{self.name} bar", np.uint32, (2,), 4)
+        if phases not in (1, 2, 3):
+            raise ValueError(f"{self.name}: phases is 1, 2 or 3, got {phases}")
+        self.kernel[self.grid, self.block, stream, self.smem](
+            x, norm_w, gu_qw.reshape(gu_qw.size), gu_sc.reshape(gu_sc.size),
+            dn_qw.reshape(dn_qw.size), dn_sc.reshape(dn_sc.size), a, bar, np.int32(phases))
+
+
+def _sm_count() -> int:
+    """The device's SM count (132 under the simulator: an H100/H200's)."""
+    from nq.ptx import SIMULATOR
+    if SIMULATOR:
+        return 132
+    from numba import cuda
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def make_mlp_gemv(cfg: ModelConfig, tiling=None, sms: int | None = None) -> MlpMmaGemv:
+    """The fused MLP (gemv_mlp.py; opt-in): reads gate_up's and down's tensor-core weights."""
+    return MlpMmaGemv(cfg, tiling, sms)
