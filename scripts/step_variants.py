@@ -88,8 +88,7 @@ def regs(eng) -> dict:
     """Registers per thread of the step's GEMV kernels (numba dispatchers)."""
     from nq.runtime.weights import gemvs
     out = {}
-    tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items()
-               if k not in ("qkv_rope", "mlp")}
+    tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
     for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
         try:
             local = g.kernel.get_local_mem_per_thread()
@@ -122,8 +121,6 @@ def main(argv=None) -> int:
     launchers = gemvs(cfg)
     defaults = {k: g.tiling for k, g in launchers.items()}
     defaults["qkv_rope"] = make_qkv_rope_gemv(cfg).tiling
-    from nq.kernels.int4.gemv_mlp import MlpTiling
-    defaults["mlp"] = MlpTiling()   # "mlp.<field>=v": the fused MLP (gemv_mlp.py) in the step
     hd = cfg.head_dim   # qkv's and qkv_rope's mma tiling (rope-ordered rows) needs it
     engines = {k: (default_tiling(k, g.n_out, g.k, mma=False), mma_tiling(k, g.n_out, g.k, hd))
                for k, g in launchers.items()}

@@ -28,7 +28,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
     clock     clock64 (the SM's cycle counter)
     gridsync  atom_add_acq_rel_gpu_u32, ld_acquire_gpu_u32, st_release_gpu_u32, fence_acq_rel_gpu,
-              ld_global_cg_v4_u32, nanosleep_u32 (blocks of one grid meeting: gemv_mlp.py)
+              ld_global_cg_v4_u32, nanosleep_u32 (blocks of one grid meeting: a grid barrier)
     cluster   cluster_ctarank, barrier_cluster_sync, mapa_shared_cluster_u32, ld_shared_cluster_f32
               (thread block clusters and distributed shared memory)
 """

@@ -2,17 +2,19 @@
 stores that publish and observe it, a gpu-wide fence, coherent loads of data other blocks of
 the same kernel wrote, and a short sleep for a spinning thread.
 
-The fused MLP kernel (nq/kernels/int4/gemv_mlp.py) writes SwiGLU's output in its first phase
-and reads all of it in its second, from every block: between them each block adds one to a
-counter (`atom_add_acq_rel_gpu_u32`: release orders the block's stores before it, acquire the
-other blocks' after it), the last to arrive publishes a new generation (`st_release_gpu_u32`),
-and the others spin on it (`ld_acquire_gpu_u32`, `nanosleep_u32` between tries).  The data is
-then read with `ld_global_cg_v4_u32` (L2, coherent across SMs), never `.nc`, whose read-only
-path may hold what it held before the other blocks wrote.
+A grid barrier is these in a row: each block's thread 0 adds one to a counter
+(`atom_add_acq_rel_gpu_u32`: release orders the block's stores before it, acquire the other
+blocks' after it), the last to arrive publishes a new generation (`st_release_gpu_u32`), the
+others spin on it (`ld_acquire_gpu_u32`, `nanosleep_u32` between tries); the data the other
+blocks wrote is then read with `ld_global_cg_v4_u32` (L2, coherent across SMs), never `.nc`,
+whose read-only path may hold what it held before they wrote.  Every block of such a grid must
+be resident at once.  The first user, a layer's MLP in one kernel (gate_up, the barrier, down;
+bc19524), lost to the two kernels it replaced and was retired (docs/PERF.md 0.18); the
+instructions stay, tested, for the next kernel that needs blocks to meet (a persistent step).
 
 The twins read and write the array; the simulator runs a grid's blocks one after another, so
-nothing there may spin on another block (the fused kernel's `phases` argument says how it is
-run there).
+nothing there may spin on another block (bc19524's fused kernel ran its two phases as two
+launches there).
 """
 from __future__ import annotations
 

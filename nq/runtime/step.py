@@ -36,6 +36,10 @@ FUSE_ROPE = True
 # moves ~0.3 TB/s and gate_up waited for it at the join); 16-64 CTAs: -0.001..+0.056 (docs/
 # PERF.md 0.15).  A layer's own next weights asked of L2 from inside its GEMV won instead
 # (MmaTiling.l2ahead, 0.16).
+# Retired (2026-12-03; bc19524 holds it): a layer's MLP as one kernel (gemv_mlp.py, step_variants
+# "mlp.slots=8"): gate_up, a grid barrier, then down through a ring of slots first filled beside
+# gate_up's stream; +0.13..+0.32 ms a step, 40.1-44.3 us a layer alone against the two kernels'
+# 35.9 (docs/PERF.md 0.18).
 
 
 def attention_options(attn=None) -> dict:
@@ -47,23 +51,6 @@ def attention_options(attn=None) -> dict:
     if opts.get("cluster") and "tma" not in attn:
         opts["tma"] = False
     return opts
-
-
-def _fused_mlp(eng, g, tiling):
-    """The fused MLP's launcher (nq/kernels/int4/gemv_mlp.py) for tilings["mlp"], which reads
-    gate_up's and down's tensor-core weights as uploaded, and its grid-barrier words, two a
-    layer (zeros once; the kernel keeps them consistent across replays)."""
-    import numpy as np
-    from numba import cuda
-
-    from nq.kernels.int4.launch import make_mlp_gemv
-    from nq.kernels.int4.tiling import MmaTiling
-    if not (isinstance(g["gate_up"].tiling, MmaTiling) and isinstance(g["down"].tiling, MmaTiling)):
-        raise ValueError("the fused MLP reads gate_up's and down's tensor-core weights; this "
-                         "engine uploaded another layout (NQ_MMA_GATE_UP=0?)")
-    if getattr(eng, "mlp_bars", None) is None:
-        eng.mlp_bars = cuda.to_device(np.zeros((eng.cfg.num_layers, 2), np.uint32))
-    return make_mlp_gemv(eng.cfg, tiling)
 
 
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
@@ -80,9 +67,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     opts = attention_options(attn)
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
-    mlp_tiling = tilings.pop("mlp", None)   # the fused MLP (gemv_mlp.py), opt-in
     g = gemvs(c, tilings, check_layout)
-    mlp = _fused_mlp(eng, g, mlp_tiling) if mlp_tiling is not None else None
     qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
         FUSE_ROPE if fuse_rope is None else fuse_rope) else None
     if (qkv_rope is not None and check_layout
@@ -108,10 +93,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                 c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
                 eng.part_ml, **opts)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st))]
-        if mlp is not None:
-            steps.append(("mlp", lambda st, L=L, bar=eng.mlp_bars[i]: mlp(
-                eng.x, L.post_norm, L.gu_w, L.gu_s, L.down_w, L.down_s, eng.a, bar, st)))
-            continue
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),

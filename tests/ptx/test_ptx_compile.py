@@ -312,7 +312,7 @@ def test_cluster_set_emits_each_instruction(cluster_ptx, instruction):
 
 
 def gridsync_set(flag, data, out):
-    # gemv_mlp.py's grid barrier in miniature: arrive, the last publishes, the rest spin; then
+    # a grid barrier in miniature (gridsync.py's doc): arrive, the last publishes, the rest spin; then
     # read what the other blocks wrote through L2
     if cuda.threadIdx.x == 0:
         gen = P.ld_acquire_gpu_u32(flag, 1)

@@ -422,28 +422,3 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
         assert top[0] - top[1] <= TIE_TOL * spread, (
             f"n={n}: divergence at token {k}: batched {got[k]} vs replay {want[k]}, top-2 gap "
             f"{(top[0] - top[1]) / spread:.2e} of the spread")
-
-
-def test_fused_mlp_in_the_step(model):
-    """The step with the fused MLP (tilings {"mlp": MlpTiling()}, gemv_mlp.py; opt-in) gives
-    the default step's greedy ids, and its last logits within 1e-3 of their spread (down's
-    tiles are split over 9 warps instead of 16: the same sums in another order)."""
-    from nq.kernels.int4.gemv_mlp import MlpTiling
-    name, nf, eng, ref = model
-    if name != "7b-width-2layers":
-        pytest.skip("the fused MLP reads tensor-core gate_up and down weights: the 7B width")
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    runs = []
-    try:
-        for tilings in (None, {"mlp": MlpTiling()}, {"mlp": MlpTiling(slots=4)}):
-            eng.variant(tilings)
-            eng.reset()
-            ids = list(eng.generate_ids(prompt, 24, GREEDY))
-            runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
-    finally:
-        eng.variant()
-    ids0, l0 = runs[0]
-    spread = l0.max() - l0.min()
-    for ids, logits in runs[1:]:
-        assert ids == ids0
-        assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread

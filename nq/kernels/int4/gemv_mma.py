@@ -58,7 +58,13 @@ an SM cannot do down's math, wherever its weights wait (docs/PERF.md 0.14).  And
 (a8a7e72 holds both; docs/PERF.md 0.17): sets=3, three register sets so a group's loads go
 out two groups ahead (96 registers + 12 B spilled at 576 threads), +0.066 / +0.065 / +0.078;
 apart=1, a warp computing gate or up alone (56 registers, three 384-thread blocks an SM, 36
-warps instead of 18), -0.014 / -0.004 / +0.007 for 21 % more instructions.
+warps instead of 18), -0.014 / -0.004 / +0.007 for 21 % more instructions.  And gate_up
+and down as one kernel (gemv_mlp.py, bc19524; docs/PERF.md 0.18): one 576-thread block an SM
+did this gate_up, a grid barrier, then down's tiles at 9 warps a tile through a ring of
+bulk-copied slots first filled beside gate_up's stream: +0.13..+0.32 ms a step (2..9 slots a
+warp; alone 40.1-44.3 us a layer against the two kernels' 35.9): under PDL the boundary it
+removed cost ~1 us, the barrier ~1.5-2, and down's phase with 18 warps an SM took 16-18.5 us
+against down's own 14.2.
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -114,14 +120,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from types import SimpleNamespace
 
 from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import dev
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
-from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, MmaShape, check_tiling, dynamic_smem,
+from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
                                             launch_smem, shape_of)
 from nq.kernels.int4.gemv_mma_stage import act_path
 from nq.kernels.int4.gemv_mma_weights import weight_path
@@ -133,7 +138,7 @@ from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, cp_async_wait_group, c
                     st_global_u16)
 
 __all__ = ["NORM_KINDS", "build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem",
-           "gemv_mma_name", "launch_smem", "sums_path"]
+           "gemv_mma_name", "launch_smem"]
 
 
 def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
@@ -160,92 +165,6 @@ def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | N
                           launch_bounds=bounds)
 
 
-def sums_path(s: MmaShape, w, a_, n_out: int, k: int) -> SimpleNamespace:
-    """The row sums' side of a kernel's body as device functions: the epilogue thread's row
-    (`out_row`), the warps' partials into shared memory and their fixed-order sum
-    (`put_partials`, `row_sum`), the norm's weights into L2 (`norm_to_l2`) and gate_up up to
-    its partials (`gate_up_sums`: `gate_up_head` before the wait, `gate_up_tail` from it; the
-    fused MLP puts down's first copies between them).  w, a_: weight_path(s), act_path(s)."""
-    TILE_WARPS, TILES, GROUPS, MATS = s.TILE_WARPS, s.TILES, s.GROUPS, s.MATS
-    HILO, LO_WORDS, L2AHEAD = s.HILO, s.LO_WORDS, s.L2AHEAD
-    roles, tile_bases, load_both, mainloop = w.roles, w.tile_bases, w.load_both, w.mainloop
-    ahead_prologue, stage_norm = w.ahead_prologue, a_.stage_norm
-
-    def out_row():
-        # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
-        # threads below TILES * TILE have one (row -1 otherwise, or past the matrix)
-        tid = cuda.threadIdx.x
-        tl2 = tid // TILE
-        r = tid % TILE
-        row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
-        return tl2, r, row if tid < TILES * TILE and row < n_out else -1
-
-    def put_partials(red, tl, kw, g, t4, acc):
-        # lane t = 0 of each row pair: the warp's sums of rows g and g+8 (and the up tile's)
-        if t4 == 0:
-            o = (tl * TILE_WARPS + kw) * TILE * MATS + g
-            red[o] = acc[0]
-            red[o + 8] = acc[1]
-            if MATS == 2:
-                red[o + TILE] = acc[2]
-                red[o + TILE + 8] = acc[3]
-
-    def row_sum(red, tl, r, m):
-        # row r of tile tl (m: 0, or 1 for the up tile): the TILE_WARPS warps' partials in a
-        # fixed order
-        s = float32(0.0)
-        for w_ in range(TILE_WARPS):
-            s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
-        return s
-
-    def norm_to_l2(norm_w):
-        # gemv.py's: the norm's weights into L2 before the wait, so that the staging after it
-        # waits on L2, not DRAM
-        if cuda.threadIdx.x == 0:
-            cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)
-
-    def gate_up_head(qw, sc, norm_w):
-        """What gate_up asks for before griddepcontrol.wait: the warp's first group (gate and
-        up) and, with l2ahead, the next ones into L2; the norm's weights into L2.  Returns
-        (the warp's roles, bases, first) for gate_up_tail."""
-        lane, g, t4, tl, kw, tile = roles()
-        bases = tile_bases(tile, lane, g)
-        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
-        if L2AHEAD:
-            ahead_prologue(qw, bases, kw)
-        norm_to_l2(norm_w)
-        return (lane, g, t4, tl, kw), bases, first
-
-    def gate_up_tail(x, norm_w, qw, sc, act, red, invf, ssum, who, bases, first):
-        """gate_up from the wait up to the warps' partials in `red`: (row, tl2, r, rstd) for
-        row_sum(red, tl2, r, 0 / 1), the thread's output row; row -1 for threads without one.
-        who: the warp's roles (gate_up_head's)."""
-        lane, g, t4, tl, kw = who
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        abase = uint64(cvta_to_shared_u32(act))
-        if HILO:   # lanes of odd g hold B's odd columns: lo
-            abase += uint64((g & 1) * LO_WORDS * 4)
-        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
-        put_partials(red, tl, kw, g, t4, acc)
-        cuda.syncthreads()
-        tl2, r, row = out_row()
-        return row, tl2, r, rstd
-
-    def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
-        """gate_up up to the warps' partials in `red` (gate_up_tail's result)."""
-        who, bases, first = gate_up_head(qw, sc, norm_w)
-        return gate_up_tail(x, norm_w, qw, sc, act, red, invf, ssum, who, bases, first)
-
-    out_row, put_partials, row_sum, norm_to_l2, gate_up_head, gate_up_tail, gate_up_sums = (
-        dev(f) for f in (out_row, put_partials, row_sum, norm_to_l2, gate_up_head, gate_up_tail,
-                         gate_up_sums))
-    return SimpleNamespace(out_row=out_row, put_partials=put_partials, row_sum=row_sum,
-                           norm_to_l2=norm_to_l2, gate_up_head=gate_up_head,
-                           gate_up_tail=gate_up_tail, gate_up_sums=gate_up_sums)
-
-
 @functools.cache
 def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
                  heads=None):
@@ -270,7 +189,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                              f"rope ({t.rope})")
     s = shape_of(kind, n_out, k, t, eps)   # the constants (gemv_mma_shape.py says what each is)
     TILE_WARPS, WARPS, TILES, GROUPS, N_TILES = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS, s.N_TILES
-    ACT_WORDS, PARTIALS, ACT_ALLOC = s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
+    MATS, ACT_WORDS, PARTIALS, ACT_ALLOC = s.MATS, s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
     ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
     EARLY, L2AHEAD = s.EARLY, s.L2AHEAD
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
@@ -280,9 +199,15 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                                                         w.load_both, w.mainloop)
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop
     stage, stage_norm = a_.stage, a_.stage_norm
-    u = sums_path(s, w, a_, n_out, k)   # shared with the fused MLP kernel (gemv_mlp.py)
-    out_row, put_partials, row_sum, norm_to_l2, gate_up_sums = (
-        u.out_row, u.put_partials, u.row_sum, u.norm_to_l2, u.gate_up_sums)
+
+    def out_row():
+        # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
+        # threads below TILES * TILE have one (row -1 otherwise, or past the matrix)
+        tid = cuda.threadIdx.x
+        tl2 = tid // TILE
+        r = tid % TILE
+        row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
+        return tl2, r, row if tid < TILES * TILE and row < n_out else -1
 
     def pair_row(tid):
         # qkv's epilogue thread (one a RoPE pair, tid < TILES * 8): (tile in the block, row g
@@ -292,6 +217,24 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tile = cuda.blockIdx.x * TILES + tl2
         r0 = file_row(tile, g)
         return tl2, g, r0 if tid < TILES * 8 and tile < N_TILES else -1
+
+    def put_partials(red, tl, kw, g, t4, acc):
+        # lane t = 0 of each row pair: the warp's sums of rows g and g+8 (and the up tile's)
+        if t4 == 0:
+            o = (tl * TILE_WARPS + kw) * TILE * MATS + g
+            red[o] = acc[0]
+            red[o + 8] = acc[1]
+            if MATS == 2:
+                red[o + TILE] = acc[2]
+                red[o + TILE + 8] = acc[3]
+
+    def row_sum(red, tl, r, m):
+        # row r of tile tl (m: 0, or 1 for the up tile): the TILE_WARPS warps' partials in a
+        # fixed order
+        s = float32(0.0)
+        for w_ in range(TILE_WARPS):
+            s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
+        return s
 
     def block_sums(a, qw, sc, x, act, red, dyn):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, xr) for
@@ -374,6 +317,12 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             cos_a, sin_a = cos_sin(pos, fr)
         return rstd, (b0, b1, cos_a, sin_a, pos, page)
 
+    def norm_to_l2(norm_w):
+        # gemv.py's: the norm's weights into L2 before the wait, so that the staging after it
+        # waits on L2, not DRAM
+        if cuda.threadIdx.x == 0:
+            cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)
+
     def pair_i(tid):
         # the pair's index i in its head (rows i, i + D/2; < D/2 for every thread)
         return (cuda.blockIdx.x * TILES + (tid >> 3)) % TPH * 8 + (tid & 7)
@@ -387,8 +336,31 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     def put_qkv(out, b, row, v):
         out[row] = v + b
 
-    pair_row, block_sums, qkv_sums, pair_i, weight_row, put_qkv = (
-        dev(f) for f in (pair_row, block_sums, qkv_sums, pair_i, weight_row, put_qkv))
+    def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
+        """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
+        row_sum(red, tl2, r, 0 / 1), the thread's output row; row -1 for threads without one."""
+        lane, g, t4, tl, kw, tile = roles()
+        bases = tile_bases(tile, lane, g)
+        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
+        if L2AHEAD:
+            ahead_prologue(qw, bases, kw)
+        norm_to_l2(norm_w)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        abase = uint64(cvta_to_shared_u32(act))
+        if HILO:   # lanes of odd g hold B's odd columns: lo
+            abase += uint64((g & 1) * LO_WORDS * 4)
+        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        put_partials(red, tl, kw, g, t4, acc)
+        cuda.syncthreads()
+        tl2, r, row = out_row()
+        return row, tl2, r, rstd
+
+    out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, \
+        weight_row, put_qkv, gate_up_sums = (
+            dev(f) for f in (out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums,
+                             norm_to_l2, pair_i, weight_row, put_qkv, gate_up_sums))
     put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
     put_rope = dev(put_rope)
 

@@ -14,8 +14,7 @@ from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
-from nq.ptx import (ld_global_cg_v4_u32, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
-                    ld_global_nc_v4_u32,
+from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
 
@@ -25,29 +24,23 @@ def act_path(s: MmaShape) -> SimpleNamespace:
     STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
     LO_WORDS = s.LO_WORDS
 
-    def staging(load):
-        def stage(a, act):
-            # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
-            # 8c: lane t's B fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
-            for it in range(STAGE_ITERS):
-                c = it * THREADS + cuda.threadIdx.x
-                if c < CHUNKS:
-                    p0, p1, p2, p3 = load(a, c * CHUNK)
-                    p4, p5, p6, p7 = load(a, c * CHUNK + 8)
-                    w = c * 8
-                    act[w] = p0
-                    act[w + 1] = p4
-                    act[w + 2] = p1
-                    act[w + 3] = p5
-                    act[w + 4] = p2
-                    act[w + 5] = p6
-                    act[w + 6] = p3
-                    act[w + 7] = p7
-        return stage
-
-    # stage reads `a` by the read-only path (an earlier kernel wrote it); stage_cg through L2,
-    # for the fused MLP's down, whose `a` other blocks of the same kernel wrote
-    stage, stage_cg = staging(ld_global_nc_v4_u32), staging(ld_global_cg_v4_u32)
+    def stage(a, act):
+        # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
+        # 8c: lane t's B fragment (b0 = pair t, b1 = pair t + 4) is then 8 contiguous bytes
+        for it in range(STAGE_ITERS):
+            c = it * THREADS + cuda.threadIdx.x
+            if c < CHUNKS:
+                p0, p1, p2, p3 = ld_global_nc_v4_u32(a, c * CHUNK)
+                p4, p5, p6, p7 = ld_global_nc_v4_u32(a, c * CHUNK + 8)
+                w = c * 8
+                act[w] = p0
+                act[w + 1] = p4
+                act[w + 2] = p1
+                act[w + 3] = p5
+                act[w + 4] = p2
+                act[w + 5] = p6
+                act[w + 6] = p3
+                act[w + 7] = p7
 
     def stage_norm(x, norm_w, act, invf, ssum):
         """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
@@ -137,7 +130,5 @@ def act_path(s: MmaShape) -> SimpleNamespace:
 
     pow2_scale = dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
-    stage, stage_cg, stage_norm, stage_group = (dev(f) for f in (stage, stage_cg, stage_norm,
-                                                                 stage_group))
-    return SimpleNamespace(stage=stage, stage_cg=stage_cg, stage_norm=stage_norm,
-                           stage_group=stage_group)
+    stage, stage_norm, stage_group = (dev(f) for f in (stage, stage_norm, stage_group))
+    return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group)

@@ -32,7 +32,6 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     NORM, D, TPH, PARTNER, HILO, EARLY = s.NORM, s.D, s.TPH, s.PARTNER, s.HILO, s.EARLY
     PAIRS_MAIN, SLOTS_B, SC_W, SC_CHUNKS = s.PAIRS_MAIN, s.SLOTS_B, s.SC_W, s.SC_CHUNKS
     SC_ITERS, BAR_B, SLOT_TX, L2AHEAD = s.SC_ITERS, s.BAR_B, s.SLOT_TX, s.L2AHEAD
-    ITERS = s.ITERS
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -220,29 +219,6 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
             acc = add_group(acc, ca, ca, abase, grp, t4, invf)
         return acc
 
-    def ring_loop(qw, dyn, abase, bases, t4, invf):
-        """All the warp's groups through its EARLY slots as a ring (the fused MLP's down,
-        gemv_mlp.py): the slots hold its first EARLY groups (early_prologue's copies); each
-        group's slot, once its math has read it, is refilled with the group EARLY further
-        on, so EARLY - 1 groups a warp stay in flight.  Fill n of a slot completes its
-        mbarrier's phase n, so iteration it waits for parity (it // EARLY) & 1."""
-        lane, g, t4_, tl, kw, tile = roles()
-        warp = cuda.threadIdx.x >> 5
-        bar = cvta_to_shared_u32(dyn) + uint32(BAR_B + warp * EARLY * 8)
-        z = float32(0.0)
-        acc = (z, z, z, z)
-        for it in range(ITERS):
-            grp = kw + it * TILE_WARPS
-            slot = it % EARLY
-            mbarrier_wait_parity(bar + uint32(slot * 8), uint32((it // EARLY) & 1))
-            ca = early_read(dyn, slot, lane, warp, tl, g, 0, grp)
-            acc = add_group(acc, ca, ca, abase, grp, t4, invf)
-            if it + EARLY < ITERS:
-                cuda.syncwarp(FULL)      # every lane's reads of the slot are done (used above)
-                if lane == 0:
-                    early_issue(qw, dyn, bases, grp + EARLY * TILE_WARPS, slot, warp)
-        return acc
-
     def roles():
         # (lane, g, t, the warp's tile in the block, its share kw, the tile clamped into the
         # matrix: the last block's spare tile loads words that exist and is not written)
@@ -280,15 +256,15 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     dequant = dev(dequant_word)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, add_group, \
         mainloop, to_l2, ahead_prologue, early_issue, early_prologue, early_scale, early_read, \
-        early_loop, ring_loop, roles, file_row, tile_bases = (
+        early_loop, roles, file_row, tile_bases = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, add_group, mainloop, to_l2, ahead_prologue, early_issue,
-                             early_prologue, early_scale, early_read, early_loop, ring_loop,
-                             roles, file_row, tile_bases))
+                             early_prologue, early_scale, early_read, early_loop, roles,
+                             file_row, tile_bases))
     return SimpleNamespace(
         load_words=load_words, load_scales=load_scales, load_group=load_group,
         load_both=load_both, dequant_mma=dequant_mma, chunk=chunk, group_dot=group_dot,
         add_group=add_group, mainloop=mainloop, to_l2=to_l2, ahead_prologue=ahead_prologue,
         early_issue=early_issue, early_prologue=early_prologue, early_scale=early_scale,
-        early_read=early_read, early_loop=early_loop, ring_loop=ring_loop, roles=roles,
-        file_row=file_row, tile_bases=tile_bases)
+        early_read=early_read, early_loop=early_loop, roles=roles, file_row=file_row,
+        tile_bases=tile_bases)
