@@ -344,7 +344,9 @@ def test_shared_addresses_are_given_out_again_once_freed():
     # each simulated block allocates its shared arrays anew; a run of many blocks must not walk
     # the stand-in addresses past the 256 KiB that a wgmma descriptor's 14 bits of (addr >> 4)
     # name (the batched prefill's wgmma attention read a wrapped address before this)
-    import gc
+    # (no gc.collect(): an array is freed when its last reference goes, and a full collection
+    # in a test worker that has imported numba and torch took ~2.7 s -- 200 of them were 550 s
+    # of CI's run)
     from nq.ptx import _sim
     seen = set()
     for _ in range(200):
@@ -353,7 +355,6 @@ def test_shared_addresses_are_given_out_again_once_freed():
         seen.add(base)
         assert base + block.nbytes <= _sim.WINDOW
         del block
-        gc.collect()
     assert len(seen) <= 2, sorted(seen)
     # a live array keeps its range, and a temporary view of it resolves inside it
     keep = np.zeros(1024, np.uint32)
@@ -371,7 +372,6 @@ def test_shared_addresses_are_given_out_again_once_freed():
     t0 = np.frombuffer(dyn.data, dtype=np.uint32, count=1024)
     db = int(P.cvta_to_shared_u32.twin(t0))
     del t0
-    gc.collect()
     t1 = np.frombuffer(dyn.data, dtype=np.uint32, count=1024)
     assert int(P.cvta_to_shared_u32.twin(t1[4:])) == db + 16
     _sim.shared_bytes(db, 4096)[:] = 3
@@ -381,7 +381,6 @@ def test_shared_addresses_are_given_out_again_once_freed():
     bar = int(P.cvta_to_shared_u32.twin(bars))
     P.mbarrier_init.twin(bar, 1)
     del bars
-    gc.collect()
     fresh = np.zeros(2, np.uint64)
     assert int(P.cvta_to_shared_u32.twin(fresh)) == bar
     with pytest.raises(RuntimeError, match="before mbarrier_init"):
