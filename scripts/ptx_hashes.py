@@ -36,6 +36,9 @@ docs/figures/ptx_hashes_5c99159.json at 5c99159: against 1564659 only attn_split
 consumers and ppc 2, by intent); the other 28 kernels of the 7B and 32B are the same.  (A file
 made at 10b4212 was withdrawn: build_step_kernels then left out ATTN_OPTIONS' ppc, so it hashed
 a four-consumer kernel the engine does not run.)
+Since 2026-12-03 (after 8aa6f13) `normalise` also drops numba's environment declarations (its
+doc), so hashes of files made before differ from today's for every kernel; compare files made
+by the same version.
 """
 from __future__ import annotations
 
@@ -51,9 +54,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def normalise(ptx: str) -> str:
-    """The PTX's instructions: no comments, no blank lines, symbol names replaced by NAME<i>
-    numbered in order of first appearance (kernel and parameter names carry the module path)."""
+    """The PTX's instructions: no comments, no blank lines, no numba environment declarations
+    (`.common .global ... _ZN08NumbaEnv...`, one per device function, never read: splitting a
+    device function in two adds one and changes no instruction), symbol names replaced by
+    NAME<i> numbered in order of first appearance (kernel and parameter names carry the module
+    path)."""
     body = re.sub(r"//[^\n]*", "", ptx)
+    body = re.sub(r"(?m)^\s*\.common\s+\.global\b[^\n]*NumbaEnv[^\n]*$", "", body)
     names = re.findall(r"\.(?:entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)", body)
     names += re.findall(r"\b(_Z[\w$]+)", body)
     names += re.findall(r"\b(_cudapy_smem_\d+)\b", body)   # numbered per process (doc)
