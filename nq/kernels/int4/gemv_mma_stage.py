@@ -71,21 +71,11 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         else:
             for it in range(NORM_ITERS):
                 grp = it * WARPS + warp
-                base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4   # a spare load beats a branch
-                x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-                w01, w23 = ld_global_nc_v2_u32(norm_w, base)
-                n0, n1 = unpack_f16x2_to_f32(w01)
-                n2, n3 = unpack_f16x2_to_f32(w23)
-                p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-                m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
-                f, fi = pow2_scale(m)
+                v0, v1, v2, v3, fi, sq, w = scaled_group(x, norm_w, grp, lane)
                 if grp < GROUPS:
-                    ss += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-                    j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
-                    w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-                    w += 2 * j if j < 4 else 2 * j - 7
-                    act[w] = pack_f16x2_from_f32(p0 * f, p1 * f)
-                    act[w + 2] = pack_f16x2_from_f32(p2 * f, p3 * f)   # pair j + 1: two words on
+                    ss += sq
+                    act[w] = pack_f16x2_from_f32(v0, v1)
+                    act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
                     if lane == 0:
                         invf[grp] = fi
         ss = wsum(ss)
@@ -94,12 +84,12 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         cuda.syncthreads()
         return rstd_of(ssum, WARPS, INV_K, EPS)
 
-    def stage_group(x, norm_w, act, invf, grp, lane):
-        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
-        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
-        squares of x (0 past the last group).  Called once a group, written out: as a loop
-        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
-        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
+    def scaled_group(x, norm_w, grp, lane):
+        """Group grp's values of a lane as stage_norm stages them: v = x * norm_w * f_g for
+        x[128 grp + 4 lane ..] (four), 1/f_g, the lane's sum of squares of x, and the word of
+        its first pair in stage's order (lane l holds pairs 2(l%4) and 2(l%4)+1 of chunk l//4,
+        which land at words 2j (j < 4) or 2(j-4)+1 of the chunk).  Past the last group the
+        loads read the last one (a spare load beats a branch) and the caller stores nothing."""
         base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
         x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
         w01, w23 = ld_global_nc_v2_u32(norm_w, base)
@@ -108,13 +98,21 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
         m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
         f, fi = pow2_scale(m)
+        j = (lane & 3) * 2          # the lane's first pair in its chunk (0, 2, 4, 6)
+        w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
+        w += 2 * j if j < 4 else 2 * j - 7
+        return (p0 * f, p1 * f, p2 * f, p3 * f, fi, x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, w)
+
+    def stage_group(x, norm_w, act, invf, grp, lane):
+        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
+        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
+        squares of x (0 past the last group).  Called once a group, written out: as a loop
+        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
+        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
+        v0, v1, v2, v3, fi, sq, w = scaled_group(x, norm_w, grp, lane)
         ss = float32(0.0)
         if grp < GROUPS:
-            ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-            j = (lane & 3) * 2
-            w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
-            w += 2 * j if j < 4 else 2 * j - 7
-            v0, v1, v2, v3 = p0 * f, p1 * f, p2 * f, p3 * f
+            ss = sq
             hi01 = pack_f16x2_from_f32(v0, v1)
             hi23 = pack_f16x2_from_f32(v2, v3)
             act[w] = hi01
@@ -130,5 +128,6 @@ def act_path(s: MmaShape) -> SimpleNamespace:
 
     pow2_scale = dev(pow2_scale_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
-    stage, stage_norm, stage_group = (dev(f) for f in (stage, stage_norm, stage_group))
+    scaled_group, stage, stage_norm, stage_group = (
+        dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
     return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group)
