@@ -312,8 +312,8 @@ def test_cluster_set_emits_each_instruction(cluster_ptx, instruction):
 
 
 def gridsync_set(flag, data, out):
-    # a grid barrier in miniature (gridsync.py's doc): arrive, the last publishes, the rest spin; then
-    # read what the other blocks wrote through L2
+    # a grid barrier in miniature (gridsync.py's doc): arrive, the last publishes, the rest
+    # spin; then read what the other blocks wrote through L2
     if cuda.threadIdx.x == 0:
         gen = P.ld_acquire_gpu_u32(flag, 1)
         P.fence_acq_rel_gpu()

@@ -582,8 +582,8 @@ def test_warp_exchange_survives_a_recycled_block_manager(monkeypatch):
 
 
 def test_gridsync_twins_count_publish_and_read():
-    # the twins of a grid barrier (gridsync.py's doc): the add returns the value before, acquire reads
-    # what release wrote, the L2 load reads 16 bytes in memory order
+    # the twins of a grid barrier (gridsync.py's doc): the add returns the value before,
+    # acquire reads what release wrote, the L2 load reads 16 bytes in memory order
     from nq.ptx import (atom_add_acq_rel_gpu_u32, ld_acquire_gpu_u32, ld_global_cg_v4_u32,
                         st_release_gpu_u32)
     flag = np.zeros(2, np.uint32)

@@ -44,9 +44,9 @@ def act_path(s: MmaShape) -> SimpleNamespace:
 
     def stage_norm(x, norm_w, act, invf, ssum):
         """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
-        invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; lane l
-        holds a group's values 4l..4l+3: pairs 2(l%4) and 2(l%4)+1 of chunk l//4, which land
-        at words 2j (j < 4) or 2(j-4)+1 of the chunk.  gemv.py's piece_put, value for value."""
+        invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; a lane's
+        four values and where they land are scaled_group's.  gemv.py's piece_put, value for
+        value."""
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
         ss = float32(0.0)
