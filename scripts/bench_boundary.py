@@ -15,7 +15,10 @@ only streams bytes (no math, no data dependency), so the difference is the bound
   * `tiles`   the chain's kernels reading their weights in gemv_mma's order and grid
               (`build_tiles`): the access pattern's cost, without the kernel's math;
   * `persistent`  one kernel walking the chain's slices with a grid-wide barrier between
-              them (`build_persistent`): what a persistent kernel's simplest sync costs.
+              them (`build_persistent`): what a persistent kernel's simplest sync costs;
+  * `persistent, lean`  the same with the leanest barrier (`red.release` arrivals on a counter
+              that only grows, thread 0 spinning on `ld.acquire`), and both forms with no
+              bytes (`barriers`, `barriers, lean`): a barrier's own latency, against `empty`.
 
     python3 scripts/bench_boundary.py --reps 20
 
@@ -109,17 +112,20 @@ def build_tiles():
                           "bench_boundary_tiles", launch_bounds=(256,))
 
 
-def build_persistent():
+def build_persistent(lean: bool = False):
     """One kernel for the whole chain: the grid streams phase p's slice (offs[p] to offs[p+1],
     16-byte vectors, four loads in flight a thread as `build`'s), then waits at a grid-wide
-    barrier (a counter every block adds 1 to, thread 0 spinning on it with atomic reads) before
-    phase p + 1 -- the simplest persistent kernel, its barrier standing where a boundary was.
+    barrier before phase p + 1 -- the simplest persistent kernel, its barrier standing where a
+    boundary was.  The barrier: thread 0 of each block adds 1 to a counter and spins until it
+    reaches (p + 1) x blocks; with atomics both (`lean` False: the first measured form), or
+    (`lean`) arriving by `red.release.gpu` (nothing returned, so nothing waited for) and
+    spinning on `ld.acquire.gpu` (a load, not a read-modify-write the arrivals queue behind).
     Every block must be resident at once (the grid is two blocks of 512 an SM); `reset` zeroes
     the counter first, inside the same graph."""
     from numba import cuda, uint32
 
     from nq.kernels.build import compile_kernel
-    from nq.ptx import ld_global_nc_v4_u32
+    from nq.ptx import ld_acquire_gpu_u32, ld_global_nc_v4_u32, red_release_gpu_add_u32
 
     def body(buf, offs, n_phases, ctr, out):
         stride = cuda.gridDim.x * cuda.blockDim.x
@@ -142,11 +148,16 @@ def build_persistent():
                 i += stride
             cuda.syncthreads()
             if cuda.threadIdx.x == 0:
-                cuda.threadfence()
-                cuda.atomic.add(ctr, 0, uint32(1))
                 target = uint32((p + 1) * cuda.gridDim.x)
-                while cuda.atomic.add(ctr, 0, uint32(0)) < target:
-                    pass
+                if lean:
+                    red_release_gpu_add_u32(ctr, 0, uint32(1))
+                    while ld_acquire_gpu_u32(ctr, 0) < target:
+                        pass
+                else:
+                    cuda.threadfence()
+                    cuda.atomic.add(ctr, 0, uint32(1))
+                    while cuda.atomic.add(ctr, 0, uint32(0)) < target:
+                        pass
             cuda.syncthreads()
         if acc == uint32(0x9E3779B9):
             out[0] = acc
@@ -154,8 +165,9 @@ def build_persistent():
     def reset(ctr):
         ctr[0] = 0
 
+    name = "bench_boundary_persistent" + ("_lean" if lean else "")
     k = compile_kernel(body, "void(uint32[::1], int64[::1], int64, uint32[::1], uint32[::1])",
-                       "bench_boundary_persistent", launch_bounds=(512,))
+                       name, launch_bounds=(512,))
     return k, compile_kernel(reset, "void(uint32[::1])", "bench_boundary_reset")
 
 
@@ -228,18 +240,23 @@ def main(argv=None) -> int:
         kern[False][blocks, 512, stream](buf, 0, total // 16, out)
 
     pk, reset = build_persistent()
+    pk_lean, _ = build_persistent(lean=True)
     offs = cuda.to_device(np.concatenate([[0], np.cumsum(sizes) // 4]).astype(np.int64))
+    zero_offs = cuda.to_device(np.zeros(len(sizes) + 1, np.int64))   # every phase empty
     ctr = cuda.device_array(1, np.uint32)
 
     try:   # every block resident at once, or the barrier never opens
-        pblocks = min(blocks, pk.max_cooperative_grid_blocks(512))
+        pblocks = min(blocks, pk.max_cooperative_grid_blocks(512),
+                      pk_lean.max_cooperative_grid_blocks(512))
     except Exception:  # noqa: BLE001 -- one block an SM always fits
         pblocks = dev.MULTIPROCESSOR_COUNT
     print(f"persistent: {pblocks} blocks of 512", flush=True)
 
-    def persistent():
-        reset[1, 1, stream](ctr)
-        pk[pblocks, 512, stream](buf, offs, len(sizes), ctr, out)
+    def persistent(k, o):
+        def launches():
+            reset[1, 1, stream](ctr)
+            k[pblocks, 512, stream](buf, o, len(sizes), ctr, out)
+        return launches
 
     graphs = {"one": CapturedGraph(stream, one, "one"),
               "chain": CapturedGraph(stream, chain(False, True), "chain", programmatic=True),
@@ -247,18 +264,25 @@ def main(argv=None) -> int:
               "empty": CapturedGraph(stream, chain(False, False), "empty", programmatic=True),
               "chain, no PDL": CapturedGraph(stream, chain(False, True), "chain_nopdl"),
               "tiles": CapturedGraph(stream, tiles(True), "tiles", programmatic=True),
-              "persistent": CapturedGraph(stream, persistent, "persistent")}
+              "persistent": CapturedGraph(stream, persistent(pk, offs), "persistent"),
+              "persistent, lean": CapturedGraph(stream, persistent(pk_lean, offs), "p_lean"),
+              "barriers": CapturedGraph(stream, persistent(pk, zero_offs), "barriers"),
+              "barriers, lean": CapturedGraph(stream, persistent(pk_lean, zero_offs),
+                                              "barriers_lean")}
     res = {}
     for name, g in graphs.items():
         res[name] = g.median_ms(a.reps)
     n = len(sizes)
     tile_bytes = sum(t * g * 1024 for t, g, _ in shapes)
     for name, ms in res.items():
+        if name in ("empty", "barriers", "barriers, lean"):   # no bytes: latency alone
+            print(f"{name:16s} {ms:7.3f} ms  {ms / n * 1e3:6.2f} us a boundary or barrier")
+            continue
         extra = ms - res["one"]
         nb = tile_bytes if name == "tiles" else total
         vs = "" if name == "one" else \
             f"{extra:+.3f} ms against one kernel, {extra / n * 1e3:+.2f} us a boundary"
-        print(f"{name:14s} {ms:7.3f} ms  {nb / ms / 1e9:6.2f} TB/s  {vs}")
+        print(f"{name:16s} {ms:7.3f} ms  {nb / ms / 1e9:6.2f} TB/s  {vs}")
     return 0
 
 

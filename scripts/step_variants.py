@@ -18,7 +18,8 @@ shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is wh
 NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
 rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a thread
-block cluster), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
+block cluster; and max_splits, the split kernel's grid width a kv head, up to the engine's
+default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.

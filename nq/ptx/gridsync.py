@@ -5,7 +5,9 @@ the same kernel wrote, and a short sleep for a spinning thread.
 A grid barrier is these in a row: each block's thread 0 adds one to a counter
 (`atom_add_acq_rel_gpu_u32`: release orders the block's stores before it, acquire the other
 blocks' after it), the last to arrive publishes a new generation (`st_release_gpu_u32`), the
-others spin on it (`ld_acquire_gpu_u32`, `nanosleep_u32` between tries); the data the other
+others spin on it (`ld_acquire_gpu_u32`, `nanosleep_u32` between tries); or, leaner, each
+arrives with `red_release_gpu_add_u32` (no old value to wait for) on a counter that only grows
+and spins until it reaches the barrier's count; the data the other
 blocks wrote is then read with `ld_global_cg_v4_u32` (L2, coherent across SMs), never `.nc`,
 whose read-only path may hold what it held before they wrote.  Every block of such a grid must
 be resident at once.  The first user, a layer's MLP in one kernel (gate_up, the barrier, down;
@@ -58,6 +60,17 @@ def st_release_gpu_u32(arr, idx, v):
     """`st.release.gpu.global.u32 [&arr[idx]], v;` -- publish v after every write this thread
     made or observed before it."""
     _flat(arr)[idx] = np.uint32(v)
+
+
+@ptx("red.release.gpu.global.add.u32 [%0], %2;", args=("arr", "idx", "u32"), effect="memory")
+def red_release_gpu_add_u32(arr, idx, v):
+    """`red.release.gpu.global.add.u32 [&arr[idx]], v;` -- add v and return nothing: an arrival
+    that publishes this thread's earlier writes without waiting for the counter's old value, so
+    a barrier's arrival costs one release, not an atomic's round trip (scripts/bench_boundary.py
+    measures the two forms against a kernel boundary)."""
+    with _LOCK:
+        a = _flat(arr)
+        a[idx] = np.uint32((int(a[idx]) + int(v)) & 0xFFFFFFFF)
 
 
 @ptx("fence.acq_rel.gpu;", effect="memory")

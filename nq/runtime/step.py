@@ -65,6 +65,15 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     c, weights = eng.cfg, eng.w
     attn = dict(attn or {})
     opts = attention_options(attn)
+    # an experiment's grid width of the split kernel (step_variants "attn.max_splits=33"): the
+    # first rows of the engine's partial buffers, which decode_workspace sized for the default
+    part_acc, part_ml = eng.part_acc, eng.part_ml
+    ms = opts.pop("max_splits", None)
+    if ms is not None:
+        if not 1 <= int(ms) <= part_acc.shape[0]:
+            raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
+                             f"{part_acc.shape[0]} splits")
+        part_acc, part_ml = part_acc[:int(ms)], part_ml[:int(ms)]
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
@@ -90,8 +99,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                     c, eng.qkv, eng.state, eng.inv_freq, eng.d_table, kv_i, eng.q))]
         steps += [
             ("paged_attention", attention.decode_launcher(
-                c, eng.q, eng.state, eng.d_table, kv_i, eng.o, eng.part_acc,
-                eng.part_ml, **opts)),
+                c, eng.q, eng.state, eng.d_table, kv_i, eng.o, part_acc, part_ml, **opts)),
             ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st))]
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,

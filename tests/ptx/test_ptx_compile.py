@@ -323,6 +323,9 @@ def gridsync_set(flag, data, out):
         else:
             while P.ld_acquire_gpu_u32(flag, 1) == gen:
                 P.nanosleep_u32(64)
+        P.red_release_gpu_add_u32(flag, 2, 1)   # the lean form: arrive, spin to the count
+        while P.ld_acquire_gpu_u32(flag, 2) < cuda.gridDim.x:
+            pass
     cuda.syncthreads()
     a, b, c, d = P.ld_global_cg_v4_u32(data, 4 * cuda.threadIdx.x)
     out[cuda.threadIdx.x] = a + b + c + d
@@ -334,7 +337,7 @@ def gridsync_ptx():
 
 
 @pytest.mark.parametrize("instruction", [
-    "atom.add.acq_rel.gpu.global.u32", "ld.acquire.gpu.global.u32", "st.release.gpu.global.u32",
+    "atom.add.acq_rel.gpu.global.u32", "red.release.gpu.global.add.u32", "ld.acquire.gpu.global.u32", "st.release.gpu.global.u32",
     "fence.acq_rel.gpu", "ld.global.cg.v4.u32", "nanosleep.u32",
 ])
 def test_gridsync_set_emits_each_instruction(gridsync_ptx, instruction):
@@ -355,7 +358,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 61
+    assert len(names) == 62
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx(),
             gridsync_ptx)
     for n in names:

@@ -585,12 +585,13 @@ def test_gridsync_twins_count_publish_and_read():
     # the twins of a grid barrier (gridsync.py's doc): the add returns the value before,
     # acquire reads what release wrote, the L2 load reads 16 bytes in memory order
     from nq.ptx import (atom_add_acq_rel_gpu_u32, ld_acquire_gpu_u32, ld_global_cg_v4_u32,
-                        st_release_gpu_u32)
+                        red_release_gpu_add_u32, st_release_gpu_u32)
     flag = np.zeros(2, np.uint32)
     olds = [int(atom_add_acq_rel_gpu_u32.twin(flag, 0, 1)) for _ in range(5)]
     assert olds == [0, 1, 2, 3, 4] and flag[0] == 5
     flag[0] = 0xFFFFFFFF
     assert atom_add_acq_rel_gpu_u32.twin(flag, 0, 2) == 0xFFFFFFFF and flag[0] == 1   # wraps
+    assert red_release_gpu_add_u32.twin(flag, 0, 3) is None and flag[0] == 4   # adds, returns nothing
     st_release_gpu_u32.twin(flag, 1, 7)
     assert ld_acquire_gpu_u32.twin(flag, 1) == 7
     data = np.arange(8, dtype=np.uint32)
