@@ -127,14 +127,14 @@ def build_step_kernels(cfg) -> None:
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
     from nq.kernels.attention import combine, decode, plan
     from nq.kernels.int4 import make_qkv_rope_gemv, retile
-    from nq.runtime.step import ATTN_OPTIONS
+    from nq.runtime.step import ATTN_OPTIONS, split_width
     from nq.runtime.weights import gemvs
 
     gemvs(cfg)
     make_qkv_rope_gemv(cfg)
     lm_head.make_lm_head(cfg)
     o = dict(ATTN_OPTIONS)
-    ms = plan.default_max_splits(cfg.num_kv_heads)
+    ms = split_width(cfg)
     decode.split_kernel(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads,
                         o.get("consumers", plan.CONSUMERS), o.get("nstage", plan.NSTAGE),
                         o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]),

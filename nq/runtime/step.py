@@ -13,11 +13,21 @@ from __future__ import annotations
 # Four consumer warps, one for every two pages of a split (ppc 2: a 512-token context's
 # two-page splits keep one consumer and no merge): -0.004 / -0.022 / -0.056 / -0.211 ms at
 # 512 / 2K / 8K / 32K (H200, 2026-12-02; four consumers on every split: +0.048 at 512).
-# The pages of splits of 12 or more (contexts past ~12K tokens) by tensor-map copies into
-# swizzled slots (tma, tma_from 12): +0.011 / +0.005..0.009 / -0.044 / -0.155 ms at 512 / 8K /
-# 16K / 32K; on every split +0.010..0.015 / +0.013..0.019 / -0.047 / -0.158 (docs/PERF.md 0.10).
+# Every page by tensor-map copies into swizzled slots (tma), four stages of four pages (128 KB
+# of slots: one CTA an SM) and one wave of splits, `split_width`: 33 a kv head for the 7B, 132
+# CTAs, where there were 66 (two CTAs an SM, three stages, tensor maps from 12 pages a split).
+# At 8K only about half of the 66-wide grid's CTAs fit beside qkv_rope's blocks and copy their
+# pages before qkv_rope ends; the 33-wide one all do, and with four stages a split's 16 pages
+# are all in flight at once.  Against that default, ms a step at 512 / 1K / 2K / 4K / 8K / 16K /
+# 32K (H200, 2026-12-03, scripts/step_variants.py "attn.max_splits=33 attn.nstage=4
+# attn.tma_from=1"): -0.006 / +0.002 / +0.013 / -0.021 / **-0.104** / +0.007 / +0.011.  The
+# bulk copies lose in this grid (one producer an SM issuing 16 copies a page): tma from 4 pages
+# +0.018 / +0.013 at 1K / 2K, from 20 +0.108 at 8K; 22 splits -0.029 at 4K but +0.040 at 32K;
+# three stages -0.059 at 8K; five or six stages as four; six consumers +0.03..0.04 at 16K / 32K
+# (docs/PERF.md 0.19).  Before, tma from 12 pages had measured +0.011 / +0.005..0.009 / -0.044 /
+# -0.155 ms at 512 / 8K / 16K / 32K against none (docs/PERF.md 0.10).
 ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4, "ppc": 2,
-                "tma": True, "tma_from": 12}
+                "nstage": 4, "tma": True, "tma_from": 0}
 # Retired after the H200 measured them (2026-12-02; a3fddf4 holds them): the attention asking
 # L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
 # while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge
@@ -40,6 +50,13 @@ FUSE_ROPE = True
 # "mlp.slots=8"): gate_up, a grid barrier, then down through a ring of slots first filled beside
 # gate_up's stream; +0.13..+0.32 ms a step, 40.1-44.3 us a layer alone against the two kernels'
 # 35.9 (docs/PERF.md 0.18).
+
+
+def split_width(cfg) -> int:
+    """The step's split kernel grid a kv head: one wave, one CTA an SM (ATTN_OPTIONS' figures)."""
+    from nq.kernels.attention.plan import one_wave_splits
+    from nq.kernels.common import sm_count
+    return one_wave_splits(cfg.num_kv_heads, sm_count())
 
 
 def attention_options(attn=None) -> dict:
@@ -65,15 +82,14 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     c, weights = eng.cfg, eng.w
     attn = dict(attn or {})
     opts = attention_options(attn)
-    # an experiment's grid width of the split kernel (step_variants "attn.max_splits=33"): the
-    # first rows of the engine's partial buffers, which decode_workspace sized for the default
-    part_acc, part_ml = eng.part_acc, eng.part_ml
-    ms = opts.pop("max_splits", None)
-    if ms is not None:
-        if not 1 <= int(ms) <= part_acc.shape[0]:
-            raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
-                             f"{part_acc.shape[0]} splits")
-        part_acc, part_ml = part_acc[:int(ms)], part_ml[:int(ms)]
+    # the split kernel's grid width a kv head, `split_width`, or an experiment's
+    # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
+    # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
+    ms = int(opts.pop("max_splits", None) or split_width(c))
+    if not 1 <= ms <= eng.part_acc.shape[0]:
+        raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
+                         f"{eng.part_acc.shape[0]} splits")
+    part_acc, part_ml = eng.part_acc[:ms], eng.part_ml[:ms]
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)

@@ -53,6 +53,7 @@ ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts,
 MIN_PPS = 1         # fewest pages a split takes: 1 won alone (first kernel, 512 tokens: 15.7 vs
 #                     20.7 us at 4); in the step graph 2 won by 0.013 ms at 512 (engine's)
 CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_heads): 66 for the 7B
+#                     (the decode step runs one CTA an SM instead: one_wave_splits, step.py)
 
 
 def split_plan(length: int, max_splits: int, min_pps: int = MIN_PPS) -> tuple[int, int]:
@@ -64,6 +65,13 @@ def split_plan(length: int, max_splits: int, min_pps: int = MIN_PPS) -> tuple[in
 
 def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = CTAS_PER_SM) -> int:
     return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
+
+
+def one_wave_splits(num_kv_heads: int, n_sms: int = 132) -> int:
+    """The most splits a kv head whose CTAs all fit one an SM (33 for the 7B on 132 SMs): the
+    decode step's grid width (nq/runtime/step.py, where its four stages of slots leave room for
+    one CTA an SM, and the figures)."""
+    return max(1, n_sms // num_kv_heads)
 
 
 # ---- attn_split's shared memory ------------------------------------------------------------------

@@ -370,3 +370,18 @@ def test_step_attention_options_take_an_experiment_over_the_defaults():
         {**ATTN_OPTIONS, "cluster": 16, "early": False, "tma": False}
     # ...unless the experiment names both, which the launcher then refuses with its reason
     assert attention_options({"cluster": 16, "tma": True})["tma"] is True
+
+
+def test_step_grid_is_one_wave_of_one_cta_an_sm():
+    # the step's split kernel (step.py ATTN_OPTIONS, split_width): four stages of four tensor-
+    # map slots are more than half of an SM's shared memory, so one CTA an SM, and the grid is
+    # the most splits a kv head whose CTAs fit one wave
+    from nq.kernels.common import SMEM_OPTIN_LIMIT
+    from nq.runtime.step import ATTN_OPTIONS
+    o = ATTN_OPTIONS
+    nbytes = plan.smem_bytes(128, o["consumers"], o["nstage"], o["rows_per_copy"], tma=o["tma"],
+                             tma_from=o["tma_from"]) + plan.barrier_bytes(o["nstage"])
+    assert SMEM_OPTIN_LIMIT // 2 < nbytes <= SMEM_OPTIN_LIMIT
+    assert [plan.one_wave_splits(kv) for kv in (2, 4, 8)] == [66, 33, 16]   # 0.5B, 7B, 14B
+    assert 4 * plan.one_wave_splits(4, 114) <= 114        # an H100 PCIe's SMs: still one wave
+    assert plan.one_wave_splits(200, 132) == 1
