@@ -19,14 +19,15 @@ thread arrives).  No __syncthreads inside a role branch: the CTA syncs once, aft
 init; the roles then run to the end without meeting again (every copy issued is waited for by
 the consumers, so no bulk copy is in flight when the CTA exits).
 
-Tensor-map copies (`tma`, the engine's default from 12 pages a split, `tma_from`): the
+Tensor-map copies (`tma`, the step's default for every page; `tma_from` for long splits only): the
 producer's lanes < npg * 2 issue one `cp.async.bulk.tensor.5d` each, a (page, kv head)'s K and
 V rows of one 64-dim half (plan.tma_spec: a 4 KB box, 128-byte swizzle) into a 1024-byte
 aligned slot, 1/16 of the bulk path's copies and no ldmatrix bank conflicts.  The consumers
 address the swizzled rows through 4 + 4 per-lane offsets computed before the page loop (the
 XOR of the swizzle folded in); the tail zeroing follows the slot's layout.  With tma_from the
-plan picks the layout at run time, so the one captured graph copies a 512-token context's
-two-page splits as padded rows and a 32K context's 31-page splits by tensor map.
+plan picks the layout at run time (a split of fewer pages gets padded rows).  In the step's
+one-wave grid (33 CTAs a kv head, one an SM: nq/runtime/step.py) the bulk copies lose at every
+context, 16 copies a page from the SM's one producer (docs/PERF.md 0.19).
 
 Fragments (nq/ptx/mma.py; g = lane // 4, t = lane % 4, h = kv head * GQA + g):
 

@@ -46,7 +46,10 @@ ALIGN = 16       # ldmatrix rows and bulk copies need 16-byte shared addresses
 # contexts (-0.21 ms a step at 32K: the one consumer walking a split's pages was the chain),
 # one at short ones, which decode_launcher's `ppc` gives in one kernel: the engine passes
 # them (nq/runtime/step.py ATTN_OPTIONS).  Six or eight consumers need more registers than
-# two CTAs an SM leave (159 a thread): one CTA an SM, +0.67 ms at 32K.
+# two CTAs an SM leave (159 a thread): one CTA an SM, +0.67 ms at 32K.  Since be0e83b the step
+# runs one CTA an SM on purpose -- one wave of `one_wave_splits`, four stages, every page by
+# tensor map: -0.104 ms a step at 8K (docs/PERF.md 0.19); the defaults here stay the
+# two-CTA grid that bench_attn and the tests take.
 CONSUMERS = 1       # consumer warps = pages per stage
 NSTAGE = 3          # stages of CONSUMERS pages each
 ROWS_PER_COPY = 4   # token rows per cp.async.bulk (4: 2-way ldmatrix conflicts, 1/4 the copies)
