@@ -100,6 +100,36 @@ def signals_as_interrupts(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def signals_deferred(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Inside: these signals are only noted, and the first is handled as the block ends (by
+    the handler it would have met), so a constructor it would interrupt halfway finishes
+    first.  A tqdm bar cut off inside its __init__ is garbage-collected with no `pos`, and its
+    __del__ then prints a traceback ("Exception ignored in ... tqdm.__del__") after nq's own
+    "SIGTERM" line.  Handlers, not the thread's signal mask: any thread may be the one the OS
+    delivers to, and Python runs the handler in the main thread either way.  Off the main
+    thread this does nothing (only it may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        if previous[s] is not signal.SIG_IGN:
+            signal.signal(s, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if noted:
+            handler = previous[noted[0]]
+            if callable(handler):
+                handler(noted[0], None)               # _interrupt: raises as it would have
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), noted[0])        # the default action, now
+
+
 def interrupted(e: KeyboardInterrupt) -> int:
     """Say how the run ended (stderr) and return its exit status, 128 + the signal."""
     signum = getattr(e, "signum", signal.SIGINT)

@@ -179,3 +179,24 @@ def test_ctrl_c_during_start_up_has_no_traceback(tiny_nanoqwen, delay):
     assert "Traceback" not in err
     # before generation: "nq: interrupted"; during it: the JSON object, stop_reason included
     assert "nq: interrupted" in err or json.loads(out)["stats"]["stop_reason"] == "interrupted"
+
+
+def test_a_signal_inside_signals_deferred_is_raised_as_the_block_ends():
+    # a SIGTERM that lands inside the block (a tqdm bar's __init__ in `nq pack`) waits for
+    # it to finish, then ends the run as it would have: Terminated from the handler in force
+    import os
+    import signal
+
+    from nq.errors import Terminated, signals_as_interrupts, signals_deferred
+    done = []
+    with signals_as_interrupts():
+        with pytest.raises(Terminated) as e:
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):   # bytecodes where the handler would otherwise run
+                    pass
+                done.append(True)
+        assert e.value.signum == signal.SIGTERM and done == [True]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL   # handlers restored
+        with signals_deferred():        # nothing noted: nothing raised
+            pass

@@ -369,6 +369,8 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
     presence, shape and dtype, and the free space."""
     from tqdm import tqdm
 
+    from nq.errors import signals_deferred
+
     if lm_head not in LM_HEADS:
         raise LoadError(f"lm_head={lm_head!r}: choose one of {', '.join(LM_HEADS)}")
     out = check_output(out)
@@ -393,8 +395,10 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
         yield "lm_head.scales", scales
 
     def tensors():
-        with tqdm(total=n_out, desc=f"pack {out.name}", unit="tensor", file=sys.stderr,
-                  disable=not progress) as bar:
+        with signals_deferred():   # not a half-built bar: its __del__ would print a traceback
+            bar = tqdm(total=n_out, desc=f"pack {out.name}", unit="tensor", file=sys.stderr,
+                       disable=not progress)
+        with bar:
             for ours, hf, shape in plan:
                 if ours.endswith("_proj.weight"):
                     qweight, scales = quantize_pack(ckpt.f32(hf, shape))
