@@ -125,7 +125,7 @@ def build_step_kernels(cfg) -> None:
     kernels and the stand-alone small kernels.  Keep this list in step with
     nq/runtime/step.py's `build_steps` when a kernel joins or leaves the step."""
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
-    from nq.kernels.attention import combine, decode, plan
+    from nq.kernels.attention import combine, launch, plan
     from nq.kernels.int4 import make_qkv_rope_gemv, retile
     from nq.runtime.step import ATTN_OPTIONS, split_width
     from nq.runtime.weights import gemvs
@@ -135,7 +135,7 @@ def build_step_kernels(cfg) -> None:
     lm_head.make_lm_head(cfg)
     o = dict(ATTN_OPTIONS)
     ms = split_width(cfg)
-    decode.split_kernel(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads,
+    launch.split_kernel(cfg.gqa_ratio, cfg.head_dim, cfg.num_kv_heads,
                         o.get("consumers", plan.CONSUMERS), o.get("nstage", plan.NSTAGE),
                         o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]),
                         ppc=o.get("ppc", 0), tma=o.get("tma", False),

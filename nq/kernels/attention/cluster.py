@@ -120,7 +120,7 @@ def check_cluster(cluster: int) -> None:
 def cluster_launcher(cfg, kern, q, state, table, kv_layer, o, *, cluster: int, consumers: int,
                      nstage: int, rows_per_copy: int):
     """decode_launcher's cluster form (module doc): `launch(stream=0)` runs kern, the cluster
-    kernel decode.split_kernel(..., cluster=cluster) compiled, in clusters of `cluster`."""
+    kernel launch.split_kernel(..., cluster=cluster) compiled, in clusters of `cluster`."""
     from nq.kernels.attention.plan import barrier_bytes, smem_bytes
     from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
     from nq.kernels.fastlaunch import FastLaunch

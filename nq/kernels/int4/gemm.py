@@ -110,8 +110,8 @@ import numpy as np
 from nq.kernels.build import compile_kernel, in_cache
 from nq.kernels.common import allow_smem
 from nq.kernels.int4.gemm_kernel import (KINDS, TILE, Tiles, build_gemm, check,  # noqa: F401
-                                         gather_fragment, gemm_launch, layout_tag,
-                                         row_piece_word)
+                                         gather_fragment, layout_tag, row_piece_word)
+from nq.kernels.int4.gemm_launch import gemm_launch
 
 
 # ---- the NumPy reference -------------------------------------------------------------------------
@@ -172,7 +172,7 @@ class Gemm:
         self.kind, self.n, self.k, self.layout = kind, n, k, layout
         self.w_rows = 2 * n if kind == "gate_up" else n
         self.configs = tuple(configs)
-        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
+        self._memo = {}   # checked launch arguments by buffer set (gemm_launch.gemm_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens: the configuration's kernel, compiled (or

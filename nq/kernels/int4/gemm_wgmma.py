@@ -78,8 +78,9 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, in_cache, kernel_name
 from nq.kernels.common import allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (TILE, gather_fragment, gemm_launch, layout_tag, rope_of,
+from nq.kernels.int4.gemm_kernel import (TILE, gather_fragment, layout_tag, rope_of,
                                          row_piece_word)
+from nq.kernels.int4.gemm_launch import gemm_launch
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
                     ld_global_nc_u16, ld_shared_v4_u32_at, mul_rn_f16x2, st_global_u16)
@@ -445,7 +446,7 @@ class WgmmaGemm:
             check(kind, n, k, layout, t)
         self.small, self.min_m = small, min_m
         self.w_rows = 2 * n if kind == "gate_up" else n
-        self._memo = {}   # checked launch arguments by buffer set (gemm_kernel.gemm_launch)
+        self._memo = {}   # checked launch arguments by buffer set (gemm_launch.gemm_launch)
 
     def pick(self, m):
         """(tiles, kernel, name) that run m tokens (compiled, or loaded from the kernel cache,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nq.config import tiny_config
-from nq.kernels.attention import combine, decode, plan
+from nq.kernels.attention import combine, decode, launch, plan
 
 from ptx_util import (assert_no_local_memory, assert_uses, compile_ptx_sm90, compiled_name,
                       count, have_ptxas, ptxas_report, run_under_simulator)
@@ -126,7 +126,7 @@ def test_combine_ptx(groups):
 
 
 def test_kernel_names_spell_every_constant():
-    assert (compiled_name(decode.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
+    assert (compiled_name(launch.split_kernel, 7, 128, 4, 1, 3, 2, 66, 2, True)
             == "attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1")
     assert (compiled_name(combine.combine_kernel, 128, 66, 2)
             == "attn_combine_d128_splits66_minpps2_g8_vec4")
@@ -326,7 +326,7 @@ def test_engine_options_are_launcher_keywords():
     import inspect
 
     from nq.runtime.step import ATTN_OPTIONS
-    knobs = {n for n, p in inspect.signature(decode.decode_launcher).parameters.items()
+    knobs = {n for n, p in inspect.signature(launch.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
                                          "cluster", "ppc", "tma", "tma_from"}
@@ -350,7 +350,7 @@ def test_cluster_ptx(cluster):
     if have_ptxas():
         regs, spills = ptxas_report(ptx)
         assert spills == 0 and regs <= 192
-    assert decode.split_name(7, 128, 4, 1, 3, 2, cluster, 2, True, cluster=cluster) == \
+    assert launch.split_name(7, 128, 4, 1, 3, 2, cluster, 2, True, cluster=cluster) == \
         f"attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits{cluster}_minpps2_early1_cl{cluster}"
 
 

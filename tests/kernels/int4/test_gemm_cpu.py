@@ -229,11 +229,11 @@ def test_gemm_under_the_simulator_every_case():
 
 
 def test_launch_args_are_checked_once_a_buffer_set():
-    """gemm_kernel.launch_args: the checks run the first time a buffer set is seen (a wrong
+    """gemm_launch.launch_args: the checks run the first time a buffer set is seen (a wrong
     dtype is refused with the name), a repeat returns the remembered arguments, and other
     buffers are checked anew.  (Host arrays stand in for device ones: the checks read dtype,
     shape, contiguity and the data address alike.)"""
-    from nq.kernels.int4.gemm_kernel import MEMO_LIMIT, launch_args
+    from nq.kernels.int4.gemm_launch import MEMO_LIMIT, launch_args
     k, rows, n = 256, 32, 32
     x = np.zeros((8, k), np.float16)
     qw = np.zeros((rows, k // 8), np.uint32)
@@ -254,12 +254,12 @@ def test_launch_args_are_checked_once_a_buffer_set():
 
 
 def test_gemm_launch_keeps_one_fast_launch_a_kernel_and_buffer_set():
-    """gemm_kernel.gemm_launch: m = 0 is checked and launches nothing; a repeat of the same
+    """gemm_launch.gemm_launch: m = 0 is checked and launches nothing; a repeat of the same
     kernel and buffers reuses its FastLaunch; another kernel, or other buffers, get their own,
     over their own arrays (never a remembered launch of buffers that are gone)."""
     import types
 
-    from nq.kernels.int4.gemm_kernel import gemm_launch
+    from nq.kernels.int4.gemm_launch import gemm_launch
     k, rows, n = 256, 32, 32
     g = types.SimpleNamespace(kind="o_proj", k=k, w_rows=rows, n=n, _memo={})
 
