@@ -70,11 +70,20 @@ def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = C
     return max(1, -(-ctas_per_sm * n_sms // num_kv_heads))
 
 
-def one_wave_splits(num_kv_heads: int, n_sms: int = 132) -> int:
-    """The most splits a kv head whose CTAs all fit one an SM (33 for the 7B on 132 SMs): the
-    decode step's grid width (nq/runtime/step.py, where its four stages of slots leave room for
-    one CTA an SM, and the figures)."""
-    return max(1, n_sms // num_kv_heads)
+SM_SMEM = 228 * 1024    # an sm_90 SM's shared memory, of which each resident CTA takes 1 KB more
+
+
+def ctas_an_sm(smem: int, most: int = CTAS_PER_SM) -> int:
+    """How many split CTAs of `smem` bytes of shared memory (slots and barriers) one SM holds,
+    at least 1 and at most `most` (two: the registers of five warps at ~160-185 a thread)."""
+    return max(1, min(most, SM_SMEM // (smem + 1024)))
+
+
+def one_wave_splits(num_kv_heads: int, n_sms: int = 132, per_sm: int = 1) -> int:
+    """The most splits a kv head whose CTAs all fit at once, per_sm an SM (33 for the 7B's
+    d128 slots, one CTA an SM, on 132 SMs): the decode step's grid width (nq/runtime/step.py
+    `split_width`, with its figures)."""
+    return max(1, per_sm * n_sms // num_kv_heads)
 
 
 # ---- attn_split's shared memory ------------------------------------------------------------------

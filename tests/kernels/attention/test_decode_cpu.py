@@ -381,7 +381,16 @@ def test_step_grid_is_one_wave_of_one_cta_an_sm():
     o = ATTN_OPTIONS
     nbytes = plan.smem_bytes(128, o["consumers"], o["nstage"], o["rows_per_copy"], tma=o["tma"],
                              tma_from=o["tma_from"]) + plan.barrier_bytes(o["nstage"])
-    assert SMEM_OPTIN_LIMIT // 2 < nbytes <= SMEM_OPTIN_LIMIT
-    assert [plan.one_wave_splits(kv) for kv in (2, 4, 8)] == [66, 33, 16]   # 0.5B, 7B, 14B
+    assert SMEM_OPTIN_LIMIT // 2 < nbytes <= SMEM_OPTIN_LIMIT and plan.ctas_an_sm(nbytes) == 1
+    assert [plan.one_wave_splits(kv) for kv in (2, 4, 8)] == [66, 33, 16]   # one CTA an SM
     assert 4 * plan.one_wave_splits(4, 114) <= 114        # an H100 PCIe's SMs: still one wave
     assert plan.one_wave_splits(200, 132) == 1
+    # the step's width by model: d128 (7B, 14B) one CTA an SM; d64 (0.5B) slots of half the
+    # size, two; never past the partials decode_workspace gives the engine
+    from nq.config import PRESETS
+    from nq.runtime.step import split_width
+    widths = {name: split_width(PRESETS[name]) for name in ("0.5b", "7b", "14b", "32b")}
+    assert widths == {"0.5b": 132, "7b": 33, "14b": 16, "32b": 16}
+    for name, w in widths.items():
+        assert w <= plan.default_max_splits(PRESETS[name].num_kv_heads)
+    assert split_width(PRESETS["7b"], {"nstage": 2}) == 66    # 64 KB of slots: two an SM
