@@ -6,6 +6,8 @@ activations in fp16 between kernels and accumulates in fp32, the reference is fp
 Weights come from nq.ref.random_weights (projections ~ N(0, 1/K)), which gives logits a spread
 of order one, so a greedy choice is decided by the model and not by rounding noise.
 """
+import shutil
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,12 @@ def packed_model(tmp_path_factory, cfg, seed=0):
         w.pop("lm_head", None)
     snap = make_hf_snapshot(tmp_path_factory.mktemp("hf"), cfg,
                             weights={hf_name(k): v for k, v in w.items()})
-    return NanoqwenFile(pack(snap, tmp_path_factory.mktemp("nq") / "m.nanoqwen", progress=False))
+    out = pack(snap, tmp_path_factory.mktemp("nq") / "m.nanoqwen", progress=False)
+    # the snapshot is only the pack's input: ~3 GB at the 7B width, and under xdist every
+    # worker that runs one of a module's tests builds the module's models, which filled a
+    # 64 GiB disk at -n 6 (H200, 2026-12-03)
+    shutil.rmtree(snap, ignore_errors=True)
+    return NanoqwenFile(out)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
