@@ -7,10 +7,10 @@ how many issue slots it leaves on the step's critical path (it runs between attn
 o_proj, and nothing overlaps it).  The split plan is read before the wait (nothing in the step
 writes `state`); each thread then loads, at once, every split of the plan it owns -- its (m, l)
 as one 8-byte load, its four acc values as one 16-byte load, up to VEC_CHUNK_ROWS splits (the
-7B's 66 splits / 8 groups: 9), further ones a round trip a chunk; rows past the plan are read
-from row 0 and weighted 0, so no load sits behind a branch or waits on a select -- merges them
-against their own max, and the groups meet once in shared memory, each rescaled by
-exp2(m_group - max m).  Fixed order throughout, so a graph replay equals an eager launch bit
+7B step's 33 splits / 8 groups: 5; 66: 9), further ones a round trip a chunk; rows past the
+plan are read from row 0 and weighted 0, so no load sits behind a branch or waits on a select
+-- merges them against their own max, and the groups meet once in shared memory, each
+rescaled by exp2(m_group - max m).  Fixed order throughout, so a graph replay equals an eager launch bit
 for bit.  o (num_heads*head_dim,) is the o_proj GEMV's input.
 
 Measured in the 7B step on the H200 (scripts/step_variants.py, ms a step at 512 / 8K / 32K):
@@ -49,7 +49,7 @@ from nq.kernels.attention.plan import NEG_BIG
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.paged import PAGE, STATE_POS
 
-GROUPS = 8   # split groups a head (block head_dim / VEC * GROUPS: 9 splits a thread at 66)
+GROUPS = 8   # split groups a head (block head_dim / VEC * GROUPS: 5 splits a thread at 33)
 VEC = 4      # dims a thread: one 16-byte load of a split's acc
 VEC_CHUNK_ROWS = 16   # splits a thread loads at once (6 registers each)
 COMBINE_SIG = "void(int32[::1], float32[::1], float32[::1], float16[::1])"
