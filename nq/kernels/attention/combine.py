@@ -10,8 +10,8 @@ as one 8-byte load, its four acc values as one 16-byte load, up to VEC_CHUNK_ROW
 7B step's 33 splits / 8 groups: 5; 66: 9), further ones a round trip a chunk; rows past the
 plan are read from row 0 and weighted 0, so no load sits behind a branch or waits on a select
 -- merges them against their own max, and the groups meet once in shared memory, each
-rescaled by exp2(m_group - max m).  Fixed order throughout, so a graph replay equals an eager launch bit
-for bit.  o (num_heads*head_dim,) is the o_proj GEMV's input.
+rescaled by exp2(m_group - max m).  Fixed order throughout, so a graph replay equals an eager
+launch bit for bit.  o (num_heads*head_dim,) is the o_proj GEMV's input.
 
 Measured in the 7B step on the H200 (scripts/step_variants.py, ms a step at 512 / 8K / 32K):
   - (2026-12-02) the plan before the wait and a chunk's loads at once, against warp 0 reading
