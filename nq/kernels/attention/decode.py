@@ -68,7 +68,9 @@ thread block cluster is cluster.py (opt-in): split_main is this body under eithe
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 145 / 103); with tma and four consumers 185 at d128 (175 before the q values
-were loaded at once, 72800af), still two CTAs an SM (at most 204 a thread for five warps).
+were loaded at once, 72800af), still two CTAs an SM (at most 204 a thread for five warps);
+the step's tensor-map-only build 175 (the H200's JIT: 138 for the two-layout one), one CTA an
+SM by its four stages of slots (nq/runtime/step.py).
 
 Tolerance (tests/kernels/attention/test_decode_gpu.py): scores as fp32 (hi+lo q, exact fp16 K,
 fp32 accumulate); P as hi+lo fp16 leaves ~2^-22 relative on each weight (P in fp16 alone:
