@@ -52,15 +52,16 @@ FUSE_ROPE = True
 # 35.9 (docs/PERF.md 0.18).
 
 
-def split_width(cfg, attn=None) -> int:
+def split_width(cfg, opts=None) -> int:
     """The step's split kernel grid a kv head: one wave of as many CTAs an SM as their slots
     leave room for (at most two) -- one at head_dim 128, whose four stages of slots are 128 KB
-    (ATTN_OPTIONS' figures), two at 64 (not measured apart: the two-CTA grid it had before)."""
-    from nq.kernels.attention.plan import barrier_bytes, ctas_an_sm, one_wave_splits, smem_bytes
+    (ATTN_OPTIONS' figures), two at 64 (not measured apart: the two-CTA grid it had before).
+    opts: decode_launcher's keywords (attention_options; the step's by default)."""
+    from nq.kernels.attention.plan import cta_smem_bytes, ctas_an_sm, one_wave_splits
     from nq.kernels.common import sm_count
-    o = attention_options(attn)
-    smem = smem_bytes(cfg.head_dim, o["consumers"], o["nstage"], o["rows_per_copy"],
-                      tma=o["tma"], tma_from=o["tma_from"]) + barrier_bytes(o["nstage"])
+    o = opts or ATTN_OPTIONS
+    smem = cta_smem_bytes(cfg.head_dim, o["consumers"], o["nstage"], o["rows_per_copy"],
+                          o["tma"], o["tma_from"])
     return one_wave_splits(cfg.num_kv_heads, sm_count(), ctas_an_sm(smem))
 
 
@@ -90,7 +91,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # the split kernel's grid width a kv head, `split_width`, or an experiment's
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
-    ms = int(opts.pop("max_splits", None) or split_width(c, attn))
+    ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
                          f"{eng.part_acc.shape[0]} splits")

@@ -8,8 +8,8 @@ import functools
 
 from nq.kernels.attention import combine
 from nq.kernels.attention.decode import SPLIT_SIG, SPLIT_SIG_CL, SPLIT_SIG_TMA, split_body
-from nq.kernels.attention.plan import (CONSUMERS, MIN_PPS, NSTAGE, ROWS_PER_COPY, barrier_bytes,
-                                       check_attention_args, smem_bytes, tma_spec)
+from nq.kernels.attention.plan import (CONSUMERS, MIN_PPS, NSTAGE, ROWS_PER_COPY,
+                                       check_attention_args, cta_smem_bytes, smem_bytes, tma_spec)
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
 
@@ -104,9 +104,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     merge = combine.combine_kernel(d, ms, min_pps)
     merge_threads = combine.combine_threads(d)
     acc_flat, ml_flat = combine.flat_partials(part_acc, part_ml)
-    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=bool(tma),
-                        tma_from=int(tma_from) if tma else 0)
-    if nbytes + barrier_bytes(nstage) > STATIC_SMEM_LIMIT:
+    tfrom = int(tma_from) if tma else 0
+    nbytes = smem_bytes(d, consumers, nstage, rows_per_copy, tma=bool(tma), tma_from=tfrom)
+    if cta_smem_bytes(d, consumers, nstage, rows_per_copy, bool(tma), tfrom) > STATIC_SMEM_LIMIT:
         allow_smem(split, nbytes)
     threads = (consumers + 1) * 32
     if tma:

@@ -142,6 +142,15 @@ def barrier_bytes(nstage: int) -> int:
     return 8 * (2 * nstage + 2)
 
 
+def cta_smem_bytes(head_dim: int, consumers: int = CONSUMERS, nstage: int = NSTAGE,
+                   rows_per_copy: int = ROWS_PER_COPY, tma: bool = False,
+                   tma_from: int = 0) -> int:
+    """All the shared memory of one split CTA: its slots (smem_bytes) and its mbarriers --
+    what decides whether it needs the opt-in and how many CTAs an SM holds (ctas_an_sm)."""
+    return (smem_bytes(head_dim, consumers, nstage, rows_per_copy, tma=tma, tma_from=tma_from)
+            + barrier_bytes(nstage))
+
+
 # ---- partials and arguments ----------------------------------------------------------------------
 
 def decode_workspace(cfg, max_splits: int | None = None):

@@ -379,8 +379,9 @@ def test_step_grid_is_one_wave_of_one_cta_an_sm():
     from nq.kernels.common import SMEM_OPTIN_LIMIT
     from nq.runtime.step import ATTN_OPTIONS
     o = ATTN_OPTIONS
-    nbytes = plan.smem_bytes(128, o["consumers"], o["nstage"], o["rows_per_copy"], tma=o["tma"],
-                             tma_from=o["tma_from"]) + plan.barrier_bytes(o["nstage"])
+    nbytes = plan.cta_smem_bytes(128, o["consumers"], o["nstage"], o["rows_per_copy"], o["tma"],
+                                 o["tma_from"])
+    assert nbytes == plan.smem_bytes(128, 4, 4, 2, tma=True) + plan.barrier_bytes(4)
     assert SMEM_OPTIN_LIMIT // 2 < nbytes <= SMEM_OPTIN_LIMIT and plan.ctas_an_sm(nbytes) == 1
     assert [plan.one_wave_splits(kv) for kv in (2, 4, 8)] == [66, 33, 16]   # one CTA an SM
     assert 4 * plan.one_wave_splits(4, 114) <= 114        # an H100 PCIe's SMs: still one wave
@@ -393,4 +394,4 @@ def test_step_grid_is_one_wave_of_one_cta_an_sm():
     assert widths == {"0.5b": 132, "7b": 33, "14b": 16, "32b": 16}
     for name, w in widths.items():
         assert w <= plan.default_max_splits(PRESETS[name].num_kv_heads)
-    assert split_width(PRESETS["7b"], {"nstage": 2}) == 66    # 64 KB of slots: two an SM
+    assert split_width(PRESETS["7b"], {**ATTN_OPTIONS, "nstage": 2}) == 66   # 64 KB: two an SM
