@@ -116,6 +116,107 @@ def build(wpt: int, mats: int, groups: int, n_tiles: int, threads: int, min_bloc
     return k, -(-n_tiles // TILES)
 
 
+def build_bulk(mats: int, groups: int, n_tiles: int, consumers: int, stages: int, spin: int):
+    """The same bytes through shared memory, one producer lane a block: a block walks tiles
+    b, b + grid, ... (one CTA an SM); a stage holds `consumers` consecutive groups of one tile
+    (and of its up tile), one `cp.async.bulk` a matrix of up to consumers KB, counted off the
+    stage's full mbarrier; consumer warp w reads group w of the stage (its lane's 32 bytes, as
+    mainloop's loads), arrives on the stage's empty mbarrier, then runs `spin` dependent FMAs.
+    So the bytes in flight an SM are stages x consumers x mats KB, set by shared memory, not by
+    registers, and the loads are issued by a warp that does no math: whether a weight stream fed
+    by the copy engine reaches the `tiles` kernel's ~35 GB/s an SM where the register loop of
+    gemv_mma reaches ~20-22 (the retired `ring` copied 1 KB a warp, ~17)."""
+    from nq.kernels.build import compile_kernel
+    from nq.kernels.common import dev
+    from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32, fence_mbarrier_init,
+                        ld_shared_v4_u32_at, mbarrier_arrive, mbarrier_arrive_expect_tx,
+                        mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity)
+
+    C, NST = consumers, stages
+    NCH = -(-groups // C)                      # stages a tile
+    UP = n_tiles * groups * GROUP_WORDS        # the up tile's offset (mats == 2)
+    STAGE_B = mats * C * 1024
+    SLOTS0 = 1024                              # the barriers first, the stages 1 KB aligned
+
+    def work(acc, x, ok):
+        if ok:
+            f = float32(x & uint32(0xFFFF)) * float32(1e-6)
+            for _ in range(spin):
+                f = f * float32(1.0001) + float32(0.5)
+            acc += f
+        return acc
+
+    work = dev(work)
+
+    def body(buf, out):
+        dyn = cuda.shared.array(0, uint32)
+        warp = cuda.threadIdx.x >> 5
+        lane = cuda.threadIdx.x & 31
+        base = cvta_to_shared_u32(dyn)
+        full0 = base
+        empty0 = base + uint32(8 * NST)
+        if cuda.threadIdx.x == 0:
+            for s_ in range(NST):
+                mbarrier_init(full0 + uint32(8 * s_), uint32(1))
+                mbarrier_init(empty0 + uint32(8 * s_), uint32(C))
+            fence_mbarrier_init()
+        cuda.syncthreads()
+        acc = float32(0.0)
+        it = 0
+        t = cuda.blockIdx.x
+        if warp == C:
+            if lane == 0:      # the producer
+                while t < n_tiles:
+                    for j in range(NCH):
+                        st = it % NST
+                        while mbarrier_try_wait_parity(empty0 + uint32(8 * st),
+                                                       uint32(((it // NST) & 1) ^ 1)) == 0:
+                            pass
+                        g0 = j * C
+                        nb = min(C, groups - g0) * 1024
+                        full = full0 + uint32(8 * st)
+                        mbarrier_arrive_expect_tx(full, uint32(mats * nb))
+                        dst = base + uint32(SLOTS0 + st * STAGE_B)
+                        cp_async_bulk_g2s(dst, buf, (t * groups + g0) * GROUP_WORDS,
+                                          uint32(nb), full)
+                        if mats == 2:
+                            cp_async_bulk_g2s(dst + uint32(C * 1024), buf,
+                                              UP + (t * groups + g0) * GROUP_WORDS,
+                                              uint32(nb), full)
+                        it += 1
+                    t += cuda.gridDim.x
+        else:
+            while t < n_tiles:
+                for j in range(NCH):
+                    st = it % NST
+                    mbarrier_wait_parity(full0 + uint32(8 * st), uint32((it // NST) & 1))
+                    ok = j * C + warp < groups
+                    x = uint32(0)
+                    if ok:
+                        a = base + uint32(SLOTS0 + st * STAGE_B + warp * 1024 + lane * 32)
+                        w0, w1, w2, w3 = ld_shared_v4_u32_at(a)
+                        w4, w5, w6, w7 = ld_shared_v4_u32_at(a + uint32(16))
+                        x = w0 ^ w1 ^ w2 ^ w3 ^ w4 ^ w5 ^ w6 ^ w7
+                        if mats == 2:
+                            a += uint32(C * 1024)
+                            w0, w1, w2, w3 = ld_shared_v4_u32_at(a)
+                            w4, w5, w6, w7 = ld_shared_v4_u32_at(a + uint32(16))
+                            x ^= w0 ^ w1 ^ w2 ^ w3 ^ w4 ^ w5 ^ w6 ^ w7
+                    cuda.syncwarp(0xFFFFFFFF)
+                    if lane == 0:
+                        mbarrier_arrive(empty0 + uint32(8 * st))
+                    acc = work(acc, x, ok)
+                    it += 1
+                t += cuda.gridDim.x
+        if acc == float32(-1.0):
+            out[0] = acc
+
+    name = f"bench_stream_bulk_m{mats}_g{groups}_n{n_tiles}_c{C}_st{NST}_s{spin}"
+    k = compile_kernel(body, "void(uint32[::1], float32[::1])", name,
+                       launch_bounds=((C + 1) * 32, 1))
+    return k, (C + 1) * 32, SLOTS0 + NST * STAGE_B
+
+
 # (family, tiles, groups, warps a tile, mats, threads, min_blocks): the 7B's gate_up and down
 # grids as the engine runs them, and the `tiles` kernel's occupancy for gate_up's runs
 SHAPES = [("gate_up", 1184, 28, 2, 2, 576, 0),
@@ -130,9 +231,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="")
     ap.add_argument("--forms", default="half,coal,gmaj")
     ap.add_argument("--depths", default="2", help="2: loads a group ahead (mainloop), 3: two")
+    ap.add_argument("--bulk", default="", help="consumers:stages,... of the copy-engine form "
+                    "(build_bulk), for gate_up and down; '' none")
     a = ap.parse_args(argv)
     import numpy as np
 
+    from nq.kernels.common import allow_smem
     from nq.kernels.fill import fill_u32
     from nq.runtime.graphs import CapturedGraph
 
@@ -161,6 +265,20 @@ def main(argv=None) -> int:
                 print(f"| {fam} | {form} | {depth} | {spin} | {ms * 1e3:.2f} | "
                       f"{words * 4 / ms / 1e9:.2f} | {words * 4 / ms / 1e6 / used:.1f} |",
                       flush=True)
+            for cs in (c for c in a.bulk.split(",") if c and fam in ("gate_up", "down")):
+                nc, nst = (int(v) for v in cs.split(":"))
+                k, threads_b, smem = build_bulk(mats, groups, n_tiles, nc, nst, spin)
+                allow_smem(k, smem)
+                grid = min(n_tiles, sms)
+
+                def launches():
+                    for c in range(4):
+                        k[grid, threads_b, stream, smem](buf[c * words:(c + 1) * words], out)
+                g = CapturedGraph(stream, launches, f"stream_bulk_{fam}_{spin}_{cs}")
+                ms = g.median_ms(a.reps) / 4
+                print(f"| {fam} | bulk c{nc} st{nst} ({smem // 1024} KB) | - | {spin} | "
+                      f"{ms * 1e3:.2f} | {words * 4 / ms / 1e9:.2f} | "
+                      f"{words * 4 / ms / 1e6 / grid:.1f} |", flush=True)
     return 0
 
 

@@ -20,7 +20,8 @@ or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
 rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a thread
 block cluster; and max_splits, the split kernel's grid width a kv head, up to the engine's
 default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
-its tiling: qkv_rope.field=value).  The baseline is timed first and last
+its tiling: qkv_rope.field=value), or pdl.full=NAME[+NAME...] (the graph's edges into kernels
+whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).  The baseline is timed first and last
 (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.
 """
@@ -59,6 +60,8 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                 v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
+        elif kind == "pdl" and field == "full":
+            attn["pdl_full"] = str(v)
         elif kind == "rope" and field == "fused":
             rope = bool(v)
         elif kind in defaults and field == "mma":
@@ -131,7 +134,11 @@ def main(argv=None) -> int:
 
     def run(name, tilings, attn, rope=None):
         t1 = time.perf_counter()
+        full = tuple(f for f in (attn or {}).pop("pdl_full", "").split("+") if f)
         eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
+        if full:   # edges into these kernels as full dependencies (the rest programmatic)
+            eng.graph = CapturedGraph(eng.stream, eng.run_eager, name="decode", programmatic=True,
+                                      full_into=full)
         eng._tilings = tilings
         row = {"variant": name, "regs": regs(eng)}
         for c in ctxs:

@@ -53,7 +53,8 @@ class CapturedGraph:
     >>> g.replay()                                          # ~µs of host time
     """
 
-    def __init__(self, stream, fn, name: str = "graph", programmatic: bool = False):
+    def __init__(self, stream, fn, name: str = "graph", programmatic: bool = False,
+                 full_into: tuple[str, ...] = ()):
         self.name = name
         self.stream = stream
         h = stream_handle(stream)
@@ -69,7 +70,8 @@ class CapturedGraph:
             raise
         self._graph = _check(cu.cuStreamEndCapture(h))
         self.num_nodes = _check(cu.cuGraphGetNodes(self._graph, 0))[1]
-        self.programmatic_edges = make_programmatic(self._graph) if programmatic else 0
+        self.programmatic_edges = (make_programmatic(self._graph, full_into) if programmatic
+                                   else 0)
         self._exec = _check(cu.cuGraphInstantiate(self._graph, 0))
         _check(cu.cuGraphUpload(self._exec, h))
 
@@ -106,8 +108,11 @@ class CapturedGraph:
         return f"<CapturedGraph {self.name}: {self.num_nodes} nodes>"
 
 
-def make_programmatic(graph) -> int:
+def make_programmatic(graph, full_into: tuple[str, ...] = ()) -> int:
     """Rewrite each kernel -> kernel edge of `graph` as a programmatic one; returns how many.
+    An edge into a kernel whose (mangled) name contains one of `full_into` stays a full
+    dependency: that kernel starts only when the one before has ended (a diagnostic,
+    scripts/step_variants.py's `pdl.full=`).
     (Every kernel of the step executes griddepcontrol.wait before it reads upstream data; a
     kernel that did not -- l2_pace's, on a side stream, retired with it at 20358ec -- needs
     its edges left as full dependencies.)
@@ -123,7 +128,8 @@ def make_programmatic(graph) -> int:
     src, dst, _, n = _check(cu.cuGraphGetEdges(graph, n))
     kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
     pairs = [(a, b) for a, b in zip(src[:n], dst[:n])
-             if _check(cu.cuGraphNodeGetType(a)) == kernel and _check(cu.cuGraphNodeGetType(b)) == kernel]
+             if _check(cu.cuGraphNodeGetType(a)) == kernel and _check(cu.cuGraphNodeGetType(b)) == kernel
+             and not (full_into and any(f in kernel_name(b) for f in full_into))]
     for a, b in pairs:
         data = cu.CUgraphEdgeData()
         data.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
@@ -132,3 +138,9 @@ def make_programmatic(graph) -> int:
         _check(cu.cuGraphRemoveDependencies(graph, [a], [b], None, 1))
         _check(cu.cuGraphAddDependencies(graph, [a], [b], [data], 1))
     return len(pairs)
+
+
+def kernel_name(node) -> str:
+    """The (mangled) function name of a kernel node."""
+    params = _check(cu.cuGraphKernelNodeGetParams(node))
+    return _check(cu.cuFuncGetName(params.func)).decode(errors="replace")
