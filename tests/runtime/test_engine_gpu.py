@@ -169,6 +169,30 @@ def test_pdl_graph_equals_plain_graph_over_many_steps(model):
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+def test_full_edges_into_named_kernels(model):
+    """make_programmatic(full_into=...) (step_variants' pdl.full=): the edges into the
+    attention combines stay full dependencies, one a layer, the rest programmatic; greedy ids
+    and logits as the all-programmatic graph's."""
+    from nq.runtime.graphs import CapturedGraph
+    name, nf, eng, ref = model
+    prompt = [2, 7, 1, 8, 2, 8]
+    graph = eng.graph
+    try:
+        runs = []
+        for full in ((), ("attn_combine",)):
+            eng.graph = CapturedGraph(eng.stream, eng.run_eager, name="decode", programmatic=True,
+                                      full_into=full)
+            if full:
+                assert eng.graph.programmatic_edges == (eng.graph.num_nodes - 1
+                                                        - nf.config.num_layers)
+            eng.reset()
+            runs.append((list(eng.generate_ids(prompt, 24, GREEDY)), eng.logits.copy_to_host()))
+    finally:
+        eng.graph = graph
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
     """nq verify's decode tier on these nq.ref-initialised models (logits spread over a few
     units, as a trained model's): every decode step's logits, fed the reference's tokens,

@@ -114,14 +114,31 @@ def hilo_bytes(k: int) -> int:
     return 4 * k + 32
 
 
-def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | None:
+def one_wave_tiles(n_tiles: int, sms: int, most: int) -> int:
+    """Tiles a block, 1..most: the fewest waves of blocks (ceil(blocks / sms)), then the fewest
+    tiles for the busiest SM (waves x tiles a block), then the fewest blocks.  Under
+    programmatic launch a grid of more blocks than SMs piles its early blocks onto the SMs the
+    kernel before leaves free, and the SMs holding two or three finish last: on the H200 the
+    14B's gate_up at 4 tiles a block (216 blocks) lost 0.27 ms a step against 7 (124), the
+    32B's (1728 tiles) ranked 7 > 8 > 6 > 4 > 11 tiles a block, waves first (docs/PERF.md
+    0.20).  The 7B's 1184 tiles: 9 (132 blocks, its measured t576); the 14B's 864: 7."""
+    def key(b):
+        waves = -(-(-(-n_tiles // b)) // sms)
+        return waves, waves * b, -b
+    return min(range(1, most + 1), key=key)
+
+
+def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
+               sms: int = 132) -> MmaTiling | None:
     """The tensor-core tiling for o_proj, down, gate_up, qkv or qkv_rope (these two need the
     head_dim, their layout's `rope`), or None where gemv_mma cannot take
     the shape (N not a multiple of 16, or K's staged activations over half a block's 227 KB;
     the 32B's down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).
     o_proj and down: one 16-row tile a block, its groups split over `warps` warps: half the
     groups under 32 of them, else the largest divisor of the group count in 8..16, else 16;
-    none under 16 groups (a small o_proj), where the CUDA-core kernel tied or won.
+    none under 16 groups (a small o_proj), where the CUDA-core kernel tied or won.  down with
+    more tiles than SMs: ceil(tiles / SMs) tiles a block and at most 32 // that warps a tile,
+    one wave (the 7B's measured t1024; the 14B's and 32B's 3 tiles of 10 warps, t960).
 
     Measured in the step graph (scripts/step_variants.py, 32d8702) against the CUDA-core
     tilings, ms a step at 512: 7B o_proj 14 warps -0.048 (beside the mma down), down 16 warps
@@ -130,9 +147,11 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
     t384 -0.244 (16 t512 -0.104); 3B o_proj 8 -0.004, down 16 -0.171; 0.5B down 16 -0.097, but
     o_proj (7 groups) 3 warps +0.012.
 
-    gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, 256 threads (4 tiles a block),
-    at every size, 13c221c's best in the 7B step (32d8702, ms a step at 512 against the
-    CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
+    gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, `one_wave_tiles` tiles a
+    block (the 7B's 9 on 132 SMs, its measured t576; the 14B's and 32B's 7: on the H200 the
+    14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20; hilo
+    keeps 4).  Before, 256 threads (4 tiles a block) at every size, 13c221c's best in the 7B
+    step (32d8702, ms a step at 512 against the CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
     +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
     read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
     gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at 8192, against 326-359 and 372 in
@@ -158,7 +177,15 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
         return None
     hilo = int(MMA_QKV and hilo_bytes(k) <= STATIC_SMEM_LIMIT)   # the fp32-accurate step's
     if kind == "gate_up":
-        return MmaTiling(warps=2, threads=256, hilo=hilo) if 2 * k <= STATIC_SMEM_LIMIT else None
+        if 2 * k > STATIC_SMEM_LIMIT:
+            return None
+        # 2 warps a tile; from K = 2048 on as many tiles a block as spread the grid one
+        # block an SM (one_wave_tiles, at most 10: 640 threads of ~88 registers): the 3B
+        # -0.06, 14B -0.27, 32B -0.45 ms a step; below it 4 tiles, which won there (the
+        # 1.5B's 5 a block +0.059, the 0.5B's 3 +0.011; H200, 2026-12-03, docs/PERF.md 0.20).
+        # hilo keeps 4 tiles, what the fp32-accurate 7B step measured
+        tiles = 4 if hilo or k < 2048 else one_wave_tiles(n_out // TILE, sms, 10)
+        return MmaTiling(warps=2, threads=64 * tiles, hilo=hilo)
     groups = k // GROUP_SIZE
     rope = 0
     if kind in ROPE_KINDS:
@@ -171,10 +198,18 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0) -> MmaTiling | 
         warps = max(1, groups // 2)
     else:
         warps = max((d for d in range(8, 17) if groups % d == 0), default=16)
-    return MmaTiling(warps=warps, threads=32 * warps, rope=rope, hilo=hilo if rope else 0)
+    tiles = 1
+    if kind == "down":
+        # one wave, one block an SM: ceil(tiles / SMs) tiles a block, 32 // that warps a tile
+        # at most (the 7B's measured t1024 is this rule's; the 14B's and 32B's 320 tiles at
+        # one a block, 2.4 blocks an SM, lost 0.09-0.22 ms a step against 3 of 10 warps)
+        tiles = -(-(n_out // TILE) // sms)
+        warps = min(warps, max(1, 32 // tiles))
+    return MmaTiling(warps=warps, threads=32 * warps * tiles, rope=rope,
+                     hilo=hilo if rope else 0)
 
 
-def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
+def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
 
@@ -185,8 +220,11 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
     rule: a single wave whose threads each own >= 1 whole group; spread a row over as many
     lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
     """
+    if sms is None:
+        from nq.kernels.common import sm_count
+        sms = sm_count()
     if kind in ROPE_KINDS and mma and MMA_QKV:
-        t = mma_tiling(kind, n_out, k, head_dim)
+        t = mma_tiling(kind, n_out, k, head_dim, sms)
         if t is not None:
             return t
     if kind == "qkv_rope":
@@ -248,7 +286,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         # -0.011 / -0.010 ms (H200, 2026-12-03); l2ahead 2 +0.008 / -0.002 / -0.004, 4 +0.039
         measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576, l2ahead=1)
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
-        t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k)
+        t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k, sms=sms)
         if t is not None:
             return t
     if (kind, n_out, k) in measured:
@@ -263,4 +301,11 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int = 132,
         waste = steps * ks - groups
         if waste * 8 <= groups or ks == groups:  # at most 1/8 of the last step idle
             best = ks
-    return Tiling(ks=best, rows=1, threads=256 if k * 2 > 16384 else 128)
+    threads = 256 if k * 2 > 16384 else 128
+    lanes = 1 << (best - 1).bit_length()
+    if kind == "qkv" and n_out * lanes > sms * 2 * 128:
+        # qkv_rope (rows 2) at 128 threads would be more blocks than SMs: twice the threads,
+        # so its early blocks do not pile up beside down's (the 14B's 224 blocks of 128 ->
+        # 112 of 256: -0.05 ms a step at 512, docs/PERF.md 0.20)
+        threads = 256
+    return Tiling(ks=best, rows=1, threads=threads)

@@ -159,7 +159,8 @@ def test_lm_head(vocab, k, kw):
 
 
 @pytest.mark.parametrize("pos", [0, 15, 16, 1000])
-@pytest.mark.parametrize("cfg", [PRESETS["7b"], tiny_config()], ids=["7b", "tiny"])
+@pytest.mark.parametrize("cfg", [PRESETS["7b"], PRESETS["14b"], tiny_config()],
+                         ids=["7b", "14b", "tiny"])   # the 14B's qkv: 256 threads, 112 blocks
 def test_qkv_rope_equals_qkv_then_rope_kv(cfg, pos):
     """The fused kernel's q_out and whole KV pool bit for bit against qkv + rope_kv (default
     tilings, one upload of qkv's prepared weights), and within TOL_INT4 of ref_qkv_rope."""

@@ -8,7 +8,7 @@ import pytest
 
 from nq.kernels.int4 import gemv_mma
 from nq.kernels.int4.layout import mma_layout, mma_unlayout
-from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
+from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling, one_wave_tiles
 from nq.loader.quant import pack_value_shuffle
 from nq.ptx.mma import a_coords
 
@@ -87,9 +87,21 @@ def test_mma_tiling_rule():
     nothing for qkv."""
     assert default_tiling("down", 3584, 18944) == MmaTiling(warps=16, threads=1024, early=1)
     assert default_tiling("o_proj", 3584, 3584) == MmaTiling(warps=14, threads=448, l2ahead=2)
-    assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=12, threads=384)    # 14B: 108 groups
+    # the 14B's and 32B's down: 320 tiles, so 3 a block (107 blocks, one wave) of 10 warps
+    assert mma_tiling("down", 5120, 13824) == MmaTiling(warps=10, threads=960)    # 108 groups
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
-    assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=12, threads=384)  # 32B: 216 groups
+    assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=10, threads=960)  # 216 groups
+    assert mma_tiling("down", 5120, 13824, sms=320) == MmaTiling(warps=12, threads=384)
+    assert mma_tiling("down", 2048, 11008) == MmaTiling(warps=16, threads=512)  # 3B: 128 tiles
+    # gate_up: 2 warps a tile, one block an SM where the tiles allow (one_wave_tiles)
+    assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(warps=2, threads=448)  # 864 tiles
+    assert mma_tiling("gate_up", 27648, 5120) == MmaTiling(warps=2, threads=448)  # 1728: 2 waves
+    assert mma_tiling("gate_up", 18944, 3584) == MmaTiling(warps=2, threads=576)  # 1184: 132
+    assert mma_tiling("gate_up", 64, 2048) == MmaTiling(warps=2, threads=64)   # 4 tiles, 4 SMs
+    assert mma_tiling("gate_up", 64, 256) == MmaTiling(warps=2, threads=256)   # K < 2048
+    assert [one_wave_tiles(n, 132, 10) for n in (1184, 864, 1728, 688, 560, 304, 4)] == [
+        9, 7, 7, 6, 5, 3, 1]
+    assert one_wave_tiles(1184, 114, 10) == 6      # an H100 PCIe's 114 SMs: 198 blocks
     assert mma_tiling("qkv", 4608, 3584) is None
     assert isinstance(default_tiling("down", 3584, 18944, mma=False), Tiling)
 

@@ -16,18 +16,21 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256)   # the rule (13c221c's "ks2 t256"); 7B, 132 SMs: t576
-HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the same in the fp32-accurate step (NQ_MMA_QKV=1)
+SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256", kept by the hilo step
+HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the fp32-accurate step (NQ_MMA_QKV=1)
+ONE_WAVE = MmaTiling(warps=2, threads=576)   # the rule at the 7B: 9 tiles a block, 132 blocks
 
 
 def test_gate_up_tiling_follows_the_switch(monkeypatch):
     i, h = PRESETS["7b"].intermediate_size, PRESETS["7b"].hidden_size
-    assert mma_tiling("gate_up", i, h) == SEVEN_B            # what kind.mma=1 switches to
-    assert mma_tiling("gate_up", 4864, 896) == SEVEN_B       # 0.5B: 7 groups over 2 warps
+    assert mma_tiling("gate_up", i, h) == ONE_WAVE           # what kind.mma=1 switches to
+    assert mma_tiling("gate_up", 4864, 896) == SEVEN_B       # 0.5B (K < 2048): 4 tiles a block
+    assert mma_tiling("gate_up", 11008, 2048) == MmaTiling(2, 384)   # 3B: 688 tiles, 6 a block
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
     monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
     assert mma_tiling("gate_up", i, h) == HILO == default_tiling("gate_up", i, h)
-    assert mma_tiling("gate_up", 64, 128 * 100) == SEVEN_B   # 50 KB as hi + lo: staged once
+    assert mma_tiling("gate_up", 64, 128 * 100) == MmaTiling(2, 64)   # hi + lo over 48 KB: plain
+    assert mma_tiling("gate_up", 64, 1024) == SEVEN_B   # 4 tiles, K < 2048: one block
     monkeypatch.setattr(tiling, "MMA_QKV", False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", False)
     off = default_tiling("gate_up", i, h)
@@ -36,7 +39,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     monkeypatch.setattr(tiling, "MMA_GATE_UP", True)
     on = default_tiling("gate_up", i, h)   # the 7B's measured entry: one block an SM of 132
     assert on == MmaTiling(warps=2, threads=576, l2ahead=1) and on.layout() == SEVEN_B.layout()
-    assert default_tiling("gate_up", i, h, sms=114) == SEVEN_B   # other SM counts: the rule
+    assert default_tiling("gate_up", i, h, sms=114) == MmaTiling(2, 384)   # the rule: 6 a block
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
     assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=256, span=128)

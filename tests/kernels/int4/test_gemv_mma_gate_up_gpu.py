@@ -49,7 +49,10 @@ def run(n, k, tiling, seed):
     (18944, 3584, T(warps=2, threads=576)),    # the 7B, the default tiling (one block an SM)
     (18944, 3584, T(warps=2, threads=256)),    # the rule's, 13c221c's best
     (4864, 896, T(warps=2, threads=256)),      # the 0.5B: 7 groups over 2 warps
-    (13824, 5120, T(warps=2, threads=256)),    # the 14B
+    (13824, 5120, T(warps=2, threads=256)),    # the 14B before one_wave_tiles
+    (13824, 5120, T(warps=2, threads=448)),    # the 14B's and 32B's default: 7 tiles a block
+    (27648, 5120, T(warps=2, threads=448)),    # the 32B (247 blocks, two waves)
+    (11008, 2048, T(warps=2, threads=384)),    # the 3B's: 6 tiles a block
     (18944, 3584, T(warps=2, threads=128)),    # 13c221c's other candidates
     (18944, 3584, T(warps=4, threads=256)),
     (18944, 3584, T(warps=1, threads=128)),
