@@ -243,8 +243,15 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     # rank tilings differently, because with PDL the next kernel's blocks start beside these.
     measured = {
         # 8.3 us alone; L2 prefetch: +0.005 ms.  span 128 (one fp16 partial a group): -0.010 ms
-        # a step at 512 and 8K, as qkv_rope, which takes this tiling (946790c)
-        ("qkv", 4608, 3584): Tiling(ks=14, threads=256, span=128),
+        # a step at 512 and 8K, as qkv_rope, which takes this tiling (946790c).  384 threads
+        # (qkv_rope's 96 blocks of 48 rows, where 256 made 144): -0.016 / -0.018 ms at 512 /
+        # 8K, 512 threads -0.003 / -0.014 (H200, 2026-12-03, docs/PERF.md 0.20): down's 112
+        # blocks leave 20 SMs free, and three 256-thread blocks fit each of them early
+        ("qkv", 4608, 3584): Tiling(ks=14, threads=384, span=128),
+        # the 14B's and 32B's: 512 threads, qkv_rope's 56 blocks (-0.062 / -0.073 ms at 512 /
+        # 8K against the rule's 256, 112 blocks, which beat 128's 224 by 0.05; H200,
+        # 2026-12-03): one block, not three, beside down on each SM its 107 blocks leave free
+        ("qkv", 7168, 5120): Tiling(ks=8, threads=512),
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
         # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).

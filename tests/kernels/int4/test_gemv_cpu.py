@@ -175,7 +175,7 @@ def test_qkv_rope_refusals_and_tiling():
         q, r = default_tiling("qkv", n, k), default_tiling("qkv_rope", n, k)
         assert r == dataclasses.replace(q, rows=2, min_blocks=r.min_blocks), (n, k)
         assert r.layout() == q.layout()
-    assert default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t256_pf_s128"
+    assert default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t384_pf_s128"
 
 
 def test_kernel_names_spell_every_constant():
@@ -339,8 +339,14 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     # two steps (the second prefetched), span 128.  Positions: the last slot of page 0, the
     # first of page 1, 0, and 1000 (page 62, through a permuted table).
     cases = [(64, 128, dict(threads=128, ks=2), (15, 16)),
-             (128, 256, dict(threads=64, ks=1, span=128), (0, 1000))]
+             (128, 256, dict(threads=64, ks=1, span=128), (0, 1000)),
+             # the 7B's grid shape (ks 14, 384 threads: 12 warps, 48 rows a block) and the
+             # 14B's (ks 8, 512 threads: 128 rows a block), here 8 and 3 blocks
+             (128, 1792, dict(threads=384, ks=14, span=128), (17,)),
+             (128, 1024, dict(threads=512, ks=8), (33,))]
     for d, k, tk, positions in cases:
+        if not any(f"d{d}_pos{p}" in PICK for p in positions):
+            continue
         cfg = Cfg(d, k)
         n, hq, hkv = cfg.qkv_size, 1, 1
         x = (rng.standard_normal(k) * 3).astype(np.float32); x[5] = 400.0
@@ -384,9 +390,10 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
 
 
 # ~35 s a position on 2 cores: CI's tier takes d64's first slot of page 1 and d128's position
-# 1000 through the permuted table; the long tier (`pytest -m long`) the other two
+# 1000 through the permuted table; the long tier (`pytest -m long`) the other two and the
+# 7B's and 14B's grid shapes (8 blocks of 384 threads, 3 of 512: ~4 min; passed 2026-12-03)
 ROPE_PICK = ("d64_pos16", "d128_pos1000")
-ROPE_PICK_LONG = ("d64_pos15", "d128_pos0")
+ROPE_PICK_LONG = ("d64_pos15", "d128_pos0", "d128_pos17", "d128_pos33")
 
 
 @pytest.mark.slow

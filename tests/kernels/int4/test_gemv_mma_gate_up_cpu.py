@@ -30,8 +30,8 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
     assert mma_tiling("gate_up", i, h) == HILO == default_tiling("gate_up", i, h)
     assert mma_tiling("gate_up", 64, 128 * 100) == MmaTiling(2, 64)   # hi + lo over 48 KB: plain
-    assert mma_tiling("gate_up", 64, 1024) == SEVEN_B   # 4 tiles, K < 2048: one block
     monkeypatch.setattr(tiling, "MMA_QKV", False)
+    assert mma_tiling("gate_up", 64, 1024) == SEVEN_B   # 4 tiles, K < 2048: one block
     monkeypatch.setattr(tiling, "MMA_GATE_UP", False)
     off = default_tiling("gate_up", i, h)
     assert off == Tiling(ks=4, threads=192, span=128, min_blocks=3)   # today's, untouched
@@ -42,7 +42,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert default_tiling("gate_up", i, h, sms=114) == MmaTiling(2, 384)   # the rule: 6 a block
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
-    assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=256, span=128)
+    assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=384, span=128)
     assert default_tiling("down", h, i) == MmaTiling(warps=16, threads=1024, early=1)
 
 
