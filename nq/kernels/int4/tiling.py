@@ -230,9 +230,10 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     if kind == "qkv_rope":
         # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
         # Same threads and span too: rstd's summation order and the fp16 partials then match
-        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  No register cap:
-        # the H200's JIT takes 124 (two 256-thread blocks an SM, the 7B's 144 blocks in one
-        # wave); the offline CUDA 13 ptxas takes ~210 given only .maxntid 256.  In the 7B step
+        # qkv's, which is what makes qkv_rope bit-identical to qkv + rope_kv.  No register cap
+        # (the H200's JIT took 124 when this was measured, 71 at 2026-12-03; the offline CUDA
+        # 13 ptxas ~210 given only .maxntid 256; the 7B's grid is 96 blocks of 384 threads
+        # since docs/PERF.md 0.20, 144 of 256 before).  In the 7B step
         # graph (scripts/step_variants.py) the uncapped kernel beat min_blocks=2 at 32K (+0.025
         # against +0.21 ms over qkv + rope_kv); at 512 it saves 0.05 ms.  Alone, graph, no PDL:
         # 9.26 us against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
