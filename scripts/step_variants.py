@@ -89,15 +89,18 @@ def itl(eng, ctx: int, steps: int) -> float:
 
 
 def regs(eng) -> dict:
-    """Registers per thread of the step's GEMV kernels (numba dispatchers)."""
+    """Registers per thread of the step's GEMV kernels (numba dispatchers), and each grid's
+    blocks x threads: a grid of more blocks than SMs piles its early blocks up under PDL
+    (docs/KERNELS_GEMV.md, "One wave for the family's grids")."""
     from nq.runtime.weights import gemvs
     out = {}
     tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
     for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
         try:
             local = g.kernel.get_local_mem_per_thread()
-            out[kind] = g.kernel.get_regs_per_thread() if not local else \
-                f"{g.kernel.get_regs_per_thread()} + {local} B local"
+            r = g.kernel.get_regs_per_thread()
+            out[kind] = (f"{r}" if not local else f"{r} + {local} B local") + \
+                f" {g.grid}x{g.block}"
         except Exception:  # noqa: BLE001 -- informative only
             pass
     return out
