@@ -211,7 +211,9 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
-    """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest.
+    """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest; sms is
+    the device's SM count (`common.sm_count`, 132 offline) unless given: the one-wave rules
+    (`one_wave_tiles`, down's tiles a block, qkv's threads) and the 7B's t576 gate_up read it.
 
     mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
     every size measured, gate_up where MMA_GATE_UP is on, and qkv / qkv_rope where MMA_QKV is
