@@ -304,11 +304,13 @@ def test_step_variants_parses_variants():
     assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
     assert sv.parse_variant("attn.cluster=16", defaults)[1] == {"cluster": 16}
+    # pdl.full: the edges into kernels so named stay full (run() takes it out of attn's keywords)
+    assert sv.parse_variant("pdl.full=gate_up+qkv", defaults)[1] == {"pdl_full": "gate_up+qkv"}
     # mma=0 switches to the CUDA-core tiling first, then its fields apply
     tilings = sv.parse_variant("down.mma=0 down.prefetch=0", defaults, engines)[0]
     assert tilings == {"down": Tiling(ks=16, threads=512, prefetch=0)}
     for bad in ("down.prefetch", "qkvx.threads=1", "down=2", "down.ks=8", "gate_up.mma=1",
-                "gate_up.block_major=1"):
+                "gate_up.block_major=1", "pdl.off=1"):
         with pytest.raises(SystemExit):
             sv.parse_variant(bad, defaults, engines)
 
