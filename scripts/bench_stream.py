@@ -32,6 +32,23 @@ from numba import cuda, float32, uint32  # noqa: E402  (module globals: the simu
 GROUP_WORDS = 256           # a tile's group: 16 rows x 128 INT4 = 1 KB
 
 
+def stand_in(spin: int, groups: int):
+    """The math's stand-in, a device function (acc, x, grp) -> acc: `spin` dependent FMAs
+    seeded by the group's words (the warp waits for them, then computes); nothing past the
+    last group."""
+    from nq.kernels.common import dev
+
+    def work(acc, x, grp):
+        if grp < groups:
+            f = float32(x & uint32(0xFFFF)) * float32(1e-6)
+            for _ in range(spin):
+                f = f * float32(1.0001) + float32(0.5)
+            acc += f
+        return acc
+
+    return dev(work)
+
+
 def build(wpt: int, mats: int, groups: int, n_tiles: int, threads: int, min_blocks: int,
           spin: int, form: str, depth: int = 2):
     from nq.kernels.build import compile_kernel
@@ -68,16 +85,8 @@ def build(wpt: int, mats: int, groups: int, n_tiles: int, threads: int, min_bloc
             x ^= load(buf, base + UP, grp)
         return x
 
-    def work(acc, x, grp):
-        # spin dependent FMAs on the group's words: the warp waits for them, then computes
-        if grp < groups:
-            f = float32(x & uint32(0xFFFF)) * float32(1e-6)
-            for _ in range(spin):
-                f = f * float32(1.0001) + float32(0.5)
-            acc += f
-        return acc
-
-    load, both, work = (dev(f) for f in (load, both, work))
+    load, both = (dev(f) for f in (load, both))
+    work = stand_in(spin, groups)
 
     def body(buf, out):
         warp = cuda.threadIdx.x >> 5
@@ -127,7 +136,6 @@ def build_bulk(mats: int, groups: int, n_tiles: int, consumers: int, stages: int
     by the copy engine reaches the `tiles` kernel's ~35 GB/s an SM where the register loop of
     gemv_mma reaches ~20-22 (the retired `ring` copied 1 KB a warp, ~17)."""
     from nq.kernels.build import compile_kernel
-    from nq.kernels.common import dev
     from nq.ptx import (cp_async_bulk_g2s, cvta_to_shared_u32, fence_mbarrier_init,
                         ld_shared_v4_u32_at, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity)
@@ -138,15 +146,7 @@ def build_bulk(mats: int, groups: int, n_tiles: int, consumers: int, stages: int
     STAGE_B = mats * C * 1024
     SLOTS0 = 1024                              # the barriers first, the stages 1 KB aligned
 
-    def work(acc, x, ok):
-        if ok:
-            f = float32(x & uint32(0xFFFF)) * float32(1e-6)
-            for _ in range(spin):
-                f = f * float32(1.0001) + float32(0.5)
-            acc += f
-        return acc
-
-    work = dev(work)
+    work = stand_in(spin, groups)
 
     def body(buf, out):
         dyn = cuda.shared.array(0, uint32)
@@ -205,7 +205,7 @@ def build_bulk(mats: int, groups: int, n_tiles: int, consumers: int, stages: int
                     cuda.syncwarp(0xFFFFFFFF)
                     if lane == 0:
                         mbarrier_arrive(empty0 + uint32(8 * st))
-                    acc = work(acc, x, ok)
+                    acc = work(acc, x, j * C + warp)
                     it += 1
                 t += cuda.gridDim.x
         if acc == float32(-1.0):

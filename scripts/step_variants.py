@@ -140,8 +140,7 @@ def main(argv=None) -> int:
         full = tuple(f for f in (attn or {}).pop("pdl_full", "").split("+") if f)
         eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
         if full:   # edges into these kernels as full dependencies (the rest programmatic)
-            eng.graph = CapturedGraph(eng.stream, eng.run_eager, name="decode", programmatic=True,
-                                      full_into=full)
+            eng.capture(True, full_into=full)
         eng._tilings = tilings
         row = {"variant": name, "regs": regs(eng)}
         for c in ctxs:

@@ -178,12 +178,14 @@ class Engine:
         from nq.runtime.weights import random_device_weights
         return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
 
-    def capture(self, pdl: bool = True) -> None:
+    def capture(self, pdl: bool = True, full_into: tuple[str, ...] = ()) -> None:
         """(Re)capture the step graph; with pdl its kernel edges are programmatic (each kernel's
-        weight prefetch overlaps the previous kernel's tail: nq/runtime/graphs.py, nq/ptx/griddep.py)."""
+        weight prefetch overlaps the previous kernel's tail: nq/runtime/graphs.py, nq/ptx/griddep.py)
+        but those into kernels whose names contain one of `full_into` (a diagnostic)."""
         self.stream.synchronize()
         self.pdl = pdl
-        self.graph = CapturedGraph(self.stream, self.run_eager, name="decode", programmatic=pdl)
+        self.graph = CapturedGraph(self.stream, self.run_eager, name="decode", programmatic=pdl,
+                                   full_into=full_into)
 
     # ---- one step -----------------------------------------------------------------------------
     def run_eager(self, regions=None) -> None:

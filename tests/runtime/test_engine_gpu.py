@@ -173,22 +173,19 @@ def test_full_edges_into_named_kernels(model):
     """make_programmatic(full_into=...) (step_variants' pdl.full=): the edges into the
     attention combines stay full dependencies, one a layer, the rest programmatic; greedy ids
     and logits as the all-programmatic graph's."""
-    from nq.runtime.graphs import CapturedGraph
     name, nf, eng, ref = model
     prompt = [2, 7, 1, 8, 2, 8]
-    graph = eng.graph
     try:
         runs = []
         for full in ((), ("attn_combine",)):
-            eng.graph = CapturedGraph(eng.stream, eng.run_eager, name="decode", programmatic=True,
-                                      full_into=full)
+            eng.capture(True, full_into=full)
             if full:
                 assert eng.graph.programmatic_edges == (eng.graph.num_nodes - 1
                                                         - nf.config.num_layers)
             eng.reset()
             runs.append((list(eng.generate_ids(prompt, 24, GREEDY)), eng.logits.copy_to_host()))
     finally:
-        eng.graph = graph
+        eng.capture(True)
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

@@ -311,11 +311,10 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         waste = steps * ks - groups
         if waste * 8 <= groups or ks == groups:  # at most 1/8 of the last step idle
             best = ks
-    threads = 256 if k * 2 > 16384 else 128
-    lanes = 1 << (best - 1).bit_length()
-    if kind == "qkv" and n_out * lanes > sms * 2 * 128:
+    t = Tiling(ks=best, rows=1, threads=256 if k * 2 > 16384 else 128)
+    if kind == "qkv" and -(-n_out // Tiling(ks=best, rows=2).rows_per_block()) > sms:
         # qkv_rope (rows 2) at 128 threads would be more blocks than SMs: twice the threads,
         # so its early blocks do not pile up beside down's (the 14B's 224 blocks of 128 ->
         # 112 of 256: -0.05 ms a step at 512, docs/PERF.md 0.20)
-        threads = 256
-    return Tiling(ks=best, rows=1, threads=threads)
+        t = dataclasses.replace(t, threads=256)
+    return t
