@@ -60,7 +60,10 @@ def parse_variant(text: str, defaults: dict, engines: dict | None = None
                 v = value
         if kind == "attn":
             attn[field] = bool(v) if field == "early" else v
-        elif kind == "pdl" and field == "full":
+        elif kind == "pdl":
+            if field != "full":
+                raise SystemExit(f"step_variants: {item!r}: pdl takes full=NAME[+NAME...] "
+                                 f"(edges into kernels so named left full)")
             attn["pdl_full"] = str(v)
         elif kind == "rope" and field == "fused":
             rope = bool(v)
