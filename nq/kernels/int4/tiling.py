@@ -149,8 +149,8 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
 
     gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, `one_wave_tiles` tiles a
     block (the 7B's 9 on 132 SMs, its measured t576; the 14B's and 32B's 7: on the H200 the
-    14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20; hilo
-    keeps 4).  Before, 256 threads (4 tiles a block) at every size, 13c221c's best in the 7B
+    14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20; with
+    hilo, the fp32-accurate 14B step -0.30).  Before, 256 threads (4 tiles a block) at every size, 13c221c's best in the 7B
     step (32d8702, ms a step at 512 against the CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
     +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
     read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
@@ -183,8 +183,8 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
         # block an SM (one_wave_tiles, at most 10: 640 threads of ~88 registers): the 3B
         # -0.06, 14B -0.27, 32B -0.45 ms a step; below it 4 tiles, which won there (the
         # 1.5B's 5 a block +0.059, the 0.5B's 3 +0.011; H200, 2026-12-03, docs/PERF.md 0.20).
-        # hilo keeps 4 tiles, what the fp32-accurate 7B step measured
-        tiles = 4 if hilo or k < 2048 else one_wave_tiles(n_out // TILE, sms, 10)
+        # hilo too: the fp32-accurate 14B step -0.299 / -0.296 ms at 512 / 8K (H200, 2026-12-03)
+        tiles = 4 if k < 2048 else one_wave_tiles(n_out // TILE, sms, 10)
         return MmaTiling(warps=2, threads=64 * tiles, hilo=hilo)
     groups = k // GROUP_SIZE
     rope = 0
@@ -295,6 +295,12 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # l2ahead=1 (its group one ahead asked of L2): -0.004 / -0.012 / -0.009 and -0.000 /
         # -0.011 / -0.010 ms (H200, 2026-12-03); l2ahead 2 +0.008 / -0.002 / -0.004, 4 +0.039
         measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576, l2ahead=1)
+    if sms == 132:
+        # the 14B's and 32B's down: the rule's 3 tiles a block (107 blocks) at 8 warps a tile
+        # instead of 10 (t768, 27 / 13.5 groups a warp): -0.022 / -0.029 ms a step at 512 / 8K
+        # (14B), -0.014 / -0.026 (32B; H200, 2026-12-03, docs/PERF.md 0.20)
+        measured_mma[("down", 5120, 13824)] = MmaTiling(warps=8, threads=768)
+        measured_mma[("down", 5120, 27648)] = MmaTiling(warps=8, threads=768)
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k, sms=sms)
         if t is not None:

@@ -92,6 +92,10 @@ def test_mma_tiling_rule():
     assert mma_tiling("o_proj", 896, 896) is None          # 0.5B: 7 groups, the CUDA cores won
     assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=10, threads=960)  # 216 groups
     assert mma_tiling("down", 5120, 13824, sms=320) == MmaTiling(warps=12, threads=384)
+    # on 132 SMs the measured entries: the rule's 3 tiles a block at 8 warps a tile
+    for k in (13824, 27648):
+        assert default_tiling("down", 5120, k, sms=132) == MmaTiling(warps=8, threads=768)
+        assert default_tiling("down", 5120, k, sms=114) == mma_tiling("down", 5120, k, sms=114)
     assert mma_tiling("down", 2048, 11008) == MmaTiling(warps=16, threads=512)  # 3B: 128 tiles
     # gate_up: 2 warps a tile, one block an SM where the tiles allow (one_wave_tiles)
     assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(warps=2, threads=448)  # 864 tiles

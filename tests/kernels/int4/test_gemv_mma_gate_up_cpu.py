@@ -28,7 +28,10 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("gate_up", 11008, 2048) == MmaTiling(2, 384)   # 3B: 688 tiles, 6 a block
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
     monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
-    assert mma_tiling("gate_up", i, h) == HILO == default_tiling("gate_up", i, h)
+    hilo_7b = MmaTiling(warps=2, threads=576, hilo=1)        # one_wave_tiles, as without hilo
+    assert mma_tiling("gate_up", i, h) == hilo_7b == default_tiling("gate_up", i, h)
+    assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(2, 448, hilo=1)   # 14B: 7 a block
+    assert mma_tiling("gate_up", 4864, 896) == MmaTiling(2, 256, hilo=1)     # K < 2048: 4
     assert mma_tiling("gate_up", 64, 128 * 100) == MmaTiling(2, 64)   # hi + lo over 48 KB: plain
     monkeypatch.setattr(tiling, "MMA_QKV", False)
     assert mma_tiling("gate_up", 64, 1024) == SEVEN_B   # 4 tiles, K < 2048: one block
@@ -83,8 +86,8 @@ def test_gate_up_refusals():
 @pytest.mark.parametrize("n,k,t", [
     (18944, 3584, SEVEN_B),                              # 7B (the rule's)
     (18944, 3584, MmaTiling(warps=2, threads=576, l2ahead=1)),   # 7B (the measured default)
-    (18944, 3584, HILO),                                 # 7B, the fp32-accurate step
-    (13824, 5120, HILO),                                 # 14B, the fp32-accurate step
+    (18944, 3584, HILO),                                 # 7B, hilo at 4 tiles a block
+    (13824, 5120, MmaTiling(warps=2, threads=448, hilo=1)),      # 14B, the fp32-accurate step
     (4864, 896, SEVEN_B),                                # 0.5B
     (13824, 5120, SEVEN_B),                              # 14B
     (18944, 3584, MmaTiling(warps=4, threads=256)),

@@ -60,10 +60,14 @@ def run(n, k, tiling, seed):
     (18944, 3584, T(warps=2, threads=576, l2ahead=2)),   # l2ahead: its own next groups to L2
     (18944, 3584, T(warps=2, threads=576, l2ahead=4)),
     (1008, 640, T(warps=3, threads=192)),     # 5 groups over 3 warps, 2 tiles a block
-    (18944, 3584, T(warps=2, threads=256, hilo=1)),   # the default: h as fp16 hi + lo
+    (18944, 3584, T(warps=2, threads=256, hilo=1)),   # h as fp16 hi + lo, 4 tiles a block
+    (18944, 3584, T(warps=2, threads=576, hilo=1)),   # the fp32-accurate step's: one_wave_tiles
+    (13824, 5120, T(warps=2, threads=448, hilo=1)),   # the 14B's and 32B's
+    (27648, 5120, T(warps=2, threads=448, hilo=1)),
+    (11008, 2048, T(warps=2, threads=384, hilo=1)),   # the 3B's
     (4864, 896, T(warps=2, threads=256, hilo=1)),
     (1008, 640, T(warps=3, threads=192, hilo=1)),
-])
+], ids=lambda v: v.tag() if isinstance(v, T) else str(v))   # -k hilo picks the hi + lo cases
 def test_gate_up_against_the_reference(n, k, tiling):
     got, ref = run(n, k, tiling, seed=n + k + tiling.warps)
     assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} rows not finite/written"

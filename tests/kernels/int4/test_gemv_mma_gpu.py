@@ -49,8 +49,10 @@ def run(kind, n, k, tiling, seed):
     ("down", 896, 4864, T(warps=4, threads=384)),       # 0.5B: 56 tiles over blocks of 3
     ("down", 5120, 13824, T(warps=12, threads=384)),    # 14B: 108 groups over 12 warps
     ("down", 5120, 27648, T(warps=12, threads=384)),    # 32B: 55 KB staged, dynamic shared memory
-    ("down", 5120, 13824, T(warps=10, threads=960)),    # 14B's default: 3 tiles a block, one wave
+    ("down", 5120, 13824, T(warps=10, threads=960)),    # the rule at 14B: 3 tiles a block, one wave
     ("down", 5120, 27648, T(warps=10, threads=960)),    # 32B's, activations in dynamic memory
+    ("down", 5120, 13824, T(warps=8, threads=768)),     # 14B's measured entry (sms 132)
+    ("down", 5120, 27648, T(warps=8, threads=768)),     # 32B's: 27 groups a warp
     ("o_proj", 48, 384, T(warps=2, threads=128)),       # a clamped tile in the last block
     ("down", 3584, 18944, T(warps=8, threads=256, min_blocks=4)),
     ("down", 3584, 18944, T(warps=16, threads=1024, early=3)),  # early: one-shot, then registers
