@@ -41,6 +41,15 @@ doc), so hashes of files made before differ from today's for every kernel; compa
 by the same version.  docs/figures/ptx_hashes_deffcbf.json is the default step of the 0.5B, 7B,
 14B and 32B at deffcbf made with this version (the attention in one wave, be0e83b; its 7B
 kernels as be0e83b's, the moves of 9651c9b changing none of 45).
+
+One kernel's PTX is not reproducible: the 14B / 32B CUDA-core qkv (n7168, k5120, 512 threads)
+and its qkv_rope come out in one of two forms from run to run of the same command, with any
+`--presets` and any PYTHONHASHSEED (2026-12-04: three runs of `--presets 14b` gave d44c48180425,
+f34a8b8ee861, d44c48180425).  The two differ in one loop's exit test, which NVVM counts on
+either of two equivalent induction variables (`add 32 ... setp.ne 160` or `add 8 ... setp.ne
+40`): the same instruction count, the same behaviour.  So a CHANGED on those two alone, with
+their instruction counts equal, is NVVM's choice; compare them by hand (diff the normalised
+PTX) before believing it.
 """
 from __future__ import annotations
 
