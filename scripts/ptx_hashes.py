@@ -49,7 +49,9 @@ f34a8b8ee861, d44c48180425).  The two differ in one loop's exit test, which NVVM
 either of two equivalent induction variables (`add 32 ... setp.ne 160` or `add 8 ... setp.ne
 40`): the same instruction count, the same behaviour.  So a CHANGED on those two alone, with
 their instruction counts equal, is NVVM's choice; compare them by hand (diff the normalised
-PTX) before believing it.
+PTX) before believing it.  docs/figures/ptx_hashes_411c843.json is the default step of the
+0.5B, 7B, 14B and 32B at 411c843 (against ptx_hashes_rule.json: the 14B's and 32B's down at
+8 warps a tile, by intent, and the qkv pair's other form).
 """
 from __future__ import annotations
 
