@@ -128,6 +128,7 @@ from nq.kernels.common import dev
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
 from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
                                             launch_smem, shape_of)
+from nq.kernels.int4.gemv_mma_feed import feed_kernel
 from nq.kernels.int4.gemv_mma_stage import act_path
 from nq.kernels.int4.gemv_mma_weights import weight_path
 from nq.kernels.int4.rope_epilogue import put_rope_body
@@ -146,7 +147,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead"):
+    for f in ("rope", "hilo", "early", "l2ahead", "feed"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -195,6 +196,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
+    if t.feed:   # gate_up fed by the copy engine: its own body (gemv_mma_feed.py)
+        return feed_kernel(s, t, w, a_, k)
     roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
                                                         w.load_both, w.mainloop)
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop

@@ -206,6 +206,115 @@ def test_gate_up_under_the_simulator():
         assert errs[name + "_hilo_f16"] < 1e-4, (name, errs[name + "_hilo_f16"])
 
 
+FEED_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from numba import cuda
+    sys.path.insert(0, "tests")
+    import sim_warp
+    sim_warp.install()
+    sim_warp.patch_simulator(syncwarp=True)
+    from nq.config import tiny_config
+    from nq.kernels import common
+    from nq.kernels.int4.launch import GateUpMmaGemv
+    from nq.kernels.int4.tiling import MmaTiling
+    from nq.loader.quant import dequantize_packed
+
+    rng = np.random.default_rng(1)
+    cfg = tiny_config()
+
+    def ref64(x, nw, eps, wg, wu):
+        x = x.astype(np.float64)
+        h = x / np.sqrt(np.mean(x * x) + eps) * nw.astype(np.float64)
+        g, u = wg @ h, wu @ h
+        return g / (1.0 + np.exp(-g)) * u
+
+    # (name, I, K, tiling, SMs): blocks walking tile pairs through a ring that wraps
+    # (3 tiles on 2 blocks, 3 stages a tile of which the last holds 1 group, 2 stages);
+    # one stage for everything (a block's 2 tiles, each a stage, through one slot); more
+    # stages than the block has (the prologue issues them all), 3 of 4 warps idle in the
+    # second stage; and 2 rows a warp in the epilogue (C = 5 < 16 rows)
+    cases = [("wrap", 48, 640, MmaTiling(warps=2, threads=96, feed=2), 2),
+             ("one_slot", 32, 384, MmaTiling(warps=3, threads=128, feed=1), 1),
+             ("deep", 16, 640, MmaTiling(warps=4, threads=160, feed=3), 4),
+             ("w5", 64, 640, MmaTiling(warps=5, threads=192, feed=2), 3)]
+    for name, n, k, t, sms in cases:
+        common.sm_count = lambda sms=sms: sms
+        qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
+        sc = rng.uniform(0.002, 0.02, size=(2 * n, k // 128)).astype(np.float16)
+        x = (rng.standard_normal(k) * 2).astype(np.float32)
+        x[7] = 900.0
+        nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+        g = GateUpMmaGemv(cfg, n, k, t)
+        assert g.grid == min(n // 16, sms), (name, g.grid)
+        pq, ps = g.prepare([(qw[:n], sc[:n]), (qw[n:], sc[n:])])
+        out = cuda.to_device(np.full(n, np.nan, np.float16))
+        g(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), out)
+        got = out.copy_to_host().astype(np.float64)
+        # the register-loop kernel with the same warps a tile (its rstd sums one warp fewer)
+        plain = GateUpMmaGemv(cfg, n, k, MmaTiling(warps=t.warps, threads=32 * t.warps))
+        o2 = cuda.to_device(np.full(n, np.nan, np.float16))
+        plain(cuda.to_device(x), cuda.to_device(nw), cuda.to_device(pq), cuda.to_device(ps), o2)
+        o2 = o2.copy_to_host().astype(np.float64)
+        w = dequantize_packed(qw, sc).astype(np.float64)
+        ref = ref64(x, nw, cfg.rms_norm_eps, w[:n], w[n:])
+        ok = np.isfinite(got).all()
+        print(name, float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) if ok else 1.0)
+        print(name + "_plain", float(np.abs(got - o2).max() / np.abs(o2).max()) if ok else 1.0)
+''')
+
+
+@pytest.mark.slow
+def test_gate_up_feed_under_the_simulator():
+    """The copy-engine gate_up (MmaTiling.feed) against the fp64 reference, with the register
+    loop's tolerance (test_gate_up_under_the_simulator: 2e-3), and against the register-loop
+    kernel with the same warps a tile: the same groups in the same warps, so the rows differ
+    only where rstd (summed over one more warp) moves an fp16 rounding: 1e-3 of the largest."""
+    errs, stdout = ptx_util.run_under_simulator(FEED_SCRIPT, timeout=900)
+    print(stdout)
+    for name in ("wrap", "one_slot", "deep", "w5"):
+        assert errs[name] < 2e-3, (name, errs[name])
+        assert errs[name + "_plain"] < 1e-3, (name, errs[name + "_plain"])
+
+
+def test_feed_tiling_checks():
+    """feed is gate_up's alone, without hilo / early / l2ahead, threads 32 * (warps + 1), and
+    its stages within a block's shared memory; the launch passes them as dynamic memory."""
+    t = MmaTiling(warps=14, threads=480, feed=4)
+    assert t.tag() == "mma_w14_t480_feed4"
+    assert gemv_mma.launch_smem(3584, t) == 1024 + 4 * 28 * 1024
+    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, t, 1e-6).endswith("_feed4_eps1em06")
+    assert "feed" not in gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6)
+    gemv_mma.check_tiling("gate_up", 18944, 3584, t)
+    for bad, what in [(MmaTiling(14, 480, feed=4, hilo=1), "hilo"),
+                      (MmaTiling(14, 448, feed=4), "threads"),
+                      (MmaTiling(14, 480, feed=9), "stages"),
+                      (MmaTiling(28, 928, feed=4), "shared memory"),
+                      (MmaTiling(29, 960, feed=1), "consumer warps")]:
+        with pytest.raises(ValueError, match=what):
+            gemv_mma.check_tiling("gate_up", 18944, 3584, bad)
+    with pytest.raises(ValueError, match="gate_up's"):
+        gemv_mma.check_tiling("down", 3584, 18944, MmaTiling(14, 480, feed=4))
+
+
+@pytest.mark.parametrize("warps,feed", [(14, 4), (28, 2)])
+def test_gate_up_feed_ptx_sm90(warps, feed):
+    """The feed kernel's PTX: a gate and an up mma a chunk of one group an iteration, two bulk
+    copies a stage, mbarrier waits; no local memory, and ptxas fits one block an SM."""
+    t = MmaTiling(warps=warps, threads=32 * (warps + 1), feed=feed)
+    fn, sig = gemv_mma.build_kernel("gate_up", 18944, 3584, t, 1e-6)
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads,))
+    ptx_util.assert_uses(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                         "cp.async.bulk", "mbarrier.try_wait.parity", "griddepcontrol.wait")
+    ptx_util.assert_no_local_memory(ptx)
+    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 16
+    if not ptx_util.have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptx_util.ptxas_report(ptx)
+    print(f"gemv_mma gate_up feed {t.tag()}: {regs} registers, {spill} bytes spilled")
+    assert spill == 0 and regs * t.threads <= 65536, (regs, spill)   # 80 / 62 on CUDA 13
+
+
 SWITCH_SCRIPT = textwrap.dedent('''
     import os
     os.environ["NQ_MMA_GATE_UP"] = SWITCH
