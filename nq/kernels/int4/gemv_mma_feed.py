@@ -12,9 +12,9 @@ Shape: one block an SM (grid min(tiles, SMs)); block b walks the gate/up tile pa
 ...  It has `warps` = C consumer warps and one producer warp.  A stage is C consecutive groups
 of one tile pair: the gate tile's C KB and the up tile's C KB (the mma layout keeps a tile's
 groups contiguous, 1 KB each), two bulk copies counted off the stage's `full` mbarrier.  The
-producer lane issues the first `feed` stages before griddepcontrol.wait (the weights wait for
-nothing), stages rmsnorm(x) with everyone, then refills each stage once its C consumers have
-arrived on its `empty` mbarrier.  Consumer warp w takes group w of every stage: its lane's 32
+producer lane issues the first `early` stages (0..feed) before griddepcontrol.wait (the
+weights wait for nothing), stages rmsnorm(x) with everyone, then issues the rest and refills
+each stage once its C consumers have arrived on its `empty` mbarrier.  Consumer warp w takes group w of every stage: its lane's 32
 bytes of the gate and the up group from the slot (as gemv_mma's loads would have), its rows'
 scales from global memory one stage ahead, the same dequant-mma (`add_group`) as gemv_mma.
 After a tile pair's last stage the C warps leave their row sums in shared memory (two buffers,
@@ -26,8 +26,8 @@ warp order -- deterministic, and bit for bit gemv_mma's gate_up with `warps` = C
 warp holds the same groups: warp w has groups w, w + C, ...).
 
 Dynamic shared memory (`feed_smem`): the mbarriers (full and empty a stage, one for the
-partials) in the first 1 KB, then the stages, 2 C KB each.  hilo, early and l2ahead are not
-taken (check_tiling refuses them).
+partials) in the first 1 KB, then the stages, 2 C KB each.  hilo and l2ahead are not taken
+(check_tiling refuses them); `early` means the stages issued before the wait.
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
     """gate_up's kernel and signature with the copy-engine feed (module doc); w and a_ are
     gemv_mma's weight and activation paths (add_group, load_scales; stage_norm)."""
     C, NST, GROUPS, N_TILES = s.TILE_WARPS, t.feed, s.GROUPS, s.N_TILES
+    PRE = t.early                      # stages issued before griddepcontrol.wait
     ACT_ALLOC, WARPS = s.ACT_ALLOC, s.WARPS
     NCH = -(-GROUPS // C)              # stages a tile pair
     STAGE_B = 2 * C * 1024             # a stage: gate's C groups, then up's
@@ -136,7 +137,7 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
             cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)  # the staging below waits on L2
         cuda.syncthreads()
         if warp == C and lane == 0:
-            for it in range(min(NST, total)):             # before the wait: weights only
+            for it in range(min(PRE, total)):             # before the wait: weights only
                 issue(qw, base, it, b, grid)
         s0, s1, s2, s3 = scales_of(sc, 0, b, grid, warp, g)
         griddepcontrol_wait()
@@ -144,7 +145,7 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
         rstd = stage_norm(x, norm_w, act, invf, ssum)     # every warp; ends with a barrier
         if warp == C:
             if lane == 0:
-                for it in range(NST, total):
+                for it in range(PRE, total):              # a fresh stage's wait: none
                     st = it % NST
                     mbarrier_wait_parity(base + uint32(EMPTY_B + 8 * st),
                                          uint32(((it // NST) & 1) ^ 1))

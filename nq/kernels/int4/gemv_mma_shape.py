@@ -60,11 +60,12 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
                          f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
                          f"which need it (mma_tiling(kind, n, k, head_dim))")
-    if t.early and (kind not in ("o_proj", "down") or not 1 <= t.early <= MAX_EARLY):
+    if t.early and not t.feed and (kind not in ("o_proj", "down")
+                                   or not 1 <= t.early <= MAX_EARLY):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
                          f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
                          f"down; 0 copies none")
-    if t.early and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
+    if t.early and not t.feed and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
             > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
                          f"early groups and scales beside {k * 2} of activations, over the "
@@ -84,9 +85,12 @@ def check_feed(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if kind != "gate_up":
         raise ValueError(f"gemv_mma: tiling {t.tag()}: feed (the copy engine's stages) is "
                          f"gate_up's; {kind} takes feed=0")
-    if t.hilo or t.early or t.l2ahead:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: feed takes no hilo, early or l2ahead "
-                         f"(its weights come through shared memory); set them to 0")
+    if t.hilo or t.l2ahead:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: feed takes no hilo or l2ahead (its "
+                         f"weights come through shared memory); set them to 0")
+    if not 0 <= t.early <= t.feed:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: with feed, early is how many of its "
+                         f"{t.feed} stages are issued before griddepcontrol.wait (0..{t.feed})")
     if not 1 <= t.feed <= MAX_FEED or not 1 <= t.warps <= k // GROUP_SIZE \
             or t.threads != 32 * (t.warps + 1):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: feed is 1..{MAX_FEED} stages, warps "
@@ -106,7 +110,7 @@ MAX_L2AHEAD = 8   # a warp's groups in flight to L2 (past that, L2 holds them fo
 def early_smem(k: int, t: MmaTiling) -> int:
     """Bytes of dynamic shared memory `early` takes (0 without): each warp's `early` slots of
     1 KB, the block's tiles' scales, then an mbarrier a slot."""
-    if not t.early:
+    if not t.early or t.feed:
         return 0
     warps, groups = t.threads // 32, k // GROUP_SIZE
     tiles = warps // t.warps

@@ -230,13 +230,14 @@ FEED_SCRIPT = textwrap.dedent('''
         return g / (1.0 + np.exp(-g)) * u
 
     # (name, I, K, tiling, SMs): blocks walking tile pairs through a ring that wraps
-    # (3 tiles on 2 blocks, 3 stages a tile of which the last holds 1 group, 2 stages);
+    # (3 tiles on 2 blocks, 3 stages a tile of which the last holds 1 group, 2 stages, one
+    # issued before the wait);
     # one stage for everything (a block's 2 tiles, each a stage, through one slot); more
-    # stages than the block has (the prologue issues them all), 3 of 4 warps idle in the
+    # stages than the block has (all before the wait: min(early, stages)), 3 of 4 warps idle in the
     # second stage; and 2 rows a warp in the epilogue (C = 5 < 16 rows)
-    cases = [("wrap", 48, 640, MmaTiling(warps=2, threads=96, feed=2), 2),
+    cases = [("wrap", 48, 640, MmaTiling(warps=2, threads=96, feed=2, early=1), 2),
              ("one_slot", 32, 384, MmaTiling(warps=3, threads=128, feed=1), 1),
-             ("deep", 16, 640, MmaTiling(warps=4, threads=160, feed=3), 4),
+             ("deep", 16, 640, MmaTiling(warps=4, threads=160, feed=3, early=3), 4),
              ("w5", 64, 640, MmaTiling(warps=5, threads=192, feed=2), 3)]
     for name, n, k, t, sms in cases:
         common.sm_count = lambda sms=sms: sms
@@ -278,7 +279,8 @@ def test_gate_up_feed_under_the_simulator():
 
 
 def test_feed_tiling_checks():
-    """feed is gate_up's alone, without hilo / early / l2ahead, threads 32 * (warps + 1), and
+    """feed is gate_up's alone, without hilo / l2ahead (early: stages before the wait), threads
+    32 * (warps + 1), and
     its stages within a block's shared memory; the launch passes them as dynamic memory."""
     t = MmaTiling(warps=14, threads=480, feed=4)
     assert t.tag() == "mma_w14_t480_feed4"
@@ -289,6 +291,7 @@ def test_feed_tiling_checks():
     for bad, what in [(MmaTiling(14, 480, feed=4, hilo=1), "hilo"),
                       (MmaTiling(14, 448, feed=4), "threads"),
                       (MmaTiling(14, 480, feed=9), "stages"),
+                      (MmaTiling(14, 480, feed=4, early=5), "before griddepcontrol.wait"),
                       (MmaTiling(28, 928, feed=4), "shared memory"),
                       (MmaTiling(29, 960, feed=1), "consumer warps")]:
         with pytest.raises(ValueError, match=what):
