@@ -9,24 +9,29 @@ shared memory with copies of 14-28 KB; with no math both streamed at ~3.9 TB/s. 
 `ring` (1 KB a copy, a ring a warp) lost because its copies were small and its rings many.
 
 Shape: one block an SM (grid min(tiles, SMs)); block b walks the gate/up tile pairs b, b + grid,
-...  It has `warps` = C consumer warps and one producer warp.  A stage is C consecutive groups
-of one tile pair: the gate tile's C KB and the up tile's C KB (the mma layout keeps a tile's
-groups contiguous, 1 KB each), two bulk copies counted off the stage's `full` mbarrier.  The
-producer lane issues the first `early` stages (0..feed) before griddepcontrol.wait (the
-weights wait for nothing), stages rmsnorm(x) with everyone, then issues the rest and refills
-each stage once its C consumers have arrived on its `empty` mbarrier.  Consumer warp w takes group w of every stage: its lane's 32
-bytes of the gate and the up group from the slot (as gemv_mma's loads would have), its rows'
-scales from global memory one stage ahead, the same dequant-mma (`add_group`) as gemv_mma.
-After a tile pair's last stage the C warps leave their row sums in shared memory (two buffers,
-by the tile's parity) and meet on one more mbarrier; then one lane a row (rows r with r % C ==
-w) adds the C partials in warp order, applies rstd and SwiGLU and stores the fp16 row.
+...  It has `warps` = C consumer warps, a producer warp and a reducer warp.  A stage is C
+consecutive groups of one tile pair: the gate tile's C KB and the up tile's C KB (the mma
+layout keeps a tile's groups contiguous, 1 KB each), two bulk copies counted off the stage's
+`full` mbarrier.  The producer lane issues the first `early` stages (0..feed) before
+griddepcontrol.wait (the weights wait for nothing), stages rmsnorm(x) with everyone, then
+issues the rest and refills each stage once its C consumers have arrived on its `empty`
+mbarrier.  Consumer warp w takes group w of every stage: its lane's 32 bytes of the gate and
+the up group from the slot (the two 16-byte halves in a lane-dependent order, so a load's 32
+lanes touch each bank once a wavefront), its rows' scales from global memory one stage ahead,
+the same dequant-mma (`add_group`) as gemv_mma.  After a tile pair's last stage each consumer
+leaves its row sums in one of two partial buffers (by the pair's parity) and arrives on the
+buffer's `full` mbarrier without waiting; the reducer warp, a pair behind, adds the C
+partials of each row in warp order (lane l: gate row l, lane 16 + l: up row l), applies rstd
+and SwiGLU, stores the fp16 rows and frees the buffer.  A consumer waits only if the reducer
+is two pairs behind.
 
 Sums: a row's groups in the order group_dot takes them within a warp, the warps' partials in
-warp order -- deterministic, and bit for bit gemv_mma's gate_up with `warps` = C (the same
-warp holds the same groups: warp w has groups w, w + C, ...).
+warp order -- deterministic, and equal to gemv_mma's gate_up with `warps` = C (the same warp
+holds the same groups: warp w has groups w, w + C, ...) but where rstd, summed over more
+warps, differs in its last bit.
 
-Dynamic shared memory (`feed_smem`): the mbarriers (full and empty a stage, one for the
-partials) in the first 1 KB, then the stages, 2 C KB each.  hilo and l2ahead are not taken
+Dynamic shared memory (`feed_smem`): the mbarriers (full and empty a stage, full and empty a
+partial buffer) in the first 1 KB, then the stages, 2 C KB each.  hilo and l2ahead are not taken
 (check_tiling refuses them); `early` means the stages issued before the wait.
 """
 from __future__ import annotations
@@ -36,6 +41,8 @@ import math
 from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.kernels.common import dev
+
+FULL = 0xFFFFFFFF
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.tiling import TILE, MmaTiling
 from nq.ptx import (SIMULATOR, cp_async_bulk_g2s, cp_async_bulk_prefetch_l2, cvt_rn_f16_f32,
@@ -66,8 +73,9 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
     RED = C * 32                       # a parity's partials: [warp][gate rows 16 | up rows 16]
     RED2 = 2 * RED                     # both parities
     EMPTY_B = 8 * NST
-    REDBAR_B = 16 * NST
-    if REDBAR_B + 8 > BARRIERS_B:
+    RFULL_B = 16 * NST                 # the partials' two buffers: full (C arrivals) and
+    REMPTY_B = RFULL_B + 16            # empty (the reducer's one), a buffer a tile's parity
+    if REMPTY_B + 16 > BARRIERS_B:
         raise ValueError(f"gemv_mma feed: {NST} stages' barriers pass {BARRIERS_B} bytes")
     add_group, load_scales = w.add_group, w.load_scales
     stage_norm = a_.stage_norm
@@ -98,20 +106,30 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
         s2, s3 = load_scales(sc, ((tile + N_TILES) * TILE + g) * GROUPS, grp)
         return s0, s1, s2, s3
 
-    def put_rows(red, par, tile, warp, lane, rstd, out):
-        # rows r of the tile with r % C == warp: the C warps' partials in warp order, SwiGLU
-        if lane < TILE and lane % C == warp:
-            gt = float32(0.0)
-            up = float32(0.0)
-            for w_ in range(C):
-                gt += red[par * RED + w_ * 32 + lane]
-                up += red[par * RED + w_ * 32 + TILE + lane]
-            gt *= rstd
-            up *= rstd
-            y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
+    def put_rows(red, par, tile, lane, rstd, out):
+        # (the reducer warp) lane l < 16: gate row l, lane 16 + l: up row l, each the C warps'
+        # partials in warp order; then SwiGLU on lanes < 16
+        v = float32(0.0)
+        for w_ in range(C):
+            v += red[par * RED + w_ * 32 + lane]
+        v *= rstd
+        up = cuda.shfl_xor_sync(FULL, v, TILE)      # lane l < 16: lane 16 + l's
+        if lane < TILE:
+            y = v / (float32(1.0) + math.exp(-v)) * up     # gemv.py's put_swiglu
             st_global_u16(out, tile * TILE + lane, cvt_rn_f16_f32(y))
 
-    issue, scales_of, put_rows = (dev(f) for f in (issue, scales_of, put_rows))
+    def slot_words(a, h):
+        # a lane's 8 words at a, its two 16-byte halves read in the order h (0 or 1): lanes
+        # 4..7 of each 8 read the second half first, so one load of a warp's 32 lanes touches
+        # every bank once a wavefront (in memory order, 8 lanes shared 4 banks)
+        p0, p1, p2, p3 = ld_shared_v4_u32_at(a + uint32(16 * h))
+        q0, q1, q2, q3 = ld_shared_v4_u32_at(a + uint32(16 - 16 * h))
+        if h:
+            return q0, q1, q2, q3, p0, p1, p2, p3
+        return p0, p1, p2, p3, q0, q1, q2, q3
+
+    issue, scales_of, put_rows, slot_words = (dev(f) for f in (issue, scales_of, put_rows,
+                                                                 slot_words))
 
     def kernel(x, norm_w, qw, sc, out):
         act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
@@ -124,6 +142,7 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
         lane = tid & 31
         g = lane >> 2
         t4 = lane & 3
+        h = (lane >> 2) & 1
         b = cuda.blockIdx.x
         grid = cuda.gridDim.x
         total = (N_TILES - b + grid - 1) // grid * NCH    # the block's stages
@@ -132,7 +151,9 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
             for st in range(NST):
                 mbarrier_init(base + uint32(8 * st), uint32(1))
                 mbarrier_init(base + uint32(EMPTY_B + 8 * st), uint32(C))
-            mbarrier_init(base + uint32(REDBAR_B), uint32(C))
+            for p_ in range(2):
+                mbarrier_init(base + uint32(RFULL_B + 8 * p_), uint32(C))
+                mbarrier_init(base + uint32(REMPTY_B + 8 * p_), uint32(1))
             fence_mbarrier_init()
             cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)  # the staging below waits on L2
         cuda.syncthreads()
@@ -151,6 +172,15 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
                                          uint32(((it // NST) & 1) ^ 1))
                     issue(qw, base, it, b, grid)
             return
+        if warp == C + 1:                                 # the reducer, a tile pair behind
+            for kk in range(total // NCH):
+                par = kk & 1
+                mbarrier_wait_parity(base + uint32(RFULL_B + 8 * par), uint32((kk >> 1) & 1))
+                put_rows(red, par, b + kk * grid, lane, rstd, out)
+                cuda.syncwarp()
+                if lane == 0:
+                    mbarrier_arrive(base + uint32(REMPTY_B + 8 * par))
+            return
         abase = uint64(cvta_to_shared_u32(act))
         z = float32(0.0)
         acc = (z, z, z, z)
@@ -162,18 +192,18 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
             st = it % NST
             mbarrier_wait_parity(base + uint32(8 * st), uint32((it // NST) & 1))
             a = base + uint32(BARRIERS_B + st * STAGE_B + warp * 1024 + lane * 32)
-            w0, w1, w2, w3 = ld_shared_v4_u32_at(a)
-            w4, w5, w6, w7 = ld_shared_v4_u32_at(a + uint32(16))
-            u0, u1, u2, u3 = ld_shared_v4_u32_at(a + uint32(UP_B))
-            u4, u5, u6, u7 = ld_shared_v4_u32_at(a + uint32(UP_B + 16))
+            w0, w1, w2, w3, w4, w5, w6, w7 = slot_words(a, h)
+            u0, u1, u2, u3, u4, u5, u6, u7 = slot_words(a + uint32(UP_B), h)
             cuda.syncwarp()
             if lane == 0:                 # the slot's words are in registers: release it
                 mbarrier_arrive(base + uint32(EMPTY_B + 8 * st))
             acc = add_group(acc, (w0, w1, w2, w3, w4, w5, w6, w7, s0, s1),
                             (u0, u1, u2, u3, u4, u5, u6, u7, s2, s3), abase, grp, t4, invf)
             s0, s1, s2, s3 = n0, n1, n2, n3
-            if j == NCH - 1:              # the tile pair's last stage: its rows
-                par = kk & 1
+            if j == NCH - 1:              # the tile pair's last stage: its partials
+                par = kk & 1              # (the reducer has done the pair two before)
+                mbarrier_wait_parity(base + uint32(REMPTY_B + 8 * par),
+                                     uint32(((kk >> 1) & 1) ^ 1))
                 if t4 == 0:
                     o = par * RED + warp * 32 + g
                     red[o] = acc[0]
@@ -182,9 +212,7 @@ def feed_kernel(s: MmaShape, t: MmaTiling, w, a_, k: int):
                     red[o + TILE + 8] = acc[3]
                 cuda.syncwarp()
                 if lane == 0:
-                    mbarrier_arrive(base + uint32(REDBAR_B))
-                mbarrier_wait_parity(base + uint32(REDBAR_B), uint32(par))
-                put_rows(red, par, b + kk * grid, warp, lane, rstd, out)
+                    mbarrier_arrive(base + uint32(RFULL_B + 8 * par))
                 acc = (z, z, z, z)
 
     return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"

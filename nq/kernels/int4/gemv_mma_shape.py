@@ -92,11 +92,11 @@ def check_feed(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: with feed, early is how many of its "
                          f"{t.feed} stages are issued before griddepcontrol.wait (0..{t.feed})")
     if not 1 <= t.feed <= MAX_FEED or not 1 <= t.warps <= k // GROUP_SIZE \
-            or t.threads != 32 * (t.warps + 1):
+            or t.threads != 32 * (t.warps + 2):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: feed is 1..{MAX_FEED} stages, warps "
                          f"1..{k // GROUP_SIZE} consumer warps (K's groups) and threads "
-                         f"32 * (warps + 1), the producer warp's included")
-    static = 2 * k + 2 * t.warps * 32 * 4 + 4 * (k // GROUP_SIZE) + 4 * (t.warps + 1)
+                         f"32 * (warps + 2), the producer's and the reducer's warps included")
+    static = 2 * k + 2 * t.warps * 32 * 4 + 4 * (k // GROUP_SIZE) + 4 * (t.warps + 2)
     if feed_smem(t) + static > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()} needs {feed_smem(t)} bytes of stages "
                          f"beside {static} static, over the {SMEM_OPTIN_LIMIT}-byte shared "

@@ -93,7 +93,8 @@ class MmaTiling:
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
     feed: int = 0        # gate_up: stages of the copy-engine feed (gemv_mma_feed.py): `warps`
     #                      consumer warps share one tile pair, a producer warp bulk-copies
-    #                      their groups (threads = 32 * (warps + 1), one block an SM)
+    #                      their groups, a reducer warp sums the rows (threads = 32 * (warps + 2),
+    #                      one block an SM)
 
     def rows_per_block(self) -> int:
         if self.feed:   # one tile pair at a time, whatever the grid (gemv_mma_feed.py)

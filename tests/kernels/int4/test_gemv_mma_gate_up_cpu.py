@@ -235,10 +235,10 @@ FEED_SCRIPT = textwrap.dedent('''
     # one stage for everything (a block's 2 tiles, each a stage, through one slot); more
     # stages than the block has (all before the wait: min(early, stages)), 3 of 4 warps idle in the
     # second stage; and 2 rows a warp in the epilogue (C = 5 < 16 rows)
-    cases = [("wrap", 48, 640, MmaTiling(warps=2, threads=96, feed=2, early=1), 2),
-             ("one_slot", 32, 384, MmaTiling(warps=3, threads=128, feed=1), 1),
-             ("deep", 16, 640, MmaTiling(warps=4, threads=160, feed=3, early=3), 4),
-             ("w5", 64, 640, MmaTiling(warps=5, threads=192, feed=2), 3)]
+    cases = [("wrap", 48, 640, MmaTiling(warps=2, threads=128, feed=2, early=1), 2),
+             ("one_slot", 32, 384, MmaTiling(warps=3, threads=160, feed=1), 1),
+             ("deep", 16, 640, MmaTiling(warps=4, threads=192, feed=3, early=3), 4),
+             ("w5", 64, 640, MmaTiling(warps=5, threads=224, feed=2), 3)]
     for name, n, k, t, sms in cases:
         common.sm_count = lambda sms=sms: sms
         qw = rng.integers(0, 2**32, size=(2 * n, k // 8), dtype=np.uint32)
@@ -280,31 +280,31 @@ def test_gate_up_feed_under_the_simulator():
 
 def test_feed_tiling_checks():
     """feed is gate_up's alone, without hilo / l2ahead (early: stages before the wait), threads
-    32 * (warps + 1), and
+    32 * (warps + 2), and
     its stages within a block's shared memory; the launch passes them as dynamic memory."""
-    t = MmaTiling(warps=14, threads=480, feed=4)
-    assert t.tag() == "mma_w14_t480_feed4"
+    t = MmaTiling(warps=14, threads=512, feed=4)
+    assert t.tag() == "mma_w14_t512_feed4"
     assert gemv_mma.launch_smem(3584, t) == 1024 + 4 * 28 * 1024
     assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, t, 1e-6).endswith("_feed4_eps1em06")
     assert "feed" not in gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6)
     gemv_mma.check_tiling("gate_up", 18944, 3584, t)
-    for bad, what in [(MmaTiling(14, 480, feed=4, hilo=1), "hilo"),
-                      (MmaTiling(14, 448, feed=4), "threads"),
-                      (MmaTiling(14, 480, feed=9), "stages"),
-                      (MmaTiling(14, 480, feed=4, early=5), "before griddepcontrol.wait"),
-                      (MmaTiling(28, 928, feed=4), "shared memory"),
-                      (MmaTiling(29, 960, feed=1), "consumer warps")]:
+    for bad, what in [(MmaTiling(14, 512, feed=4, hilo=1), "hilo"),
+                      (MmaTiling(14, 480, feed=4), "threads"),
+                      (MmaTiling(14, 512, feed=9), "stages"),
+                      (MmaTiling(14, 512, feed=4, early=5), "before griddepcontrol.wait"),
+                      (MmaTiling(28, 960, feed=4), "shared memory"),
+                      (MmaTiling(29, 992, feed=1), "consumer warps")]:
         with pytest.raises(ValueError, match=what):
             gemv_mma.check_tiling("gate_up", 18944, 3584, bad)
     with pytest.raises(ValueError, match="gate_up's"):
-        gemv_mma.check_tiling("down", 3584, 18944, MmaTiling(14, 480, feed=4))
+        gemv_mma.check_tiling("down", 3584, 18944, MmaTiling(14, 512, feed=4))
 
 
 @pytest.mark.parametrize("warps,feed", [(14, 4), (28, 2)])
 def test_gate_up_feed_ptx_sm90(warps, feed):
     """The feed kernel's PTX: a gate and an up mma a chunk of one group an iteration, two bulk
     copies a stage, mbarrier waits; no local memory, and ptxas fits one block an SM."""
-    t = MmaTiling(warps=warps, threads=32 * (warps + 1), feed=feed)
+    t = MmaTiling(warps=warps, threads=32 * (warps + 2), feed=feed)
     fn, sig = gemv_mma.build_kernel("gate_up", 18944, 3584, t, 1e-6)
     ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads,))
     ptx_util.assert_uses(ptx, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
