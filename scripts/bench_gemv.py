@@ -44,12 +44,7 @@ CANDIDATES = {  # the default first; then block sizes that make the grid a whole
                T(14, threads=448), T(7, threads=224), MmaTiling(warps=7, threads=448)],
     "gate_up": [default_tiling("gate_up", I, H), default_tiling("gate_up", I, H, mma=False),
                 T(4, threads=128, span=128), T(4, threads=256, span=128),
-                MmaTiling(warps=2, threads=128),
-                # the copy-engine feed (gemv_mma_feed.py): stages, and those issued before the wait
-                MmaTiling(warps=14, threads=512, feed=4), MmaTiling(warps=14, threads=512, feed=4,
-                                                                    early=4),
-                MmaTiling(warps=28, threads=960, feed=2), MmaTiling(warps=28, threads=960, feed=2,
-                                                                    early=2)],
+                MmaTiling(warps=2, threads=128)],
     "down": [default_tiling("down", H, I), default_tiling("down", H, I, mma=False),
              MmaTiling(warps=16, threads=512), MmaTiling(warps=8, threads=512)],
 }

@@ -64,7 +64,10 @@ did this gate_up, a grid barrier, then down's tiles at 9 warps a tile through a 
 bulk-copied slots first filled beside gate_up's stream: +0.13..+0.32 ms a step (2..9 slots a
 warp; alone 40.1-44.3 us a layer against the two kernels' 35.9): under PDL the boundary it
 removed cost ~1 us, the barrier ~1.5-2, and down's phase with 18 warps an SM took 16-18.5 us
-against down's own 14.2.
+against down's own 14.2.  And gate_up fed by the copy engine (gemv_mma_feed.py, `feed`, code
+at 3ba57e0; docs/PERF.md 0.22): one block an SM, 28 consumer warps sharing a tile pair whose
+groups one producer lane bulk-copies 56 KB a stage, a reducer warp summing rows a pair behind:
+at best -0.002..-0.008 ms a step (the baseline's drift), deeper rings +0.09 and more.
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -128,7 +131,6 @@ from nq.kernels.common import dev
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
 from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
                                             launch_smem, shape_of)
-from nq.kernels.int4.gemv_mma_feed import feed_kernel
 from nq.kernels.int4.gemv_mma_stage import act_path
 from nq.kernels.int4.gemv_mma_weights import weight_path
 from nq.kernels.int4.rope_epilogue import put_rope_body
@@ -147,7 +149,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "feed"):
+    for f in ("rope", "hilo", "early", "l2ahead"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -196,8 +198,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
-    if t.feed:   # gate_up fed by the copy engine: its own body (gemv_mma_feed.py)
-        return feed_kernel(s, t, w, a_, k)
     roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
                                                         w.load_both, w.mainloop)
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop

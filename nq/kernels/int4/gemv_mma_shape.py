@@ -35,9 +35,7 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if n_out % TILE or k % GROUP_SIZE:
         raise ValueError(f"gemv_mma: N={n_out} must be a multiple of {TILE} (an mma tile) and "
                          f"K={k} of {GROUP_SIZE}")
-    if t.feed:
-        check_feed(kind, n_out, k, t)
-    elif t.warps < 1 or t.threads % (32 * t.warps) or t.threads > 1024:
+    if t.warps < 1 or t.threads % (32 * t.warps) or t.threads > 1024:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*warps "
                          f"(warps = those a tile's groups are split over) and at most 1024")
     partials = (t.threads // 32) * TILE * 4
@@ -60,12 +58,11 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
                          f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
                          f"which need it (mma_tiling(kind, n, k, head_dim))")
-    if t.early and not t.feed and (kind not in ("o_proj", "down")
-                                   or not 1 <= t.early <= MAX_EARLY):
+    if t.early and (kind not in ("o_proj", "down") or not 1 <= t.early <= MAX_EARLY):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
                          f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
                          f"down; 0 copies none")
-    if t.early and not t.feed and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
+    if t.early and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
             > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
                          f"early groups and scales beside {k * 2} of activations, over the "
@@ -79,30 +76,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
                          f"dividing N={n_out}")
 
 
-def check_feed(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
-    """The copy-engine gate_up's own limits (gemv_mma_feed.py)."""
-    from nq.kernels.int4.gemv_mma_feed import MAX_FEED, feed_smem
-    if kind != "gate_up":
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: feed (the copy engine's stages) is "
-                         f"gate_up's; {kind} takes feed=0")
-    if t.hilo or t.l2ahead:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: feed takes no hilo or l2ahead (its "
-                         f"weights come through shared memory); set them to 0")
-    if not 0 <= t.early <= t.feed:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: with feed, early is how many of its "
-                         f"{t.feed} stages are issued before griddepcontrol.wait (0..{t.feed})")
-    if not 1 <= t.feed <= MAX_FEED or not 1 <= t.warps <= k // GROUP_SIZE \
-            or t.threads != 32 * (t.warps + 2):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: feed is 1..{MAX_FEED} stages, warps "
-                         f"1..{k // GROUP_SIZE} consumer warps (K's groups) and threads "
-                         f"32 * (warps + 2), the producer's and the reducer's warps included")
-    static = 2 * k + 2 * t.warps * 32 * 4 + 4 * (k // GROUP_SIZE) + 4 * (t.warps + 2)
-    if feed_smem(t) + static > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()} needs {feed_smem(t)} bytes of stages "
-                         f"beside {static} static, over the {SMEM_OPTIN_LIMIT}-byte shared "
-                         f"memory of a block: fewer stages or warps")
-
-
 MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
 MAX_L2AHEAD = 8   # a warp's groups in flight to L2 (past that, L2 holds them for too long)
 
@@ -110,7 +83,7 @@ MAX_L2AHEAD = 8   # a warp's groups in flight to L2 (past that, L2 holds them fo
 def early_smem(k: int, t: MmaTiling) -> int:
     """Bytes of dynamic shared memory `early` takes (0 without): each warp's `early` slots of
     1 KB, the block's tiles' scales, then an mbarrier a slot."""
-    if not t.early or t.feed:
+    if not t.early:
         return 0
     warps, groups = t.threads // 32, k // GROUP_SIZE
     tiles = warps // t.warps
@@ -119,9 +92,8 @@ def early_smem(k: int, t: MmaTiling) -> int:
 
 def launch_smem(k: int, t: MmaTiling) -> int:
     """Dynamic shared memory a launch passes: the activations where they outgrow static
-    shared memory (dynamic_smem), then the early groups (early_smem) or the feed's stages."""
-    from nq.kernels.int4.gemv_mma_feed import feed_smem
-    return dynamic_smem(k) + early_smem(k, t) + feed_smem(t)
+    shared memory (dynamic_smem), then the early groups (early_smem)."""
+    return dynamic_smem(k) + early_smem(k, t)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels import common
 from nq.kernels.common import allow_smem, need
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
 from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
@@ -155,8 +154,6 @@ class _MmaGemv:
         self.n_rows = n_rows   # weight rows (gate_up: 2N, [gate; up])
         self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps, heads)
         self.grid = -(-n_out // tiling.rows_per_block())
-        if tiling.feed:   # one block an SM, each walking tile pairs (gemv_mma_feed.py)
-            self.grid = min(self.grid, common.sm_count())
         self.block = tiling.threads
         self.name = gemv_mma_name(kind, n_out, k, tiling, eps, heads)
         # 0 up to the 14B without early; the 32B's down stages 55 KB, early its slots

@@ -91,14 +91,8 @@ class MmaTiling:
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
     l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
-    feed: int = 0        # gate_up: stages of the copy-engine feed (gemv_mma_feed.py): `warps`
-    #                      consumer warps share one tile pair, a producer warp bulk-copies
-    #                      their groups, a reducer warp sums the rows (threads = 32 * (warps + 2),
-    #                      one block an SM)
 
     def rows_per_block(self) -> int:
-        if self.feed:   # one tile pair at a time, whatever the grid (gemv_mma_feed.py)
-            return TILE
         return TILE * (self.threads // 32 // self.warps)
 
     def layout(self) -> tuple:
@@ -111,8 +105,7 @@ class MmaTiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
-                + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + (f"_feed{self.feed}" if self.feed else ""))
+                + (f"_l2a{self.l2ahead}" if self.l2ahead else ""))
 
 
 def hilo_bytes(k: int) -> int:
