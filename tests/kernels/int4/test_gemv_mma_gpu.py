@@ -53,6 +53,9 @@ def run(kind, n, k, tiling, seed):
     ("down", 5120, 27648, T(warps=10, threads=960)),    # 32B's, activations in dynamic memory
     ("down", 5120, 13824, T(warps=8, threads=768)),     # 14B's measured entry (sms 132)
     ("down", 5120, 27648, T(warps=8, threads=768)),     # 32B's: 27 groups a warp
+    ("down", 5120, 13824, T(warps=8, threads=768, early=1)),     # early at the 14B's grid
+    ("down", 5120, 27648, T(warps=8, threads=768, early=1)),     # and the 32B's (dynamic smem)
+    ("o_proj", 5120, 5120, T(warps=10, threads=320, l2ahead=2)),  # the 14B's o_proj, l2ahead
     ("o_proj", 48, 384, T(warps=2, threads=128)),       # a clamped tile in the last block
     ("down", 3584, 18944, T(warps=8, threads=256, min_blocks=4)),
     ("down", 3584, 18944, T(warps=16, threads=1024, early=3)),  # early: one-shot, then registers
