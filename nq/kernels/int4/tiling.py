@@ -299,8 +299,17 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # the 14B's and 32B's down: the rule's 3 tiles a block (107 blocks) at 8 warps a tile
         # instead of 10 (t768, 27 / 13.5 groups a warp): -0.022 / -0.029 ms a step at 512 / 8K
         # (14B), -0.014 / -0.026 (32B; H200, 2026-12-03, docs/PERF.md 0.20)
-        measured_mma[("down", 5120, 13824)] = MmaTiling(warps=8, threads=768)
-        measured_mma[("down", 5120, 27648)] = MmaTiling(warps=8, threads=768)
+        # Then early=1 (the 7B's down's): the 14B -0.042 / -0.033 ms (early 2 -0.051 /
+        # -0.036); with gate_up's l2ahead=1 below, the two against neither: the 14B -0.039 /
+        # -0.057, the 32B -0.041 / -0.063 and -0.046 / -0.072 (two runs against the mean of
+        # its baselines, which drifted 0.02-0.03; H200, 2026-12-04, docs/PERF.md 0.22)
+        measured_mma[("down", 5120, 13824)] = MmaTiling(warps=8, threads=768, early=1)
+        measured_mma[("down", 5120, 27648)] = MmaTiling(warps=8, threads=768, early=1)
+        if not MMA_QKV:
+            # the 14B's and 32B's gate_up: the rule's 7 tiles a block with the 7B's l2ahead=1
+            # (the 14B alone -0.035 / -0.027)
+            measured_mma[("gate_up", 13824, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
+            measured_mma[("gate_up", 27648, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
     if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k, sms=sms)
         if t is not None:

@@ -93,9 +93,10 @@ def test_mma_tiling_rule():
     assert mma_tiling("down", 5120, 27648) == MmaTiling(warps=10, threads=960)  # 216 groups
     assert mma_tiling("down", 5120, 13824, sms=320) == MmaTiling(warps=12, threads=384)
     # on 132 SMs the measured entries: the rule's 3 tiles a block at 8 warps a tile
-    for k in (13824, 27648):
-        assert default_tiling("down", 5120, k, sms=132) == MmaTiling(warps=8, threads=768)
+    for k in (13824, 27648):   # the 14B's, the 32B's
+        assert default_tiling("down", 5120, k, sms=132) == MmaTiling(8, 768, early=1)
         assert default_tiling("down", 5120, k, sms=114) == mma_tiling("down", 5120, k, sms=114)
+        assert default_tiling("gate_up", k, 5120, sms=132) == MmaTiling(2, 448, l2ahead=1)
     assert mma_tiling("down", 2048, 11008) == MmaTiling(warps=16, threads=512)  # 3B: 128 tiles
     # gate_up: 2 warps a tile, one block an SM where the tiles allow (one_wave_tiles)
     assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(warps=2, threads=448)  # 864 tiles

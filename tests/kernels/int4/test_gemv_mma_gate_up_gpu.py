@@ -52,7 +52,8 @@ def run(n, k, tiling, seed):
     (13824, 5120, T(warps=2, threads=256)),    # the 14B before one_wave_tiles
     (13824, 5120, T(warps=2, threads=448)),    # the 14B's and 32B's default: 7 tiles a block
     (27648, 5120, T(warps=2, threads=448)),    # the 32B (247 blocks, two waves)
-    (13824, 5120, T(warps=2, threads=448, l2ahead=1)),   # the 14B's grid with l2ahead
+    (13824, 5120, T(warps=2, threads=448, l2ahead=1)),   # the 14B's default (l2ahead 1)
+    (27648, 5120, T(warps=2, threads=448, l2ahead=1)),   # the 32B's default
     (11008, 2048, T(warps=2, threads=384)),    # the 3B's: 6 tiles a block
     (18944, 3584, T(warps=2, threads=128)),    # 13c221c's other candidates
     (18944, 3584, T(warps=4, threads=256)),
