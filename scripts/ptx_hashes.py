@@ -53,7 +53,7 @@ PTX) before believing it.  docs/figures/ptx_hashes_411c843.json is the default s
 0.5B, 7B, 14B and 32B at 411c843 (against ptx_hashes_rule.json: the 14B's and 32B's down at
 8 warps a tile, by intent, and the qkv pair's other form); docs/figures/ptx_hashes_b234f6d.json at
 b234f6d (against 411c843: the 14B's and 32B's down with early=1 and gate_up with l2ahead=1, by
-intent; the 7B's 45 kernels' share unchanged, the copy-engine feed retired without a trace).
+intent; the other 41 unchanged, so the copy-engine feed's retirement left no trace).
 """
 from __future__ import annotations
 
