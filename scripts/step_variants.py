@@ -21,8 +21,8 @@ rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a
 block cluster; and max_splits, the split kernel's grid width a kv head, up to the engine's
 default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value), or pdl.full=NAME[+NAME...] (the graph's edges into kernels
-whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).  The baseline is timed first and last
-(drift between them is printed).  --leave-out also times the step with each region left out
+whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).
+The baseline is timed first and last (drift between them is printed).  --leave-out also times the step with each region left out
 (the results are garbage, the timing is not): a region's marginal cost in the step.
 """
 from __future__ import annotations

@@ -150,9 +150,10 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
     gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, `one_wave_tiles` tiles a
     block (the 7B's 9 on 132 SMs, its measured t576; the 14B's and 32B's 7: on the H200 the
     14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20; with
-    hilo, the fp32-accurate 14B step -0.30).  Before, 256 threads (4 tiles a block) at every size, 13c221c's best in the 7B
-    step (32d8702, ms a step at 512 against the CUDA-core default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256
-    +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
+    hilo, the fp32-accurate 14B step -0.30).  Before, 256 threads (4 tiles a block) at every
+    size, 13c221c's best in the 7B step (32d8702, ms a step at 512 against the CUDA-core
+    default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256 +0.084,
+    1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
     read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
     gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at 8192, against 326-359 and 372 in
     the row layout; ~-3.5 ms of a 512-token prompt, ~-32 ms of an 8K one), and fp32 sums in
