@@ -39,6 +39,15 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
 
+# True: attn_combine and o_proj as one kernel, attn_o_proj (nq/kernels/attention/o_proj.py: a
+# block a head and row chunk, its weights loaded before the wait, the heads' shares summed by
+# the last block of a chunk), with the split kernel launching it at its CTAs' start.  Opt-in
+# ("attn.fuse_o=1", tiles a warp "attn.o_tpw=2", the split's early launch "attn.trigger=1")
+# until the step graph measures it (docs/PERF.md 0.23); it needs o_proj's weights in the
+# tensor-core layout.
+FUSE_O = False
+O_TPW = 2
+
 
 # Retired (2026-12-03; 20358ec holds it): l2_pace, a kernel on a side stream forked after a
 # layer's down and joined before its gate_up, asking L2 for the head of each of gate_up's tiles
@@ -91,6 +100,10 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # the split kernel's grid width a kv head, `split_width`, or an experiment's
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
+    fuse_o = bool(opts.pop("fuse_o", FUSE_O))
+    o_tpw = int(opts.pop("o_tpw", O_TPW))
+    if fuse_o:
+        opts.setdefault("trigger", True)
     ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
@@ -99,6 +112,16 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
+    o_fused = None
+    if fuse_o:
+        from nq.kernels.attention.o_proj import make_o_proj_launcher
+        from nq.kernels.int4.tiling import MmaTiling
+        if not isinstance(g["o_proj"].tiling, MmaTiling):
+            raise ValueError(f"attn.fuse_o: o_proj's weights are in the CUDA-core layout "
+                             f"({g['o_proj'].tiling.tag()}); attn_o_proj reads the tensor-core "
+                             f"one (an MmaTiling)")
+        o_fused = make_o_proj_launcher(c, eng.state, part_acc, part_ml, eng.x,
+                                       int(opts["min_pps"]), o_tpw)
     qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
         FUSE_ROPE if fuse_rope is None else fuse_rope) else None
     if (qkv_rope is not None and check_layout
@@ -119,10 +142,13 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
                                                       L.qkv_b, eng.qkv, st)),
                 ("rope_kv_append", rope_kv.rope_kv_launcher(
                     c, eng.qkv, eng.state, eng.inv_freq, eng.d_table, kv_i, eng.q))]
-        steps += [
-            ("paged_attention", attention.decode_launcher(
-                c, eng.q, eng.state, eng.d_table, kv_i, eng.o, part_acc, part_ml, **opts)),
-            ("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st))]
+        steps.append(("paged_attention", attention.decode_launcher(
+            c, eng.q, eng.state, eng.d_table, kv_i, eng.o, part_acc, part_ml,
+            merge=not fuse_o, **opts)))
+        if fuse_o:
+            steps.append(("o_proj", lambda st, L=L: o_fused(L.o_w, L.o_s, st)))
+        else:
+            steps.append(("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)))
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st)),

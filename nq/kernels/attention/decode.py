@@ -57,8 +57,9 @@ End of CTA: consumers 1..nca-1 leave (m, l, acc) in their own page slot of the l
 copy writes it again) and arrive on a merge mbarrier (count (nca-1)*32); consumer 0 waits on it,
 merges and writes one partial per split (plan.py: part_ml (m, l), part_acc).
 
-PDL: no early griddepcontrol.launch_dependents -- attn_combine can do nothing before this
-kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
+PDL: no early griddepcontrol.launch_dependents by default (`trigger` puts one at each CTA's
+start, for attn_o_proj, whose blocks load their weights before they wait) -- attn_combine can
+do nothing before this kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
 0.2, PDL); the implicit trigger at exit is the right one.
 
 Lost in the step and retired (docs/KERNELS_ATTN.md): l2_prefetch, warp 0 of every CTA asking L2
@@ -127,7 +128,8 @@ SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
+               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
+               trigger: bool = False):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -136,12 +138,14 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     """
     from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_tensor_5d_g2s, cvta_to_shared_u32_at,
                         fence_mbarrier_init,
-                        fence_proxy_async_shared, griddepcontrol_wait, ldmatrix_x4,
+                        fence_proxy_async_shared, griddepcontrol_launch_dependents,
+                        griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity,
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
+    TRIGGER = bool(trigger)  # launch the dependents at the CTA's start (attn_o_proj's weights)
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
@@ -188,6 +192,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         warp = tid // 32
         lane = tid % 32
         bar0 = cvta_to_shared_u32_at(bars, 0)    # full[i] = bar0 + 8i, empty[i] = bar0 + 8(NST + i)
+        if TRIGGER:
+            griddepcontrol_launch_dependents()
         if not EARLY:
             griddepcontrol_wait()  # state, q and the KV page written by rope_kv come from upstream
         # EARLY (PDL): state, the block table and every page but the one rope_kv writes this

@@ -15,7 +15,7 @@ from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, tma=False, tma_from=0) -> str:
+               early, cluster=0, ppc=0, tma=False, tma_from=0, trigger=False) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
     ppc the pages a consumer, tma the tensor-map copies and tfrom the pages a split they start
@@ -27,6 +27,8 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
         extra["tma"] = True
     if tma and tma_from:
         extra["tfrom"] = tma_from
+    if trigger:
+        extra["trig"] = True
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -35,12 +37,14 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0):
+                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
+                 trigger: bool = False):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
     (cluster.py's launch)."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0)
+           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0,
+           bool(trigger))
     sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -49,7 +53,8 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, cluster: int = 0, ppc: int = 0,
-                    tma: bool = False, tma_from: int = 0):
+                    tma: bool = False, tma_from: int = 0, merge: bool = True,
+                    trigger: bool = False):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -76,6 +81,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     into padded rows; the launcher encodes kv_layer's tensor map once, here.  tma_from: k > 0
     -- the tensor-map copies only for splits of k pages or more (long contexts), the bulk copies
     below, chosen in the kernel from the plan as ppc is.
+    merge: False -- attn_split alone, its partials left for attn_o_proj (o_proj.py), which
+    merges them itself; o is then not written.  trigger: the split kernel launches its
+    dependents at each CTA's start (for attn_o_proj, whose weights then load before it waits).
     """
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
@@ -100,8 +108,9 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                                 consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
-                         ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from))
-    merge = combine.combine_kernel(d, ms, min_pps)
+                         ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from),
+                         trigger=bool(trigger))
+    combiner = combine.combine_kernel(d, ms, min_pps) if merge else None
     merge_threads = combine.combine_threads(d)
     acc_flat, ml_flat = combine.flat_partials(part_acc, part_ml)
     tfrom = int(tma_from) if tma else 0
@@ -118,6 +127,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
 
     def launch(stream=0):
         split[(ms, hkv), threads, stream, nbytes](*args)
-        merge[hq, merge_threads, stream](state, acc_flat, ml_flat, o)
+        if merge:
+            combiner[hq, merge_threads, stream](state, acc_flat, ml_flat, o)
 
     return launch

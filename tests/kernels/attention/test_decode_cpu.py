@@ -329,7 +329,8 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(launch.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "cluster", "ppc", "tma", "tma_from"}
+                                         "cluster", "ppc", "tma", "tma_from", "merge",
+                                         "trigger"}
 
 
 @pytest.mark.parametrize("cluster", [16, 8])
