@@ -27,7 +27,8 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
     mulhi     mul_hi_u32 (Philox rounds)
     griddep   griddepcontrol_wait, griddepcontrol_launch_dependents (programmatic dependent launch)
     clock     clock64 (the SM's cycle counter)
-    gridsync  atom_add_acq_rel_gpu_u32, red_release_gpu_add_u32, ld_acquire_gpu_u32,
+    gridsync  atom_add_acq_rel_gpu_u32, red_release_gpu_add_u32, red_relaxed_gpu_add_u64,
+              ld_acquire_gpu_u32,
               st_release_gpu_u32, fence_acq_rel_gpu, ld_global_cg_v4_u32, nanosleep_u32 (blocks of
               one grid meeting: a grid barrier)
     cluster   cluster_ctarank, barrier_cluster_sync, mapa_shared_cluster_u32, ld_shared_cluster_f32
@@ -46,6 +47,7 @@ from nq.ptx.mulhi import mul_hi_u32
 from nq.ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
 from nq.ptx.gridsync import (atom_add_acq_rel_gpu_u32, fence_acq_rel_gpu, ld_acquire_gpu_u32,
                              ld_global_cg_v4_u32, nanosleep_u32, red_release_gpu_add_u32,
+                             red_relaxed_gpu_add_u64,
                              st_release_gpu_u32)
 from nq.ptx.clock import clock64
 from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
@@ -89,7 +91,7 @@ __all__ = [
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
     "dp4a_s32", "mul_hi_u32",
     "griddepcontrol_wait", "griddepcontrol_launch_dependents",
-    "atom_add_acq_rel_gpu_u32", "red_release_gpu_add_u32", "ld_acquire_gpu_u32", "st_release_gpu_u32", "fence_acq_rel_gpu",
+    "atom_add_acq_rel_gpu_u32", "red_release_gpu_add_u32", "red_relaxed_gpu_add_u64", "ld_acquire_gpu_u32", "st_release_gpu_u32", "fence_acq_rel_gpu",
     "ld_global_cg_v4_u32", "nanosleep_u32",
     "cluster_ctarank", "barrier_cluster_sync", "mapa_shared_cluster_u32", "ld_shared_cluster_f32",
 ]

@@ -73,6 +73,23 @@ def red_release_gpu_add_u32(arr, idx, v):
         a[idx] = np.uint32((int(a[idx]) + int(v)) & 0xFFFFFFFF)
 
 
+@ptx("red.relaxed.gpu.global.add.u64 [%0], %2;", args=("arr", "idx", "u64"), effect="memory")
+def red_relaxed_gpu_add_u64(arr, idx, v):
+    """`red.relaxed.gpu.global.add.u64 [&arr[idx]], v;` -- add the 64-bit v (two's complement:
+    the same bits for a signed int64) to the 8 bytes at &arr[idx] (arr's element idx and, for a
+    uint32 array, idx + 1 above it; 8-byte aligned), returning nothing.  Integer adds commute,
+    so blocks adding in any order leave the same bits: attn_o_proj's fixed-point sums."""
+    with _LOCK:
+        a = _flat(arr)
+        if a.dtype.itemsize == 4:
+            old = int(a[idx]) | (int(a[idx + 1]) << 32)
+            new = (old + int(np.uint64(v))) & 0xFFFFFFFFFFFFFFFF
+            a[idx], a[idx + 1] = np.uint32(new & 0xFFFFFFFF), np.uint32(new >> 32)
+        else:
+            a[idx] = a.dtype.type((int(np.uint64(a[idx])) + int(np.uint64(v)))
+                                  & 0xFFFFFFFFFFFFFFFF)
+
+
 @ptx("fence.acq_rel.gpu;", effect="memory")
 def fence_acq_rel_gpu():
     """`fence.acq_rel.gpu;` (CUDA's __threadfence): order this thread's memory accesses before

@@ -39,13 +39,15 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
 
-# True: attn_combine and o_proj as one kernel, attn_o_proj (nq/kernels/attention/o_proj.py: a
+# 1: attn_combine and o_proj as one kernel, attn_o_proj (nq/kernels/attention/o_proj.py: a
 # block a head and row chunk, its weights loaded before the wait, the heads' shares summed by
-# the last block of a chunk), with the split kernel launching it at its CTAs' start.  Opt-in
-# ("attn.fuse_o=1", tiles a warp "attn.o_tpw=2", the split's early launch "attn.trigger=1")
-# until the step graph measures it (docs/PERF.md 0.23); it needs o_proj's weights in the
-# tensor-core layout.
-FUSE_O = False
+# the last block of a chunk), with the split kernel launching it at its CTAs' start; 2: the
+# same, but the shares added as fixed-point int64 into xacc (no last block), which gate_up
+# reads beside x and down folds into x (MmaTiling.xacc).  Opt-in ("attn.fuse_o=1" / "=2",
+# tiles a warp "attn.o_tpw=2", the split's early launch "attn.trigger=1") until the step graph
+# measures it (docs/PERF.md 0.23); it needs o_proj's (and for 2 gate_up's and down's) weights
+# in the tensor-core layout.
+FUSE_O = 0
 O_TPW = 2
 
 
@@ -100,7 +102,10 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # the split kernel's grid width a kv head, `split_width`, or an experiment's
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
-    fuse_o = bool(opts.pop("fuse_o", FUSE_O))
+    fuse_o = int(opts.pop("fuse_o", FUSE_O))
+    if fuse_o not in (0, 1, 2):
+        raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
+                         f"2 (attn_o_proj into xacc)")
     o_tpw = int(opts.pop("o_tpw", O_TPW))
     if fuse_o:
         opts.setdefault("trigger", True)
@@ -112,22 +117,31 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     g = gemvs(c, tilings, check_layout)
-    o_fused = None
+    o_fused = xacc = None
     if fuse_o:
-        from nq.kernels.attention.o_proj import make_o_proj_launcher
+        import dataclasses
+
+        from nq.kernels.attention.o_proj import make_o_proj_launcher, xacc_workspace
         from nq.kernels.int4.tiling import MmaTiling
-        if not isinstance(g["o_proj"].tiling, MmaTiling):
-            raise ValueError(f"attn.fuse_o: o_proj's weights are in the CUDA-core layout "
-                             f"({g['o_proj'].tiling.tag()}); attn_o_proj reads the tensor-core "
-                             f"one (an MmaTiling)")
+        kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
+        for kind in kinds:
+            if not isinstance(g[kind].tiling, MmaTiling):
+                raise ValueError(f"attn.fuse_o={fuse_o}: {kind}'s weights are in the CUDA-core "
+                                 f"layout ({g[kind].tiling.tag()}); it needs the tensor-core one "
+                                 f"(an MmaTiling)")
+        if fuse_o == 2:
+            xacc = xacc_workspace(c.hidden_size)
+            g = gemvs(c, {**tilings, **{k: dataclasses.replace(g[k].tiling, xacc=1)
+                                        for k in ("gate_up", "down")}}, check_layout)
         o_fused = make_o_proj_launcher(c, eng.state, part_acc, part_ml, eng.x,
-                                       int(opts["min_pps"]), o_tpw)
+                                       int(opts["min_pps"]), o_tpw, xacc)
     qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
         FUSE_ROPE if fuse_rope is None else fuse_rope) else None
     if (qkv_rope is not None and check_layout
             and qkv_rope.tiling.layout() != g["qkv"].tiling.layout()):
         raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
                          f"the uploaded qkv weights ({g['qkv'].tiling.tag()}); keep ks")
+    acc = {"xacc": xacc} if xacc is not None else {}
     steps = [("embed", feed.feed_launcher(eng.prompt, eng.feed_meta, eng.state)),
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]
     for i, L in enumerate(weights.layers):
@@ -151,8 +165,8 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
             steps.append(("o_proj", lambda st, L=L: g["o_proj"](eng.o, L.o_w, L.o_s, eng.x, st)))
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
-                                                            L.gu_s, eng.a, st)),
-            ("down", lambda st, L=L: g["down"](eng.a, L.down_w, L.down_s, eng.x, st)),
+                                                            L.gu_s, eng.a, st, **acc)),
+            ("down", lambda st, L=L: g["down"](eng.a, L.down_w, L.down_s, eng.x, st, **acc)),
         ]
     head = lm_head.make_lm_head(c, weights.lm_head)   # fp16, or int8 rows + scales
     steps.append(("lm_head", lambda st: head(eng.x, weights.norm, weights.lm_head,

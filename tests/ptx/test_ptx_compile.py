@@ -2,7 +2,7 @@
 promises, inline (no call), and leaves no local-memory traffic behind."""
 import numpy as np
 import pytest
-from numba import cuda, uint32
+from numba import cuda, uint32, uint64
 from numba.core.errors import TypingError
 
 import nq.ptx as P
@@ -329,6 +329,7 @@ def gridsync_set(flag, data, out):
     cuda.syncthreads()
     a, b, c, d = P.ld_global_cg_v4_u32(data, 4 * cuda.threadIdx.x)
     out[cuda.threadIdx.x] = a + b + c + d
+    P.red_relaxed_gpu_add_u64(data, 2 * cuda.threadIdx.x, uint64(a))   # fixed-point sums
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +339,7 @@ def gridsync_ptx():
 
 @pytest.mark.parametrize("instruction", [
     "atom.add.acq_rel.gpu.global.u32", "red.release.gpu.global.add.u32", "ld.acquire.gpu.global.u32", "st.release.gpu.global.u32",
-    "fence.acq_rel.gpu", "ld.global.cg.v4.u32", "nanosleep.u32",
+    "fence.acq_rel.gpu", "ld.global.cg.v4.u32", "nanosleep.u32", "red.relaxed.gpu.global.add.u64",
 ])
 def test_gridsync_set_emits_each_instruction(gridsync_ptx, instruction):
     assert_uses(gridsync_ptx, instruction)

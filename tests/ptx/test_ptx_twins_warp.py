@@ -153,3 +153,8 @@ def test_gridsync_twins_count_publish_and_read():
     assert ld_acquire_gpu_u32.twin(flag, 1) == 7
     data = np.arange(8, dtype=np.uint32)
     assert [int(v) for v in ld_global_cg_v4_u32.twin(data, 4)] == [4, 5, 6, 7]
+    from nq.ptx import red_relaxed_gpu_add_u64
+    acc = np.zeros(4, np.uint32)   # one int64 as two words at 2, 3: carries, and adding -1
+    red_relaxed_gpu_add_u64.twin(acc, 2, np.uint64(2**32 + 5))
+    assert red_relaxed_gpu_add_u64.twin(acc, 2, np.uint64(2**64 - 1)) is None
+    assert acc.tolist() == [0, 0, 4, 1]

@@ -228,7 +228,8 @@ def test_cluster_attention_in_the_step(model):
 
 def test_fused_o_proj_in_the_step(model, capsys):
     """The step with attn_o_proj (attn.fuse_o=1: the merge and o_proj in one kernel, opt-in),
-    with and without the split kernel's early trigger and at 1 and 4 tiles a warp: the default
+    with and without the split kernel's early trigger, at 1 and 4 tiles a warp, and with the
+    heads' shares into xacc (attn.fuse_o=2, gate_up and down taking it): the default
     step's greedy ids, its last logits within 1e-3 of their spread (o rounded the same, the
     heads' shares summed in another order), and nq verify's decode tier passes."""
     from nq.kernels.int4.tiling import MmaTiling, default_tiling
@@ -242,17 +243,17 @@ def test_fused_o_proj_in_the_step(model, capsys):
     runs = []
     try:
         for attn in ({}, {"fuse_o": 1}, {"fuse_o": 1, "trigger": 0}, {"fuse_o": 1, "o_tpw": 1},
-                     {"fuse_o": 1, "o_tpw": 4}):
+                     {"fuse_o": 1, "o_tpw": 4}, {"fuse_o": 2}):
             eng.variant(attn=attn)
             eng.reset()
             ids = list(eng.generate_ids(prompt, 24, GREEDY))
             runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
-        eng.variant(attn={"fuse_o": 1})
+        eng.variant(attn={"fuse_o": 2})
         prompts = np.random.default_rng(5).integers(0, min(nf.config.vocab_size, 500),
                                                     (2, 12)).tolist()
         row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 24)
         with capsys.disabled():
-            print(f"\n{name} fuse_o: decode tier {row.detail}")
+            print(f"\n{name} fuse_o=2: decode tier {row.detail}")
         assert row.passed, row
     finally:
         eng.variant()

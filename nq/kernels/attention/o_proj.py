@@ -26,8 +26,8 @@ chunk is 16 * WARPS * TPW rows.  Block b takes group b % GROUPS of chunk b // GR
                    rounded where attn_combine rounds it).
   o_proj           each warp: the dequant-mma of its tiles' group (gemv_mma_weights.group_dot),
                    rows g and g + 8 times their scales, stored by lanes t = 0 to part_o[gk].
-  fold             a release fence and __syncthreads, thread 0 adds 1 to the chunk's counter
-                   (atom.add.acq_rel.gpu); the block that brings it to GROUPS reads the chunk's
+  fold             __syncthreads, thread 0 adds 1 to the chunk's counter (atom.add.acq_rel.gpu:
+                   its release covers the block's stores, cumulatively), __syncthreads; the block that brings it to GROUPS reads the chunk's
                    GROUPS partial rows (ld.global.cg: L2, coherent), sums them in head order,
                    adds the sum to x and puts the counter back to 0.
 
@@ -43,7 +43,7 @@ import functools
 import math
 
 from numba import cuda  # a module global: the simulator swaps it for its fake module
-from numba import float32, uint32, uint64
+from numba import float32, int64, uint32, uint64
 
 from nq.config import GROUP_SIZE
 from nq.kernels.attention.plan import NEG_BIG
@@ -57,6 +57,7 @@ WARPS = 8          # 256 threads: the merge's 8 x 32
 MAX_TPW = 4        # tiles a warp (written out below)
 O_SIG = ("void(int32[::1], float32[::1], float32[::1], uint32[::1], float16[::1], "
          "float32[::1], float32[::1], uint32[::1])")
+O_SIG_ACC = "void(int32[::1], float32[::1], float32[::1], uint32[::1], float16[::1], uint32[::1])"
 
 
 def chunk_rows(tpw: int) -> int:
@@ -85,20 +86,26 @@ def check_o_proj(n_out: int, k: int, head_dim: int, num_heads: int, tpw: int) ->
 
 @functools.cache
 def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: int,
-                min_pps: int, tpw: int):
+                min_pps: int, tpw: int, acc: bool = False):
     """The kernel body for one set of constants (o_proj_name spells them).  Legend: D head_dim,
     HQ query heads, MAXS / MINP the split plan's max_splits / min_pps (the split kernel's), G
     split groups, R splits a thread may own, HPG heads a K group, TPW tiles a warp, TPB tiles a
-    block (a chunk), CH rows a chunk."""
+    block (a chunk), CH rows a chunk.  acc: the heads' shares go into xacc as fixed-point int64
+    (red.add, any order, the same bits) instead of part_o and the last block's fold; gate_up
+    reads x + xacc and down folds it into x (gemv_mma.py "xacc"); the kernel is then
+    O_SIG_ACC's."""
     from nq.kernels.int4.gemv_mma_shape import shape_of
     from nq.kernels.int4.gemv_mma_weights import weight_path
     from nq.kernels.int4.tiling import MmaTiling
     from nq.ptx import (SIMULATOR, atom_add_acq_rel_gpu_u32, cvta_to_shared_u32,
-                        fence_acq_rel_gpu, griddepcontrol_launch_dependents,
+                        griddepcontrol_launch_dependents,
                         griddepcontrol_wait, ld_global_cg_v4_u32, ld_global_nc_v2_f32,
+                        red_relaxed_gpu_add_u64,
                         ld_global_nc_v4_f32, mov_b32_f32_from_u32, pack_f16x2_from_f32)
 
     check_o_proj(n_out, k, head_dim, num_heads, tpw)
+    ACC = bool(acc)
+    FIX = float32(2.0 ** 32)            # xacc's unit: 2^-32 of x (gemv_mma_stage.FIXED_ONE)
     D, HQ, MAXS, MINP, TPW, G = head_dim, num_heads, max_splits, min_pps, tpw, SPLIT_GROUPS
     GROUPS = k // GROUP_SIZE
     HPG = GROUP_SIZE // D
@@ -121,18 +128,24 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         # that exist and stores nothing)
         return min(rc * TPB + warp * TPW + j, N_TILES - 1)
 
-    def store_rows(part_o, gk, tile, g, t4, v):
-        # lane t = 0 of a row pair: rows g and g + 8 of the tile, group gk's share
+    def store_rows(part_o, xa, gk, tile, g, t4, v):
+        # lane t = 0 of a row pair: rows g and g + 8 of the tile, group gk's share (ACC: added
+        # to xacc's int64 of the row, in units of 2^-32)
         if t4 == 0 and tile < N_TILES:
-            base = gk * n_out + tile * 16 + g
-            part_o[base] = v[0]
-            part_o[base + 8] = v[1]
+            r = tile * 16 + g
+            if ACC:
+                red_relaxed_gpu_add_u64(xa, 2 * r, uint64(int64(v[0] * FIX)))
+                red_relaxed_gpu_add_u64(xa, 2 * r + 16, uint64(int64(v[1] * FIX)))
+            else:
+                part_o[gk * n_out + r] = v[0]
+                part_o[gk * n_out + r + 8] = v[1]
 
     warp_tile, store_rows = dev(warp_tile), dev(store_rows)
 
-    def kernel(state, part_acc, part_ml, qw, sc, x, part_o, counters):
+    def body(state, part_acc, part_ml, qw, sc, x, part_o, counters, xa):
         # part_acc / part_ml flat (attn_combine's flat_partials); part_o (GROUPS * N,) f32;
-        # counters (chunks,) u32, zero between launches
+        # counters (chunks,) u32, zero between launches; xa: xacc's words (ACC; else any
+        # stand-in, as x, part_o and counters are with ACC)
         act = cuda.shared.array(64, uint32, alignment=None if SIMULATOR else 16)  # 128 fp16
         red = cuda.shared.array(RED, float32)
         gm = cuda.shared.array(GH, float32)
@@ -236,18 +249,21 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
             act[wd + 2] = pack_f16x2_from_f32(u2 / den, u3 / den)
         cuda.syncthreads()
         abase = uint64(cvta_to_shared_u32(act))
-        store_rows(part_o, gk, rc * TPB + warp * TPW, g, t4, group_dot(c0, c0, abase, 0, t4))
+        store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4, group_dot(c0, c0, abase, 0, t4))
         if TPW > 1:
-            store_rows(part_o, gk, rc * TPB + warp * TPW + 1, g, t4,
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
                        group_dot(c1, c1, abase, 0, t4))
         if TPW > 2:
-            store_rows(part_o, gk, rc * TPB + warp * TPW + 2, g, t4,
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
                        group_dot(c2, c2, abase, 0, t4))
         if TPW > 3:
-            store_rows(part_o, gk, rc * TPB + warp * TPW + 3, g, t4,
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
                        group_dot(c3, c3, abase, 0, t4))
-        # the fold (module doc): the last block of the chunk adds the GROUPS shares to x
-        fence_acq_rel_gpu()
+        # the fold (module doc): the last block of the chunk adds the GROUPS shares to x.  The
+        # barrier makes the block's stores thread 0's to release (PTX's release is cumulative),
+        # its acquire and the second barrier the other blocks' shares the readers'
+        if ACC:
+            return
         cuda.syncthreads()
         if tid == 0:
             last[0] = uint32(atom_add_acq_rel_gpu_u32(counters, rc, uint32(1)) == GROUPS - 1)
@@ -255,7 +271,6 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         if last[0]:
             # PARTS threads a row quad, each summing GROUPS / PARTS heads' shares in head order
             # (one round trip of loads, ~40 registers), then the parts in order
-            fence_acq_rel_gpu()
             quad = tid % QUADS
             part = tid // QUADS
             r = rc * CH + quad * 4
@@ -291,21 +306,37 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
             if tid == 0:
                 counters[rc] = uint32(0)
 
+    body = dev(body)
+    if ACC:
+        def kernel(state, part_acc, part_ml, qw, sc, xa):
+            body(state, part_acc, part_ml, qw, sc, part_acc, part_acc, xa, xa)
+        return kernel
+
+    def kernel(state, part_acc, part_ml, qw, sc, x, part_o, counters):
+        body(state, part_acc, part_ml, qw, sc, x, part_o, counters, counters)
+
     return kernel
 
 
-def o_proj_name(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw) -> str:
+def o_proj_name(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False) -> str:
+    extra = {"acc": True} if acc else {}
     return kernel_name("attn_o_proj", n=n_out, k=k, d=head_dim, hq=num_heads, splits=max_splits,
-                       minpps=min_pps, tpw=tpw)
+                       minpps=min_pps, tpw=tpw, **extra)
 
 
 @functools.cache
-def o_proj_kernel(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw):
+def o_proj_kernel(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False):
     """attn_o_proj compiled for sm_90, launched as [GROUPS * n_chunks, 32 * WARPS]."""
-    return compile_kernel(o_proj_body(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw),
-                          O_SIG, o_proj_name(n_out, k, head_dim, num_heads, max_splits, min_pps,
-                                             tpw),
+    args = (n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, bool(acc))
+    return compile_kernel(o_proj_body(*args), O_SIG_ACC if acc else O_SIG, o_proj_name(*args),
                           launch_bounds=(32 * WARPS,), fastmath=True)
+
+
+def xacc_workspace(n_out: int):
+    """xacc: (N,) int64 as 2N uint32 words, zero -- attn_o_proj's fixed-point sums (acc),
+    which down folds into x and zeroes every layer."""
+    import numpy as np
+    return cuda.to_device(np.zeros(2 * n_out, np.uint32))
 
 
 def o_proj_workspace(n_out: int, k: int, tpw: int):
@@ -317,9 +348,12 @@ def o_proj_workspace(n_out: int, k: int, tpw: int):
     return part_o, counters
 
 
-def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: int = 2):
+def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: int = 2,
+                         xacc=None):
     """`launch(qw, sc, stream)` for every layer of one engine (the weights change a layer; the
-    partials, x and the workspace do not): checks once, allocates the workspace once."""
+    partials, x and the workspace do not): checks once, allocates the workspace once.  xacc
+    (xacc_workspace): the heads' shares are added there (the acc kernel) and x is not touched;
+    gate_up and down then take it (MmaTiling.xacc)."""
     import numpy as np
     from nq.kernels.attention.combine import flat_partials
     n, k, d, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.head_dim, cfg.num_heads
@@ -330,9 +364,12 @@ def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: in
                          f"({ms}, {hq}, {d}) / ({ms}, {hq}, 2) (decode_workspace)")
     if x.dtype != np.float32 or tuple(x.shape) != (n,):
         raise ValueError(f"attn_o_proj: x is {x.dtype}{tuple(x.shape)}, want float32({n},)")
-    kern = o_proj_kernel(n, k, d, hq, ms, min_pps, tpw)
+    if xacc is not None and (xacc.dtype != np.uint32 or tuple(xacc.shape) != (2 * n,)):
+        raise ValueError(f"attn_o_proj: xacc is {xacc.dtype}{tuple(xacc.shape)}, want "
+                         f"uint32({2 * n},) (xacc_workspace)")
+    kern = o_proj_kernel(n, k, d, hq, ms, min_pps, tpw, xacc is not None)
     acc_flat, ml_flat = flat_partials(part_acc, part_ml)
-    part_o, counters = o_proj_workspace(n, k, tpw)
+    part_o, counters = o_proj_workspace(n, k, tpw) if xacc is None else (None, None)
     grid = (k // GROUP_SIZE) * n_chunks(n, tpw)
 
     def launch(qw, sc, stream=0):
@@ -341,7 +378,11 @@ def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: in
             raise ValueError(f"attn_o_proj: weights {qw.dtype}{tuple(qw.shape)} / "
                              f"{sc.dtype}{tuple(sc.shape)}, want uint32({n}, {k // 8}) / "
                              f"float16({n}, {k // GROUP_SIZE}) in the tensor-core layout")
-        kern[grid, 32 * WARPS, stream](state, acc_flat, ml_flat, qw.reshape(qw.size),
-                                       sc.reshape(sc.size), x, part_o, counters)
+        if xacc is not None:
+            kern[grid, 32 * WARPS, stream](state, acc_flat, ml_flat, qw.reshape(qw.size),
+                                           sc.reshape(sc.size), xacc)
+        else:
+            kern[grid, 32 * WARPS, stream](state, acc_flat, ml_flat, qw.reshape(qw.size),
+                                           sc.reshape(sc.size), x, part_o, counters)
 
     return launch

@@ -131,7 +131,7 @@ from nq.kernels.common import dev
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
 from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
                                             launch_smem, shape_of)
-from nq.kernels.int4.gemv_mma_stage import act_path
+from nq.kernels.int4.gemv_mma_stage import act_path, fixed_to_f32
 from nq.kernels.int4.gemv_mma_weights import weight_path
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import ROPE_KINDS, TILE, MmaTiling
@@ -149,7 +149,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead"):
+    for f in ("rope", "hilo", "early", "l2ahead", "xacc"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -194,7 +194,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     TILE_WARPS, WARPS, TILES, GROUPS, N_TILES = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS, s.N_TILES
     MATS, ACT_WORDS, PARTIALS, ACT_ALLOC = s.MATS, s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
     ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
-    EARLY, L2AHEAD = s.EARLY, s.L2AHEAD
+    EARLY, L2AHEAD, XACC = s.EARLY, s.L2AHEAD, s.XACC
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
@@ -239,12 +239,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
-    def block_sums(a, qw, sc, x, act, red, dyn):
+    def block_sums(a, qw, sc, x, xa, act, red, dyn):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, xr) for
         row_sum(red, tl2, r, 0), the thread's output row (-1 for threads without one) and
         x[row] as it was, read right after the wait so that the epilogue's x += waits on no L2.
         With EARLY, the warp's first EARLY groups come from their slots in `dyn` (copied
         before the wait), mainloop's from group kw + EARLY * TILE_WARPS on; else dyn is a
+        stand-in never read.  xa: xacc's words (XACC: xr is x + xacc * 2^-32), else a
         stand-in never read."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
@@ -260,6 +261,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         xr = float32(0.0)
         if row >= 0:
             xr = x[row]
+            if XACC:
+                xr += fixed_f32(xa[2 * row], xa[2 * row + 1])
         stage(a, act)
         if EARLY:
             cp_async_wait_group(0)      # this thread's scale copies; the barrier: everyone's
@@ -304,7 +307,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         if ROPE:
             pos = state[STATE_POS]
             fr = inv_freq[pair_i(cuda.threadIdx.x)]
-        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        rstd = stage_norm(x, x, norm_w, act, invf, ssum)   # ends with a __syncthreads
         page = 0
         if ROPE:
             page = table[pos // PAGE]
@@ -339,7 +342,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     def put_qkv(out, b, row, v):
         out[row] = v + b
 
-    def gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum):
+    def gate_up_sums(x, xa, norm_w, qw, sc, act, red, invf, ssum):
         """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
         row_sum(red, tl2, r, 0 / 1), the thread's output row; row -1 for threads without one."""
         lane, g, t4, tl, kw, tile = roles()
@@ -350,7 +353,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         norm_to_l2(norm_w)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
-        rstd = stage_norm(x, norm_w, act, invf, ssum)   # ends with a __syncthreads
+        rstd = stage_norm(x, xa, norm_w, act, invf, ssum)   # ends with a __syncthreads
         abase = uint64(cvta_to_shared_u32(act))
         if HILO:   # lanes of odd g hold B's odd columns: lo
             abase += uint64((g & 1) * LO_WORDS * 4)
@@ -364,6 +367,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         weight_row, put_qkv, gate_up_sums = (
             dev(f) for f in (out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums,
                              norm_to_l2, pair_i, weight_row, put_qkv, gate_up_sums))
+    fixed_f32 = dev(fixed_to_f32)
     put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
     put_rope = dev(put_rope)
 
@@ -406,46 +410,96 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
                         "float16[::1], float32[::1])")
 
+    if kind == "gate_up" and XACC:
+        def kernel(x, xa, norm_w, qw, sc, out):   # (the kernel below, h of x + xacc)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(PARTIALS, float32)
+            invf = cuda.shared.array(GROUPS, float32)
+            ssum = cuda.shared.array(WARPS, float32)
+            row, tl2, r, rstd = gate_up_sums(x, xa, norm_w, qw, sc, act, red, invf, ssum)
+            if row >= 0:
+                gt = row_sum(red, tl2, r, 0) * rstd
+                up = row_sum(red, tl2, r, 1) * rstd
+                y = gt / (float32(1.0) + math.exp(-gt)) * up
+                st_global_u16(out, row, cvt_rn_f16_f32(y))
+        return kernel, ("void(float32[::1], uint32[::1], float16[::1], uint32[::1], "
+                        "float16[::1], float16[::1])")
     if kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)
-            row, tl2, r, rstd = gate_up_sums(x, norm_w, qw, sc, act, red, invf, ssum)
+            row, tl2, r, rstd = gate_up_sums(x, x, norm_w, qw, sc, act, red, invf, ssum)
             if row >= 0:
                 gt = row_sum(red, tl2, r, 0) * rstd
                 up = row_sum(red, tl2, r, 1) * rstd
                 y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
                 st_global_u16(out, row, cvt_rn_f16_f32(y))
         return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
+    if XACC:   # down, the four kernels below with xacc folded into x and zeroed
+        def fold(x, xa, row, v):
+            x[row] = v
+            xa[2 * row] = uint32(0)
+            xa[2 * row + 1] = uint32(0)
+        fold = dev(fold)
+        if EARLY and not dynamic_smem(k):
+            def kernel(a, qw, sc, x, xa):
+                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+                red = cuda.shared.array(PARTIALS, float32)
+                dyn = cuda.shared.array(0, uint32)
+                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn)
+                if row >= 0:
+                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
+        elif EARLY:
+            def kernel(a, qw, sc, x, xa):
+                dyn = cuda.shared.array(0, uint32)
+                red = cuda.shared.array(PARTIALS, float32)
+                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn)
+                if row >= 0:
+                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
+        elif not dynamic_smem(k):
+            def kernel(a, qw, sc, x, xa):
+                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
+                red = cuda.shared.array(PARTIALS, float32)
+                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)
+                if row >= 0:
+                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
+        else:
+            def kernel(a, qw, sc, x, xa):
+                act = cuda.shared.array(0, uint32)
+                red = cuda.shared.array(PARTIALS, float32)
+                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)
+                if row >= 0:
+                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
+        return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1], uint32[::1])"
     if EARLY and not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, dyn)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, dyn)
             if row >= 0:
                 x[row] = xr + row_sum(red, tl2, r, 0)
     elif EARLY:
         def kernel(a, qw, sc, x):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, dyn, red, dyn)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, x, dyn, red, dyn)
             if row >= 0:
                 x[row] = xr + row_sum(red, tl2, r, 0)
     elif not dynamic_smem(k):
         def kernel(a, qw, sc, x):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, red)   # (red: dyn's stand-in)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
                 x[row] = xr + row_sum(red, tl2, r, 0)
     else:
         def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, act, red, red)   # (red: dyn's stand-in)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, red)   # (red: dyn's stand-in)
             if row >= 0:
                 x[row] = xr + row_sum(red, tl2, r, 0)
 

@@ -68,6 +68,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
                          f"early groups and scales beside {k * 2} of activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
                          f"or fewer threads")
+    if t.xacc and kind not in ("gate_up", "down"):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
+                         f"is read by gate_up and folded by down; {kind} takes x alone")
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
@@ -134,6 +137,7 @@ class MmaShape:
     BAR_B: int
     SLOT_TX: int
     L2AHEAD: int
+    XACC: bool
 
 
 def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> MmaShape:
@@ -208,6 +212,10 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # DRAM's ~1.2 under load) while no register holds it; the prologue asks for the first
     # L2AHEAD groups after `first` before griddepcontrol.wait
     L2AHEAD = t.l2ahead
+    # xacc (t.xacc, gate_up and down): x's true value is x + xacc * 2^-32, xacc (N,) int64 (as
+    # 2N uint32 words) holding attn_o_proj's heads' shares in fixed point; gate_up stages the
+    # sum, down adds it to x with its own sums and zeroes xacc
+    XACC = bool(t.xacc)
 
     here = locals()
     return MmaShape(**{f.name: here[f.name] for f in dataclasses.fields(MmaShape)})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from numba import cuda, float32  # module globals: the simulator swaps cuda
+from numba import cuda, float32, int64, uint64  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
@@ -18,11 +18,20 @@ from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u3
                     pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
 
+FIXED_ONE = 2.0 ** 32   # xacc's fixed point: one unit of x is 2^32
+
+
+def fixed_to_f32(lo, hi):
+    """An int64 of xacc (two uint32 words, low first) as fp32 units of x: rounded once to
+    fp32, then times 2^-32 (exact).  A device function body (act_path and gemv_mma wrap it)."""
+    return float32(int64((uint64(hi) << uint64(32)) | uint64(lo))) * float32(1.0 / FIXED_ONE)
+
+
 def act_path(s: MmaShape) -> SimpleNamespace:
     """The activation side of one kernel's body, as device functions."""
     THREADS, WARPS, GROUPS, CHUNKS = s.THREADS, s.WARPS, s.GROUPS, s.CHUNKS
     STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
-    LO_WORDS = s.LO_WORDS
+    LO_WORDS, XACC = s.LO_WORDS, s.XACC
 
     def stage(a, act):
         # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
@@ -42,36 +51,36 @@ def act_path(s: MmaShape) -> SimpleNamespace:
                 act[w + 6] = p3
                 act[w + 7] = p7
 
-    def stage_norm(x, norm_w, act, invf, ssum):
+    def stage_norm(x, xa, norm_w, act, invf, ssum):
         """gate_up: stage x * norm_w in stage's order, each group times f_g (module doc;
         invf[g] = 1/f_g), and return rstd.  Warp w stages groups w, w + WARPS, ...; a lane's
         four values and where they land are scaled_group's.  gemv.py's piece_put, value for
-        value."""
+        value.  xa: xacc's words (XACC; else any stand-in, never read)."""
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
         ss = float32(0.0)
         if HILO:   # the groups written out, up to 8 (stage_group says why)
-            ss += stage_group(x, norm_w, act, invf, warp, lane)
+            ss += stage_group(x, xa, norm_w, act, invf, warp, lane)
             if NORM_ITERS > 1:
-                ss += stage_group(x, norm_w, act, invf, WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, WARPS + warp, lane)
             if NORM_ITERS > 2:
-                ss += stage_group(x, norm_w, act, invf, 2 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 2 * WARPS + warp, lane)
             if NORM_ITERS > 3:
-                ss += stage_group(x, norm_w, act, invf, 3 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 3 * WARPS + warp, lane)
             if NORM_ITERS > 4:
-                ss += stage_group(x, norm_w, act, invf, 4 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 4 * WARPS + warp, lane)
             if NORM_ITERS > 5:
-                ss += stage_group(x, norm_w, act, invf, 5 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 5 * WARPS + warp, lane)
             if NORM_ITERS > 6:
-                ss += stage_group(x, norm_w, act, invf, 6 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 6 * WARPS + warp, lane)
             if NORM_ITERS > 7:
-                ss += stage_group(x, norm_w, act, invf, 7 * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, 7 * WARPS + warp, lane)
             for it in range(8, NORM_ITERS):
-                ss += stage_group(x, norm_w, act, invf, it * WARPS + warp, lane)
+                ss += stage_group(x, xa, norm_w, act, invf, it * WARPS + warp, lane)
         else:
             for it in range(NORM_ITERS):
                 grp = it * WARPS + warp
-                v0, v1, v2, v3, fi, sq, w = scaled_group(x, norm_w, grp, lane)
+                v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
                 if grp < GROUPS:
                     ss += sq
                     act[w] = pack_f16x2_from_f32(v0, v1)
@@ -84,7 +93,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         cuda.syncthreads()
         return rstd_of(ssum, WARPS, INV_K, EPS)
 
-    def scaled_group(x, norm_w, grp, lane):
+    def scaled_group(x, xa, norm_w, grp, lane):
         """Group grp's values of a lane as stage_norm stages them: v = x * norm_w * f_g for
         x[128 grp + 4 lane ..] (four), 1/f_g, the lane's sum of squares of x, and the word of
         its first pair in stage's order (lane l holds pairs 2(l%4) and 2(l%4)+1 of chunk l//4,
@@ -92,6 +101,13 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         loads read the last one (a spare load beats a branch) and the caller stores nothing."""
         base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
         x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+        if XACC:   # x + xacc * 2^-32 (the int64 words of base .. base + 3)
+            l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
+            l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
+            x0 += fixed_f32(l0, h0)
+            x1 += fixed_f32(l1, h1)
+            x2 += fixed_f32(l2, h2)
+            x3 += fixed_f32(l3, h3)
         w01, w23 = ld_global_nc_v2_u32(norm_w, base)
         n0, n1 = unpack_f16x2_to_f32(w01)
         n2, n3 = unpack_f16x2_to_f32(w23)
@@ -103,13 +119,13 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         w += 2 * j if j < 4 else 2 * j - 7
         return (p0 * f, p1 * f, p2 * f, p3 * f, fi, x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, w)
 
-    def stage_group(x, norm_w, act, invf, grp, lane):
+    def stage_group(x, xa, norm_w, act, invf, grp, lane):
         """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
         fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
         squares of x (0 past the last group).  Called once a group, written out: as a loop
         body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
         each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
-        v0, v1, v2, v3, fi, sq, w = scaled_group(x, norm_w, grp, lane)
+        v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
         ss = float32(0.0)
         if grp < GROUPS:
             ss = sq
@@ -126,7 +142,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
-    pow2_scale = dev(pow2_scale_f32)
+    pow2_scale, fixed_f32 = dev(pow2_scale_f32), dev(fixed_to_f32)
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))

@@ -184,6 +184,17 @@ class _MmaGemv:
         return qw.reshape(qw.size), sc.reshape(sc.size)
 
 
+def _xacc_words(name, xacc, n):
+    """xacc (n,) int64 (or its 2n uint32 words) as the kernels take it: 2n uint32 words."""
+    if xacc is None:
+        raise ValueError(f"{name}: its tiling reads xacc (attn_o_proj's int64 sums beside x); "
+                         f"pass xacc=, or use a tiling without xacc")
+    if xacc.dtype == np.int64 and tuple(xacc.shape) == (n,):
+        return xacc.view(np.uint32)
+    need(xacc, f"{name} xacc", np.uint32, (2 * n,), 16)
+    return xacc
+
+
 class ResidualMmaGemv(_MmaGemv):
     """o_proj and down on the tensor cores: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a,
     a fp16 (K,)."""
@@ -191,11 +202,17 @@ class ResidualMmaGemv(_MmaGemv):
     def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling):
         super().__init__(kind, n_out, k, n_out, tiling)
 
-    def __call__(self, a, qw, sc, x, stream=0):
+    def __call__(self, a, qw, sc, x, stream=0, xacc=None):
+        """xacc: with a tiling's xacc (down), attn_o_proj's int64 sums (N,) beside x, folded
+        into x and zeroed here (o_proj.xacc_workspace)."""
         qw, sc = self._weights(qw, sc)
         need(a, f"{self.name} a", np.float16, (self.k,), 16)
         need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, self.smem](a, qw, sc, x)
+        if self.tiling.xacc:
+            self.kernel[self.grid, self.block, stream, self.smem](
+                a, qw, sc, x, _xacc_words(self.name, xacc, self.n_out))
+        else:
+            self.kernel[self.grid, self.block, stream, self.smem](a, qw, sc, x)
 
 
 class GateUpMmaGemv(_MmaGemv):
@@ -206,12 +223,18 @@ class GateUpMmaGemv(_MmaGemv):
     def __init__(self, cfg: ModelConfig, n_out: int, k: int, tiling: MmaTiling):
         super().__init__("gate_up", n_out, k, 2 * n_out, tiling, float(cfg.rms_norm_eps))
 
-    def __call__(self, x, norm_w, qw, sc, out, stream=0):
+    def __call__(self, x, norm_w, qw, sc, out, stream=0, xacc=None):
+        """xacc: with a tiling's xacc, attn_o_proj's int64 sums (K,) beside x: h is
+        rmsnorm(x + xacc * 2^-32)."""
         qw, sc = self._weights(qw, sc)
         need(x, f"{self.name} x", np.float32, (self.k,))
         need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         need(out, f"{self.name} out", np.float16, (self.n_out,), 2)
-        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
+        if self.tiling.xacc:
+            self.kernel[self.grid, self.block, stream, self.smem](
+                x, _xacc_words(self.name, xacc, self.k), norm_w, qw, sc, out)
+        else:
+            self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
 
 
 class QkvMmaGemv(_MmaGemv):

@@ -91,6 +91,9 @@ class MmaTiling:
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
     l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
     #                      loads (cp.async.bulk.prefetch.L2, 1 KB a tile; gemv_mma.py)
+    xacc: int = 0        # gate_up / down: x is x + xacc * 2^-32, xacc the int64 sums attn_o_proj
+    #                      adds its heads' shares into (gate_up reads it, down folds it into x
+    #                      and zeroes it; gemv_mma.py "xacc")
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -105,7 +108,8 @@ class MmaTiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
-                + (f"_l2a{self.l2ahead}" if self.l2ahead else ""))
+                + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
+                + ("_xacc" if self.xacc else ""))
 
 
 def hilo_bytes(k: int) -> int:
