@@ -31,6 +31,13 @@ chunk is 16 * WARPS * TPW rows.  Block b takes group b % GROUPS of chunk b // GR
                    GROUPS partial rows (ld.global.cg: L2, coherent), sums them in head order,
                    adds the sum to x and puts the counter back to 0.
 
+The acc form (`acc`, the step's attn.fuse_o=2) has no fold: each block adds its rows' shares
+to xacc as fixed-point int64 (units of 2^-32 of x, `red.relaxed.gpu.global.add.u64`: integer
+adds commute, so any order leaves the same bits), gate_up reads x + xacc * 2^-32 and down
+folds xacc into x and zeroes it (gemv_mma.py "xacc").  It takes the counter's round trip, the
+shares' loads and x's update off the critical path, for two loads beside x's in gate_up and
+down.
+
 The split kernel ahead of it may trigger its dependents at its start (decode_launcher's
 `trigger`), so that these blocks are resident and their weights in registers before the
 partials exist.  Measured: docs/PERF.md 0.23.

@@ -47,6 +47,15 @@ prologue for the first P after `first`, before the wait.  In the step on the H20
 both together -0.010 / -0.018 / -0.018 ms at 512 / 8K / 32K; down lost at every P, and P > 2
 loses everywhere (docs/PERF.md 0.16).
 
+xacc (`MmaTiling.xacc`, gate_up and down; opt-in with attn_o_proj's acc form, the step's
+`attn.fuse_o=2`): x's value is x + xacc * 2^-32, xacc (N,) int64 as 2N uint32 words into which
+attn_o_proj added its heads' shares of o_proj (red.add.u64: integer sums in any order give the
+same bits, so no block has to wait for the others to sum them).  gate_up stages
+rmsnorm(x + xacc * 2^-32) (its loads beside x's, gemv_mma_stage.scaled_group); down reads xacc
+beside x right after the wait, writes x + xacc * 2^-32 + its sums and zeroes xacc for the next
+layer: one writer an element, as ever.  Each int64 is rounded once to fp32, then scaled
+exactly (gemv_mma_stage.fixed_to_f32).  Measured: docs/PERF.md 0.23.
+
 Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
 variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
 ring=R, the weights through shared memory, R groups a warp refilled as they were used
