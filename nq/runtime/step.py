@@ -102,13 +102,12 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # the split kernel's grid width a kv head, `split_width`, or an experiment's
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
+    asked_o = "fuse_o" in opts     # an experiment's, refused where it cannot run (below)
     fuse_o = int(opts.pop("fuse_o", FUSE_O))
     if fuse_o not in (0, 1, 2):
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")
     o_tpw = int(opts.pop("o_tpw", O_TPW))
-    if fuse_o:
-        opts.setdefault("trigger", True)
     ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
@@ -119,16 +118,20 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     g = gemvs(c, tilings, check_layout)
     o_fused = xacc = None
     if fuse_o:
+        from nq.kernels.int4.tiling import MmaTiling
+        kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
+        cores = [k for k in kinds if not isinstance(g[k].tiling, MmaTiling)]
+        if cores and asked_o:
+            raise ValueError(f"attn.fuse_o={fuse_o}: {cores[0]}'s weights are in the CUDA-core "
+                             f"layout ({g[cores[0]].tiling.tag()}); it needs the tensor-core one "
+                             f"(an MmaTiling)")
+        if cores or c.head_dim not in (64, 128):
+            fuse_o = 0    # the default, where this width keeps those GEMVs on the CUDA cores
+    if fuse_o:
         import dataclasses
 
         from nq.kernels.attention.o_proj import make_o_proj_launcher, xacc_workspace
-        from nq.kernels.int4.tiling import MmaTiling
-        kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
-        for kind in kinds:
-            if not isinstance(g[kind].tiling, MmaTiling):
-                raise ValueError(f"attn.fuse_o={fuse_o}: {kind}'s weights are in the CUDA-core "
-                                 f"layout ({g[kind].tiling.tag()}); it needs the tensor-core one "
-                                 f"(an MmaTiling)")
+        opts.setdefault("trigger", True)
         if fuse_o == 2:
             xacc = xacc_workspace(c.hidden_size)
             g = gemvs(c, {**tilings, **{k: dataclasses.replace(g[k].tiling, xacc=1)
