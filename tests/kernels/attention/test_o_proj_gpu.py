@@ -84,3 +84,35 @@ def test_o_proj_matches_combine_then_gemv(name, length, tpw):
         g.replay()
         stream.synchronize()
         np.testing.assert_array_equal(xb.copy_to_host(), b)
+
+
+@pytest.mark.parametrize("length", [40, 8192])
+@pytest.mark.parametrize("name", ["7b", "14b"])
+def test_o_proj_into_xacc(name, length):
+    """The acc form: x untouched, xacc * 2^-32 within 2e-4 of float64 and within 1e-5 of the
+    fold form's x change (the same shares; integer sums instead of fp32 ones)."""
+    from numba import cuda
+    from nq.kernels.attention.o_proj import xacc_workspace
+    cfg = CFGS[name]
+    d, ref_o = _setup(cfg, length, seed=length + 7)
+    qw, sc = _weights(cfg, seed=length + 1)
+    n = cfg.hidden_size
+    pq, ps = ResidualMmaGemv("o_proj", n, cfg.q_size, MmaTiling(warps=1, threads=32)).prepare(
+        [(qw, sc)])
+    dq, ds = cuda.to_device(pq), cuda.to_device(ps)
+    pa, pm = attention.decode_workspace(cfg, 33)
+    attention.decode_launcher(cfg, d["q"], d["state"], d["table"], d["kv"], d["o"], pa, pm,
+                              min_pps=2, consumers=4, ppc=2, nstage=4, tma=True, early=True,
+                              rows_per_copy=2, merge=False, trigger=True)()
+    x0 = np.zeros(n, np.float32)
+    xf, xs = cuda.to_device(x0), cuda.to_device(x0)
+    xa = xacc_workspace(n)
+    make_o_proj_launcher(cfg, d["state"], pa, pm, xf, 2, 2)(dq, ds)
+    make_o_proj_launcher(cfg, d["state"], pa, pm, xs, 2, 2, xa)(dq, ds)
+    got = xa.copy_to_host().view(np.int64).astype(np.float64) * 2.0 ** -32
+    o16 = ref_o.reshape(-1).astype(np.float16).astype(np.float64)
+    want = dequantize_packed(qw, sc).astype(np.float64) @ o16
+    scale = np.linalg.norm(want)
+    assert not xs.copy_to_host().any()
+    assert np.linalg.norm(got - want) / scale < 2e-4
+    assert np.linalg.norm(got - xf.copy_to_host()) / scale < 1e-5
