@@ -204,19 +204,21 @@ def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
     assert row.passed, row
 
 
-def test_cluster_attention_in_the_step(model):
-    """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
-    the default step's greedy ids, and its last logits within 1e-3 of their spread (the two
-    merge the same split partials in another order: not bit for bit)."""
-    name, nf, eng, ref = model
+def step_variants_agree(eng, attns, check=None):
+    """Greedy ids of a prompt under the default step and each of `attns` (attention options,
+    Engine.variant), then `check(eng)` on the last variant; afterwards the defaults again.
+    Every variant must give the default's ids and its last logits within 1e-3 of their
+    spread (the variants merge the same partials in another order: not bit for bit)."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     runs = []
     try:
-        for attn in ({}, {"cluster": 16}, {"cluster": 8}):
+        for attn in ({}, *attns):
             eng.variant(attn=attn)
             eng.reset()
             ids = list(eng.generate_ids(prompt, 24, GREEDY))
             runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
+        if check is not None:
+            check(eng)
     finally:
         eng.variant()
     ids0, l0 = runs[0]
@@ -226,12 +228,19 @@ def test_cluster_attention_in_the_step(model):
         assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
 
 
+def test_cluster_attention_in_the_step(model):
+    """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
+    the default step's greedy ids and logits (step_variants_agree)."""
+    name, nf, eng, ref = model
+    step_variants_agree(eng, ({"cluster": 16}, {"cluster": 8}))
+
+
 def test_fused_o_proj_in_the_step(model, capsys):
     """The step with attn_o_proj (attn.fuse_o=1: the merge and o_proj in one kernel, opt-in),
     with and without the split kernel's early trigger, at 1 and 4 tiles a warp, and with the
     heads' shares into xacc (attn.fuse_o=2, gate_up and down taking it): the default
-    step's greedy ids, its last logits within 1e-3 of their spread (o rounded the same, the
-    heads' shares summed in another order), and nq verify's decode tier passes."""
+    step's greedy ids and logits (step_variants_agree: o rounded the same, the heads' shares
+    summed in another order), and nq verify's decode tier passes with xacc."""
     from nq.kernels.int4.tiling import MmaTiling, default_tiling
     from nq.tools import references, verify
     name, nf, eng, ref = model
@@ -239,29 +248,17 @@ def test_fused_o_proj_in_the_step(model, capsys):
     if not isinstance(default_tiling("o_proj", c.hidden_size, c.q_size), MmaTiling):
         pytest.skip(f"{name}: o_proj runs on the CUDA cores at this width (its layout is not "
                     f"the tensor cores' that attn_o_proj reads)")
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    runs = []
-    try:
-        for attn in ({}, {"fuse_o": 1}, {"fuse_o": 1, "trigger": 0}, {"fuse_o": 1, "o_tpw": 1},
-                     {"fuse_o": 1, "o_tpw": 4}, {"fuse_o": 2}):
-            eng.variant(attn=attn)
-            eng.reset()
-            ids = list(eng.generate_ids(prompt, 24, GREEDY))
-            runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
+
+    def decode_tier(eng):
         eng.variant(attn={"fuse_o": 2})
-        prompts = np.random.default_rng(5).integers(0, min(nf.config.vocab_size, 500),
-                                                    (2, 12)).tolist()
+        prompts = np.random.default_rng(5).integers(0, min(c.vocab_size, 500), (2, 12)).tolist()
         row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 24)
         with capsys.disabled():
             print(f"\n{name} fuse_o=2: decode tier {row.detail}")
         assert row.passed, row
-    finally:
-        eng.variant()
-    ids0, l0 = runs[0]
-    spread = l0.max() - l0.min()
-    for ids, logits in runs[1:]:
-        assert ids == ids0
-        assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
+
+    step_variants_agree(eng, ({"fuse_o": 1}, {"fuse_o": 1, "trigger": 0}, {"fuse_o": 1, "o_tpw": 1},
+                              {"fuse_o": 1, "o_tpw": 4}, {"fuse_o": 2}), decode_tier)
 
 
 def test_fill_kernels_match_their_reference():
