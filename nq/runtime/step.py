@@ -39,16 +39,32 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
 
-# 1: attn_combine and o_proj as one kernel, attn_o_proj (nq/kernels/attention/o_proj.py: a
-# block a head and row chunk, its weights loaded before the wait, the heads' shares summed by
-# the last block of a chunk), with the split kernel launching it at its CTAs' start; 2: the
-# same, but the shares added as fixed-point int64 into xacc (no last block), which gate_up
-# reads beside x and down folds into x (MmaTiling.xacc).  Opt-in ("attn.fuse_o=1" / "=2",
-# tiles a warp "attn.o_tpw=2", the split's early launch "attn.trigger=1") until the step graph
-# measures it (docs/PERF.md 0.23); it needs o_proj's (and for 2 gate_up's and down's) weights
-# in the tensor-core layout.
-FUSE_O = 0
-O_TPW = 2
+# The attention's merge and o_proj: 0, attn_combine then the o_proj GEMV; 1, one kernel,
+# attn_o_proj (nq/kernels/attention/o_proj.py: a block a head and row chunk, its weights loaded
+# before the wait, the heads' shares summed by the last block of a chunk); 2 (the default), the
+# same kernel adding the shares as fixed-point int64 into xacc, which gate_up reads beside x and
+# down folds into x (MmaTiling.xacc).  The split kernel launches attn_o_proj at its CTAs' start
+# (`trigger`).  ms a step at 512 / 8K / 32K against 0 (H200, 2026-12-06, docs/PERF.md 0.23):
+# 2 **-0.059 / -0.053 / -0.062** (the 14B -0.073 / -0.031 at 4 tiles a warp), 1 -0.011 / -0.003
+# / -0.006, 1 without the early trigger +0.046 / +0.048 / +0.056.  Where o_proj, gate_up or
+# down run on the CUDA cores (the 0.5B's widths) the step keeps 0.  Experiments: "attn.fuse_o=0",
+# "attn.o_tpw=2" (tiles a warp), "attn.trigger=0".
+FUSE_O = 2
+
+
+def o_tiles_per_warp(cfg, sms: int | None = None) -> int:
+    """attn_o_proj's tiles a warp: the fewest whose grid (K/128 groups x row chunks) is at most
+    three blocks an SM, else 4 -- the 7B's 2 (392 blocks), the 14B's and 32B's 4 (400).  On
+    the H200 the 7B's 1 / 2 / 3 / 4 measured +0.058 / 0 / -0.001 / +0.001 ms a step at 512
+    against 2, the 14B's 4 -0.007 / -0.012 at 512 / 8K against 2 (docs/PERF.md 0.23)."""
+    from nq.kernels.attention.o_proj import MAX_TPW, n_chunks
+    from nq.kernels.common import sm_count
+    sms = sms or sm_count()
+    groups = cfg.num_heads * cfg.head_dim // 128
+    for t in range(1, MAX_TPW + 1):
+        if groups * n_chunks(cfg.hidden_size, t) <= 3 * sms:
+            return t
+    return MAX_TPW
 
 
 # Retired (2026-12-03; 20358ec holds it): l2_pace, a kernel on a side stream forked after a
@@ -107,7 +123,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     if fuse_o not in (0, 1, 2):
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")
-    o_tpw = int(opts.pop("o_tpw", O_TPW))
+    o_tpw = int(opts.pop("o_tpw", 0) or o_tiles_per_warp(c))
     ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."
