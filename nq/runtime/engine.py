@@ -7,10 +7,13 @@ One decode step (this file never holds a kernel body; nq/kernels does):
     per layer  qkv  = rmsnorm(x) @ Wqkv + b                           fused in the GEMV
                q, KV page[pos] = rope(qkv)                            in its epilogue (qkv_rope;
                                                                       step.FUSE_ROPE=False: rope_kv)
-               o    = paged_attention(q, pages[0..pos])               attn_split + attn_combine
-               x   += o @ Wo                                          GEMV, residual epilogue
-               a    = silu(rmsnorm(x) @ Wg) * (rmsnorm(x) @ Wu)       fused GEMV
-               x   += a @ Wd                                          GEMV, residual epilogue
+               partials = paged_attention(q, pages[0..pos])           attn_split (the splits)
+               xacc += merge(partials) @ Wo                           attn_o_proj: a block a
+                                                                      head, int64 sums (step.
+                                                                      FUSE_O=0: attn_combine,
+                                                                      then the o_proj GEMV)
+               a    = silu(rmsnorm(x') @ Wg) * (rmsnorm(x') @ Wu)     fused GEMV, x' = x + xacc
+               x    = x' + a @ Wd;  xacc = 0                          GEMV, residual epilogue
     lm_head    logits = rmsnorm(x) @ Wlm                              fp16 GEMV
     argmax     state.token = argmax(logits); out_ids[step] = token; pos += 1; step += 1
                (any other sampling: the device sampler in its place, in a second graph
