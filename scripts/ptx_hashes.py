@@ -142,10 +142,13 @@ def build_step_kernels(cfg) -> None:
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
     from nq.kernels.attention import combine, launch, plan
     from nq.kernels.int4 import make_qkv_rope_gemv, retile
-    from nq.runtime.step import ATTN_OPTIONS, split_width
+    from nq.kernels.attention.o_proj import o_proj_kernel
+    from nq.runtime.step import ATTN_OPTIONS, FUSE_O, fused_o, o_tiles_per_warp, split_width
     from nq.runtime.weights import gemvs
 
-    gemvs(cfg)
+    tilings = {}
+    fuse = fused_o(cfg, FUSE_O, tilings)
+    gemvs(cfg, tilings)
     make_qkv_rope_gemv(cfg)
     lm_head.make_lm_head(cfg)
     o = dict(ATTN_OPTIONS)
@@ -154,8 +157,12 @@ def build_step_kernels(cfg) -> None:
                         o.get("consumers", plan.CONSUMERS), o.get("nstage", plan.NSTAGE),
                         o["rows_per_copy"], ms, o["min_pps"], bool(o["early"]),
                         ppc=o.get("ppc", 0), tma=o.get("tma", False),
-                        tma_from=o.get("tma_from", 0))
-    combine.combine_kernel(cfg.head_dim, ms, o["min_pps"])
+                        tma_from=o.get("tma_from", 0), trigger=bool(fuse))
+    if fuse:
+        o_proj_kernel(cfg.hidden_size, cfg.q_size, cfg.head_dim, cfg.num_heads, ms,
+                      o["min_pps"], o_tiles_per_warp(cfg), fuse == 2)
+    else:
+        combine.combine_kernel(cfg.head_dim, ms, o["min_pps"])
     sampling.argmax_kernel(cfg.vocab_size)
     embed.embed_kernel(cfg.hidden_size)
     feed.feed_kernel()

@@ -79,6 +79,31 @@ def o_tiles_per_warp(cfg, sms: int | None = None) -> int:
 # 35.9 (docs/PERF.md 0.18).
 
 
+def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
+    """The FUSE_O form cfg's step runs: fuse_o, or 0 where o_proj (and for 2 gate_up or down)
+    runs on the CUDA cores -- an error if an experiment asked for it (`asked`).  For 2 it puts
+    gate_up's and down's tilings with xacc into `tilings` (kind -> tiling, the experiment's
+    own or the default)."""
+    if not fuse_o:
+        return 0
+    import dataclasses
+
+    from nq.kernels.int4.launch import gemv_tiling
+    from nq.kernels.int4.tiling import MmaTiling
+    kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
+    tl = {k: tilings.get(k) or gemv_tiling(k, cfg) for k in kinds}
+    cores = [k for k in kinds if not isinstance(tl[k], MmaTiling)]
+    if cores and asked:
+        raise ValueError(f"attn.fuse_o={fuse_o}: {cores[0]}'s weights are in the CUDA-core "
+                         f"layout ({tl[cores[0]].tag()}); it needs the tensor-core one "
+                         f"(an MmaTiling)")
+    if cores or cfg.head_dim not in (64, 128):
+        return 0      # the default, where this width keeps those GEMVs on the CUDA cores
+    if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc)
+        tilings.update({k: dataclasses.replace(tl[k], xacc=1) for k in ("gate_up", "down")})
+    return fuse_o
+
+
 def split_width(cfg, opts=None) -> int:
     """The step's split kernel grid a kv head: one wave of as many CTAs an SM as their slots
     leave room for (at most two) -- one at head_dim 128, whose four stages of slots are 128 KB
@@ -131,27 +156,14 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     part_acc, part_ml = eng.part_acc[:ms], eng.part_ml[:ms]
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
-    g = gemvs(c, tilings, check_layout)
     o_fused = xacc = None
+    fuse_o = fused_o(c, fuse_o, tilings, asked_o)
+    g = gemvs(c, tilings, check_layout)
     if fuse_o:
-        from nq.kernels.int4.tiling import MmaTiling
-        kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
-        cores = [k for k in kinds if not isinstance(g[k].tiling, MmaTiling)]
-        if cores and asked_o:
-            raise ValueError(f"attn.fuse_o={fuse_o}: {cores[0]}'s weights are in the CUDA-core "
-                             f"layout ({g[cores[0]].tiling.tag()}); it needs the tensor-core one "
-                             f"(an MmaTiling)")
-        if cores or c.head_dim not in (64, 128):
-            fuse_o = 0    # the default, where this width keeps those GEMVs on the CUDA cores
-    if fuse_o:
-        import dataclasses
-
         from nq.kernels.attention.o_proj import make_o_proj_launcher, xacc_workspace
         opts.setdefault("trigger", True)
         if fuse_o == 2:
             xacc = xacc_workspace(c.hidden_size)
-            g = gemvs(c, {**tilings, **{k: dataclasses.replace(g[k].tiling, xacc=1)
-                                        for k in ("gate_up", "down")}}, check_layout)
         o_fused = make_o_proj_launcher(c, eng.state, part_acc, part_ml, eng.x,
                                        int(opts["min_pps"]), o_tpw, xacc)
     qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (

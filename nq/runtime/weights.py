@@ -82,19 +82,20 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
     span, ... are free.  check_layout=False lets the layout change too: only for timing random
     weights, whose values have no layout."""
     from nq.kernels.int4 import make_down_gemv, make_gate_up_gemv, make_o_proj_gemv, make_qkv_gemv
+    from nq.kernels.int4.launch import gemv_tiling
     makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
               "down": make_down_gemv}
-    out = {kind: make(cfg) for kind, make in makers.items()}
-    for kind, t in (tilings or {}).items():
+    tilings = tilings or {}
+    for kind, t in tilings.items():
         if kind not in makers:
             raise ValueError(f"gemvs: unknown GEMV kind {kind!r}; one of {sorted(makers)}")
-        d = out[kind].tiling
+        d = gemv_tiling(kind, cfg)
         if check_layout and t.layout() != d.layout():
             raise ValueError(f"gemvs: {kind} tiling {t.tag()} reads another weight layout than "
                              f"the uploaded one ({d.tag()}; layout(): a Tiling's ks, or an "
                              f"MmaTiling's fragments); keep it (or re-upload)")
-        out[kind] = makers[kind](cfg, t)
-    return out
+    # only the kernels returned are compiled (an overridden default is not)
+    return {kind: make(cfg, tilings.get(kind)) for kind, make in makers.items()}
 
 
 @dataclasses.dataclass(frozen=True)
