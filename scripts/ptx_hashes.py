@@ -54,6 +54,10 @@ PTX) before believing it.  docs/figures/ptx_hashes_411c843.json is the default s
 8 warps a tile, by intent, and the qkv pair's other form); docs/figures/ptx_hashes_b234f6d.json at
 b234f6d (against 411c843: the 14B's and 32B's down with early=1 and gate_up with l2ahead=1, by
 intent; the other 41 unchanged, so the copy-engine feed's retirement left no trace).
+docs/figures/ptx_hashes_394c6b2.json at 394c6b2: the step with attn_o_proj into xacc (the 7B, 14B and
+32B: attn_combine gone, attn_o_proj new, the split kernel with its early trigger, gate_up and
+down with xacc, by intent; 34 of b234f6d's 45 unchanged, the 0.5B's all: its o_proj stays on
+the CUDA cores, so its step keeps attn_combine).
 """
 from __future__ import annotations
 
