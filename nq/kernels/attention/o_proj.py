@@ -192,7 +192,9 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         n_splits = (n_pages + pps - 1) // pps
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
-        # the merge (attn_combine's, module doc): dims 4q.. of the group's 128, head hq
+        # the merge (attn_combine's, module doc): dims 4q.. of the group's 128, head hq.
+        # Repeated here, not shared: as one device function it changed attn_combine's PTX
+        # (NVVM ordered its loads otherwise), and that kernel's form is measured
         q = tid & 31
         sg = tid >> 5
         dk = gk * GROUP_SIZE + q * VEC          # the dim in K (heads side by side)
