@@ -152,7 +152,7 @@ def build_step_kernels(cfg) -> None:
 
     tilings = {}
     fuse = fused_o(cfg, FUSE_O, tilings)
-    gemvs(cfg, tilings)
+    gemvs(cfg, tilings, kinds=("qkv", "gate_up", "down") if fuse else None)
     make_qkv_rope_gemv(cfg)
     lm_head.make_lm_head(cfg)
     o = dict(ATTN_OPTIONS)

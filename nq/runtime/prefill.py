@@ -83,7 +83,7 @@ class Prefill:
         else:
             from nq.kernels.attention.prefill import prefill_attention_launcher
         from nq.kernels.int4.gemm import make_gemm
-        from nq.runtime.weights import gemvs
+        from nq.runtime.weights import weight_layouts
 
         c, w = eng.cfg, eng.w
         self.eng, self.cfg = eng, c
@@ -96,7 +96,7 @@ class Prefill:
         self.q = cuda.device_array((C, c.num_heads, D), np.float32)  # rotated q
         self.o = cuda.device_array((C, c.q_size), np.float16)        # attention output
         self.a = cuda.device_array((C, I), np.float16)               # SwiGLU output
-        g = gemvs(c)   # the decode tilings fix the uploaded layouts the GEMMs read
+        g = weight_layouts(c)   # the decode tilings fix the uploaded layouts the GEMMs read
         self.gemm = {
             "qkv": make_gemm("qkv", c.qkv_size, H, layout_of(g["qkv"]), backend=gemm_backend),
             "o_proj": make_gemm("o_proj", H, c.q_size, layout_of(g["o_proj"]), backend=gemm_backend),

@@ -135,6 +135,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     from nq.kernels import attention, embed, feed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
     from nq.kernels.int4 import make_qkv_rope_gemv
+    from nq.kernels.int4.launch import gemv_tiling
     from nq.runtime.weights import gemvs
 
     c, weights = eng.cfg, eng.w
@@ -158,7 +159,12 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     rope_tiling = tilings.pop("qkv_rope", None)
     o_fused = xacc = None
     fuse_o = fused_o(c, fuse_o, tilings, asked_o)
-    g = gemvs(c, tilings, check_layout)
+    use_rope = FUSE_ROPE if fuse_rope is None else fuse_rope
+    # the launchers the step runs, and only those compiled: no qkv GEMV beside qkv_rope, no
+    # o_proj GEMV beside attn_o_proj
+    g = gemvs(c, tilings, check_layout, kinds=[k for k in ("qkv", "o_proj", "gate_up", "down")
+                                               if not (k == "qkv" and use_rope)
+                                               and not (k == "o_proj" and fuse_o)])
     if fuse_o:
         from nq.kernels.attention.o_proj import make_o_proj_launcher, xacc_workspace
         opts.setdefault("trigger", True)
@@ -166,12 +172,12 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
             xacc = xacc_workspace(c.hidden_size)
         o_fused = make_o_proj_launcher(c, eng.state, part_acc, part_ml, eng.x,
                                        int(opts["min_pps"]), o_tpw, xacc)
-    qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if (
-        FUSE_ROPE if fuse_rope is None else fuse_rope) else None
+    qkv_rope = make_qkv_rope_gemv(c, rope_tiling) if use_rope else None
+    qkv_t = tilings.get("qkv") or gemv_tiling("qkv", c)   # what the upload wrote
     if (qkv_rope is not None and check_layout
-            and qkv_rope.tiling.layout() != g["qkv"].tiling.layout()):
+            and qkv_rope.tiling.layout() != qkv_t.layout()):
         raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
-                         f"the uploaded qkv weights ({g['qkv'].tiling.tag()}); keep ks")
+                         f"the uploaded qkv weights ({qkv_t.tag()}); keep ks")
     acc = {"xacc": xacc} if xacc is not None else {}
     steps = [("embed", feed.feed_launcher(eng.prompt, eng.feed_meta, eng.state)),
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]

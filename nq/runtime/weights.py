@@ -75,12 +75,13 @@ class DeviceWeights:
         return per_layer + self.norm.nbytes + self.lm_head.nbytes + self.embed.shape[1] * 2
 
 
-def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
+def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True, kinds=None):
     """The four GEMV launchers of cfg (compiled on first use, cached).  tilings: {kind: Tiling
     or MmaTiling} overrides for experiments; each must keep the default's `layout()` (a Tiling's
     ks, or the mma fragments), which fixes the weights `upload` writes; threads, prefetch,
     span, ... are free.  check_layout=False lets the layout change too: only for timing random
-    weights, whose values have no layout."""
+    weights, whose values have no layout.  kinds: only these launchers (the fused step has no
+    o_proj GEMV), compiled; by default all four."""
     from nq.kernels.int4 import make_down_gemv, make_gate_up_gemv, make_o_proj_gemv, make_qkv_gemv
     from nq.kernels.int4.launch import gemv_tiling
     makers = {"qkv": make_qkv_gemv, "o_proj": make_o_proj_gemv, "gate_up": make_gate_up_gemv,
@@ -95,7 +96,8 @@ def gemvs(cfg: ModelConfig, tilings=None, check_layout: bool = True):
                              f"the uploaded one ({d.tag()}; layout(): a Tiling's ks, or an "
                              f"MmaTiling's fragments); keep it (or re-upload)")
     # only the kernels returned are compiled (an overridden default is not)
-    return {kind: make(cfg, tilings.get(kind)) for kind, make in makers.items()}
+    return {kind: make(cfg, tilings.get(kind)) for kind, make in makers.items()
+            if kinds is None or kind in kinds}
 
 
 @dataclasses.dataclass(frozen=True)
