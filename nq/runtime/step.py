@@ -88,6 +88,7 @@ def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
         return 0
     import dataclasses
 
+    from nq.kernels.attention.o_proj import HEAD_DIMS
     from nq.kernels.int4.launch import gemv_tiling
     from nq.kernels.int4.tiling import MmaTiling
     kinds = ("o_proj", "gate_up", "down") if fuse_o == 2 else ("o_proj",)
@@ -97,7 +98,7 @@ def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
         raise ValueError(f"attn.fuse_o={fuse_o}: {cores[0]}'s weights are in the CUDA-core "
                          f"layout ({tl[cores[0]].tag()}); it needs the tensor-core one "
                          f"(an MmaTiling)")
-    if cores or cfg.head_dim not in (64, 128):
+    if cores or cfg.head_dim not in HEAD_DIMS:
         return 0      # the default, where this width keeps those GEMVs on the CUDA cores
     if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc)
         tilings.update({k: dataclasses.replace(tl[k], xacc=1) for k in ("gate_up", "down")})

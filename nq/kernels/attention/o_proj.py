@@ -62,6 +62,7 @@ SPLIT_GROUPS = 8   # split groups a block's merge (256 threads: 32 four-dim thre
 VEC = 4            # dims a merging thread
 WARPS = 8          # 256 threads: the merge's 8 x 32
 MAX_TPW = 4        # tiles a warp (written out below)
+HEAD_DIMS = (64, 128)   # a 128-wide K group holds whole heads
 O_SIG = ("void(int32[::1], float32[::1], float32[::1], uint32[::1], float16[::1], "
          "float32[::1], float32[::1], uint32[::1])")
 O_SIG_ACC = "void(int32[::1], float32[::1], float32[::1], uint32[::1], float16[::1], uint32[::1])"
@@ -81,7 +82,7 @@ def check_o_proj(n_out: int, k: int, head_dim: int, num_heads: int, tpw: int) ->
     if k != num_heads * head_dim:
         raise ValueError(f"attn_o_proj: K={k} must be num_heads * head_dim ({num_heads} x "
                          f"{head_dim}): o_proj's input is the heads side by side")
-    if head_dim not in (64, 128):
+    if head_dim not in HEAD_DIMS:
         raise ValueError(f"attn_o_proj: head_dim {head_dim} is not 64 or 128 (a 128-wide K "
                          f"group must hold whole heads); use attn_combine + o_proj")
     if n_out % 16 or k % GROUP_SIZE:

@@ -185,12 +185,10 @@ class _MmaGemv:
 
 
 def _xacc_words(name, xacc, n):
-    """xacc (n,) int64 (or its 2n uint32 words) as the kernels take it: 2n uint32 words."""
+    """xacc, n int64 as the kernels take them: 2n uint32 words (o_proj.xacc_workspace)."""
     if xacc is None:
         raise ValueError(f"{name}: its tiling reads xacc (attn_o_proj's int64 sums beside x); "
                          f"pass xacc=, or use a tiling without xacc")
-    if xacc.dtype == np.int64 and tuple(xacc.shape) == (n,):
-        return xacc.view(np.uint32)
     need(xacc, f"{name} xacc", np.uint32, (2 * n,), 16)
     return xacc
 
