@@ -206,14 +206,16 @@ def test_teacher_forced_decode_logits_against_the_fp32_reference(model, capsys):
 
 def step_variants_agree(eng, attns, check=None):
     """Greedy ids of a prompt under the default step and each of `attns` (attention options,
-    Engine.variant), then `check(eng)` on the last variant; afterwards the defaults again.
+    Engine.variant, or (tilings, attention options) pairs), then `check(eng)` on the last
+    variant; afterwards the defaults again.
     Every variant must give the default's ids and its last logits within 1e-3 of their
     spread (the variants merge the same partials in another order: not bit for bit)."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     runs = []
     try:
-        for attn in ({}, *attns):
-            eng.variant(attn=attn)
+        for v in ({}, *attns):
+            tilings, attn = v if isinstance(v, tuple) else (None, v)
+            eng.variant(tilings, attn)
             eng.reset()
             ids = list(eng.generate_ids(prompt, 24, GREEDY))
             runs.append((ids, eng.logits.copy_to_host().astype(np.float64)))
@@ -259,6 +261,36 @@ def test_fused_o_proj_in_the_step(model, capsys):
 
     step_variants_agree(eng, ({"fuse_o": 1}, {"fuse_o": 1, "trigger": 0}, {"fuse_o": 1, "o_tpw": 1},
                               {"fuse_o": 1, "o_tpw": 4}, {"fuse_o": 2}), decode_tier)
+
+
+def test_stream_k_down_in_the_step(model, capsys):
+    """The step whose down is stream-K into xacc (down.sk, gemv_streamk.py: no layer but the
+    last writes x, qkv_rope reads x + xacc): the default step's greedy ids and logits
+    (step_variants_agree), at one block of 1024 threads an SM and two of 512, and nq verify's
+    decode tier passes with it."""
+    import dataclasses
+
+    from nq.kernels.int4.launch import gemv_tiling
+    from nq.kernels.int4.tiling import MmaTiling, default_tiling
+    from nq.tools import references, verify
+    name, nf, eng, ref = model
+    c = nf.config
+    down = gemv_tiling("down", c)
+    if not (isinstance(down, MmaTiling) and isinstance(
+            default_tiling("o_proj", c.hidden_size, c.q_size), MmaTiling)):
+        pytest.skip(f"{name}: o_proj or down runs on the CUDA cores at this width")
+    sk1 = {"down": dataclasses.replace(down, sk=1)}
+    sk2 = {"down": dataclasses.replace(down, sk=2, threads=512)}
+
+    def decode_tier(eng):
+        eng.variant(sk1)
+        prompts = np.random.default_rng(6).integers(0, min(c.vocab_size, 500), (2, 12)).tolist()
+        row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 24)
+        with capsys.disabled():
+            print(f"\n{name} down.sk=1: decode tier {row.detail}")
+        assert row.passed, row
+
+    step_variants_agree(eng, ((sk1, {}), (sk2, {})), decode_tier)
 
 
 def test_fill_kernels_match_their_reference():

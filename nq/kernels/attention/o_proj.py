@@ -113,7 +113,7 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
 
     check_o_proj(n_out, k, head_dim, num_heads, tpw)
     ACC = bool(acc)
-    FIX = float32(2.0 ** 32)            # xacc's unit: 2^-32 of x (gemv_mma_stage.FIXED_ONE)
+    FIX = float32(2.0 ** 32)            # xacc's unit: 2^-32 of x (int4.dequant.FIXED_ONE)
     D, HQ, MAXS, MINP, TPW, G = head_dim, num_heads, max_splits, min_pps, tpw, SPLIT_GROUPS
     GROUPS = k // GROUP_SIZE
     HPG = GROUP_SIZE // D

@@ -9,15 +9,26 @@ four.  The CUDA-core GEMV keeps these instructions interleaved with its fmas (ge
 the tensor-core GEMV and the prefill GEMM wrap `dequant_word` with `dev`.
 
 `pow2_scale_f32` is the activations' exact per-group scaling (a power of two that puts a
-group's absmax in [128, 256), so fp16 partial sums cannot overflow).
+group's absmax in [128, 256), so fp16 partial sums cannot overflow).  `fixed_to_f32` reads
+xacc's int64 fixed point (units of 2^-32 of x; attn_o_proj, gemv_streamk), for the kernels
+of either family that read x + xacc.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import uint32
+from numba import float32, int64, uint32, uint64
 
 from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, fma_rn_f16x2, lop3_b32, mov_b32_f32_from_u32,
                     mov_b32_u32_from_f32)
+
+FIXED_ONE = 2.0 ** 32   # xacc's fixed point: one unit of x is 2^32
+
+
+def fixed_to_f32(lo, hi):
+    """An int64 of xacc (two uint32 words, low first) as fp32 units of x: rounded once to
+    fp32, then times 2^-32 (exact).  A device function body (the kernels wrap it)."""
+    return float32(int64((uint64(hi) << uint64(32)) | uint64(lo))) * float32(1.0 / FIXED_ONE)
+
 
 _NEG1032 = 0xE408E408     # fp16x2 (-1032, -1032)
 _SIXTEENTH = 0x2C002C00   # fp16x2 (1/16, 1/16)

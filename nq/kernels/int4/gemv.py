@@ -55,7 +55,7 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
-                                     _SH8, _SIXTEENTH, pow2_scale_f32)
+                                     _SH8, _SIXTEENTH, fixed_to_f32, pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import KINDS, Tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
@@ -77,8 +77,10 @@ NORM_KINDS = ("qkv", "gate_up", "qkv_rope")   # RMSNorm in the prologue
 def gemv_name(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None) -> str:
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
     extra = {} if heads is None else dict(zip(("heads", "kv_heads", "head_dim"), heads))
-    return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **dataclasses.asdict(t), eps=eps,
-                       **extra)
+    fields = dataclasses.asdict(t)
+    if not fields["xacc"]:
+        del fields["xacc"]               # the names of the kernels before it stand
+    return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **fields, eps=eps, **extra)
 
 
 @functools.cache
@@ -112,6 +114,9 @@ def _check(kind: str, n_out: int, k: int, t: Tiling, heads):
                              f"RoPE pair (rows i and i + D/2 of a head): use rows=2")
     elif heads is not None:
         raise ValueError(f"{kind}: heads= is for qkv_rope only")
+    if t.xacc and kind != "qkv_rope":
+        raise ValueError(f"{kind}: tiling {t.tag()}: xacc (x + the int64 sums of the step whose "
+                         f"down is stream-K) is read by the CUDA-core qkv_rope only")
     slots = t.rows * (2 if kind == "gate_up" else 1)
     if not (1 <= t.ks <= 32 and t.span in (32, 128) and slots <= 4 and t.threads % 32 == 0
             and int(t.prefetch) in (0, 1) and t.threads % t.lanes == 0 and t.threads <= 1024):
@@ -162,6 +167,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     INV_K = np.float32(1.0 / k)
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
+    XACC = bool(t.xacc)  # qkv_rope: x is x + xacc * 2^-32 (the step with down's stream-K)
 
     def load_row(qw, sc, row, ok, s, j):
         # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
@@ -281,11 +287,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % ROWS) < n_out, s, j)
         return r0, r1, r2, r3
 
-    def piece_load(xin, norm_w, g, lane):
-        # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
+    def piece_load(xin, xa, norm_w, g, lane):
+        # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch);
+        # XACC: x + xacc * 2^-32, xa xacc's words (else a stand-in, never read)
         base = min(g, GROUPS - 1) * GROUP_SIZE + lane * 4
         if NORM:
             x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
+            if XACC:
+                l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
+                l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
+                x0 += fixed_f32(l0, h0)
+                x1 += fixed_f32(l1, h1)
+                x2 += fixed_f32(l2, h2)
+                x3 += fixed_f32(l3, h3)
             w01, w23 = ld_global_nc_v2_u32(norm_w, base)
             return x0, x1, x2, x3, w01, w23
         a01, a23 = ld_global_nc_v2_u32(xin, base)
@@ -316,7 +330,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf[g] = fi
         return ss
 
-    def stage(xin, norm_w, act, invf, red):
+    def stage(xin, xa, norm_w, act, invf, red):
         """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd.
 
         A warp owns groups warp, warp + WARPS, ...; it issues the loads of AT_ONCE groups
@@ -328,16 +342,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         ss = float32(0.0)
         for it in range(STAGE_ITERS):
             g0 = it * AT_ONCE * WARPS + warp
-            c0 = piece_load(xin, norm_w, g0, lane)
-            c1 = piece_load(xin, norm_w, g0 + WARPS, lane)
-            c2 = piece_load(xin, norm_w, g0 + 2 * WARPS, lane)
-            c3 = piece_load(xin, norm_w, g0 + 3 * WARPS, lane)
+            c0 = piece_load(xin, xa, norm_w, g0, lane)
+            c1 = piece_load(xin, xa, norm_w, g0 + WARPS, lane)
+            c2 = piece_load(xin, xa, norm_w, g0 + 2 * WARPS, lane)
+            c3 = piece_load(xin, xa, norm_w, g0 + 3 * WARPS, lane)
             c4 = c5 = c6 = c7 = c0
             if AT_ONCE == 8:
-                c4 = piece_load(xin, norm_w, g0 + 4 * WARPS, lane)
-                c5 = piece_load(xin, norm_w, g0 + 5 * WARPS, lane)
-                c6 = piece_load(xin, norm_w, g0 + 6 * WARPS, lane)
-                c7 = piece_load(xin, norm_w, g0 + 7 * WARPS, lane)
+                c4 = piece_load(xin, xa, norm_w, g0 + 4 * WARPS, lane)
+                c5 = piece_load(xin, xa, norm_w, g0 + 5 * WARPS, lane)
+                c6 = piece_load(xin, xa, norm_w, g0 + 6 * WARPS, lane)
+                c7 = piece_load(xin, xa, norm_w, g0 + 7 * WARPS, lane)
             ss += piece_put(c0, g0, lane, act, invf)
             ss += piece_put(c1, g0 + WARPS, lane, act, invf)
             ss += piece_put(c2, g0 + 2 * WARPS, lane, act, invf)
@@ -428,6 +442,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if row < n_out:
             x[row] += v
 
+    fixed_f32 = dev(fixed_to_f32)
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
@@ -450,7 +465,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             cur = load_step(qw, sc, row0, 0, j)
             norm_to_l2(norm_w)
             early()
-            rstd = stage(x, norm_w, act, invf, red)
+            rstd = stage(x, x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc
@@ -462,6 +477,26 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if ROWS >= 4:
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
+    elif kind == "qkv_rope" and XACC:
+        # the kernel below with x + xacc; repeated, not shared, so that the default kernel's
+        # PTX stays as measured
+        def kernel(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+            act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(GROUPS, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start()
+            cur = load_step(qw, sc, row0, 0, j)
+            norm_to_l2(norm_w)
+            pre = rope_setup(bias, state, inv_freq, table, row0)
+            early()
+            rstd = stage(x, xa, norm_w, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            if j == 0:
+                a0, a1, a2, a3 = acc
+                put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
+        sig = ("void(float32[::1], uint32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], "
+               "float16[::1], int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], "
+               "float32[::1])")
     elif kind == "qkv_rope":
         def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
@@ -473,7 +508,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
             early()
-            rstd = stage(x, norm_w, act, invf, red)
+            rstd = stage(x, x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc
@@ -489,7 +524,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             cur = load_step(qw, sc, row0, 0, j)
             norm_to_l2(norm_w)
             early()
-            rstd = stage(x, norm_w, act, invf, red)
+            rstd = stage(x, x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc
@@ -507,7 +542,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
             early()
-            stage(a, a, act, invf, red)
+            stage(a, a, a, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc

@@ -54,7 +54,7 @@ same bits, so no block has to wait for the others to sum them).  gate_up stages
 rmsnorm(x + xacc * 2^-32) (its loads beside x's, gemv_mma_stage.scaled_group); down reads xacc
 beside x right after the wait, writes x + xacc * 2^-32 + its sums and zeroes xacc for the next
 layer: one writer an element, as ever.  Each int64 is rounded once to fp32, then scaled
-exactly (gemv_mma_stage.fixed_to_f32).  Measured: docs/PERF.md 0.23.
+exactly (dequant.fixed_to_f32).  Measured: docs/PERF.md 0.23.
 
 Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
 variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
@@ -137,10 +137,11 @@ from numba import cuda, float32, uint32, uint64  # module globals: the simulator
 
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import dev
+from nq.kernels.int4.dequant import fixed_to_f32
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
 from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
                                             launch_smem, shape_of)
-from nq.kernels.int4.gemv_mma_stage import act_path, fixed_to_f32
+from nq.kernels.int4.gemv_mma_stage import act_path
 from nq.kernels.int4.gemv_mma_weights import weight_path
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import ROPE_KINDS, TILE, MmaTiling
@@ -158,7 +159,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "xacc"):
+    for f in ("rope", "hilo", "early", "l2ahead", "xacc", "sk"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}

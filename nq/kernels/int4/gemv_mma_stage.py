@@ -7,24 +7,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from numba import cuda, float32, int64, uint64  # module globals: the simulator swaps cuda
+from numba import cuda, float32  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
-from nq.kernels.int4.dequant import pow2_scale_f32
+from nq.kernels.int4.dequant import fixed_to_f32, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
 from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     pack_f16x2_from_f32, unpack_f16x2_to_f32)
-
-
-FIXED_ONE = 2.0 ** 32   # xacc's fixed point: one unit of x is 2^32
-
-
-def fixed_to_f32(lo, hi):
-    """An int64 of xacc (two uint32 words, low first) as fp32 units of x: rounded once to
-    fp32, then times 2^-32 (exact).  A device function body (act_path and gemv_mma wrap it)."""
-    return float32(int64((uint64(hi) << uint64(32)) | uint64(lo))) * float32(1.0 / FIXED_ONE)
 
 
 def act_path(s: MmaShape) -> SimpleNamespace:

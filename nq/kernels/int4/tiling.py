@@ -57,6 +57,8 @@ class Tiling:
     prefetch: int = 1    # 1: step s+1's loads are issued before step s's math; 0: after
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
+    xacc: int = 0        # qkv_rope: x is x + xacc * 2^-32 (the step whose down is stream-K,
+    #                      MmaTiling.sk); else 0
 
     @property
     def lanes(self) -> int:
@@ -73,7 +75,8 @@ class Tiling:
     def tag(self) -> str:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
-                + (f"_mb{self.min_blocks}" if self.min_blocks else ""))
+                + (f"_mb{self.min_blocks}" if self.min_blocks else "")
+                + ("_xacc" if self.xacc else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class MmaTiling:
     xacc: int = 0        # gate_up / down: x is x + xacc * 2^-32, xacc the int64 sums attn_o_proj
     #                      adds its heads' shares into (gate_up reads it, down folds it into x
     #                      and zeroes it; gemv_mma.py "xacc")
+    sk: int = 0          # down: stream-K into xacc (gemv_streamk.py), sk blocks an SM; 0: off
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -109,7 +113,7 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else ""))
+                + ("_xacc" if self.xacc else "") + (f"_sk{self.sk}" if self.sk else ""))
 
 
 def hilo_bytes(k: int) -> int:
