@@ -183,7 +183,11 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
     asked_o = "fuse_o" in opts     # an experiment's, refused where it cannot run (below)
-    fuse_o = int(opts.pop("fuse_o", FUSE_O))
+    # the cluster merge writes o itself, so its step keeps attn_combine's place: o_proj's GEMV
+    fuse_o = int(opts.pop("fuse_o", 0 if opts.get("cluster") else FUSE_O))
+    if fuse_o and opts.get("cluster"):
+        raise ValueError("attn.cluster merges the splits in a cluster and writes o; attn_o_proj "
+                         "merges them itself: use attn.fuse_o=0 with it")
     if fuse_o not in (0, 1, 2):
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")

@@ -170,14 +170,17 @@ def test_pdl_graph_equals_plain_graph_over_many_steps(model):
 
 
 def test_full_edges_into_named_kernels(model):
-    """make_programmatic(full_into=...) (step_variants' pdl.full=): the edges into the
-    attention combines stay full dependencies, one a layer, the rest programmatic; greedy ids
-    and logits as the all-programmatic graph's."""
+    """make_programmatic(full_into=...) (step_variants' pdl.full=): the edges into the kernel
+    after the attention's splits (attn_o_proj, or attn_combine where the step keeps it) stay
+    full dependencies, one a layer, the rest programmatic; greedy ids and logits as the
+    all-programmatic graph's."""
+    from nq.runtime.step import FUSE_O, fused_o
     name, nf, eng, ref = model
     prompt = [2, 7, 1, 8, 2, 8]
+    after = "attn_o_proj" if fused_o(nf.config, FUSE_O, {}) else "attn_combine"
     try:
         runs = []
-        for full in ((), ("attn_combine",)):
+        for full in ((), (after,)):
             eng.capture(True, full_into=full)
             if full:
                 assert eng.graph.programmatic_edges == (eng.graph.num_nodes - 1
@@ -421,7 +424,10 @@ def test_32b_width_decodes_and_prefills_as_the_reference(tmp_path_factory):
     nf = packed_model(tmp_path_factory, cfg, seed=5)
     eng = Engine.from_file(nf, max_len=512)
     from nq.runtime.weights import gemvs
-    assert gemvs(cfg)["down"].smem == 2 * 27648      # the dynamic path is the one under test
+    from nq.kernels.int4.gemv_mma import dynamic_smem, launch_smem
+    down = gemvs(cfg)["down"]
+    assert dynamic_smem(down.k) == 2 * 27648        # the dynamic path is the one under test
+    assert down.smem == launch_smem(down.k, down.tiling)   # with early's slots after it
     ref = RefModel(nf.config, load_host_weights(nf))
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 500, 300)]
     ref.reset()
