@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64  # module globals: the simulator swaps cuda
+from numba import cuda, float32, int32, int64, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
@@ -141,7 +141,10 @@ def build_streamk(n_out: int, k: int, threads: int, blocks: int):
             q1 += v[1]
         return p0, p1, q0, q1
 
-    def body(a, qw, sc, xa, act, red):
+    def body(a, qw, sc, xa, act, red, first):
+        # first (WARPS,) int32 in shared memory: each warp's first tile, -1 for a warp with no
+        # unit (the epilogue reads these instead of recomputing every warp's range: 32 of those
+        # a thread, 64-bit multiplies each, were microseconds of serial integer math)
         tid = cuda.threadIdx.x
         lane = tid & 31
         wp = tid >> 5
@@ -150,6 +153,8 @@ def build_streamk(n_out: int, k: int, threads: int, blocks: int):
         b = cuda.blockIdx.x
         u0, u1 = warp_range(b, wp)
         t0 = min(u0, L - 1) // GROUPS
+        if lane == 0:
+            first[wp] = t0 if u1 > u0 else -1
         ca = load_unit(qw, sc, u0, u0, u1, lane, g)        # weights wait for nothing
         cb = load_unit(qw, sc, u0 + 1, u0, u1, lane, g)
         griddepcontrol_wait()
@@ -184,9 +189,9 @@ def build_streamk(n_out: int, k: int, threads: int, blocks: int):
             if ub1 > ub0 and tile <= (ub1 - 1) // GROUPS:
                 tot = float32(0.0)
                 for w_ in range(WARPS):   # the warps' sums of the row, in warp order
-                    v0, v1 = warp_range(b, w_)
-                    d = tile - v0 // GROUPS
-                    if v1 > v0 and d >= 0 and d <= 1:
+                    f = first[w_]
+                    d = tile - f
+                    if f >= 0 and d >= 0 and d <= 1:
                         tot += red[(w_ * 2 + d) * TILE + r]
                 red_relaxed_gpu_add_u64(xa, 2 * (tile * TILE + r), uint64(int64(tot * FIX)))
 
@@ -196,12 +201,14 @@ def build_streamk(n_out: int, k: int, threads: int, blocks: int):
         def kernel(a, qw, sc, xa):   # the 32B's K: the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)
             red = cuda.shared.array(RED, float32)
-            body(a, qw, sc, xa, act, red)
+            first = cuda.shared.array(WARPS, int32)
+            body(a, qw, sc, xa, act, red, first)
     else:
         def kernel(a, qw, sc, xa):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED, float32)
-            body(a, qw, sc, xa, act, red)
+            first = cuda.shared.array(WARPS, int32)
+            body(a, qw, sc, xa, act, red, first)
     return kernel, SIG
 
 
