@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, int64, uint32, uint64
 
-from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, fma_rn_f16x2, lop3_b32, mov_b32_f32_from_u32,
-                    mov_b32_u32_from_f32)
+from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, fma_rn_f16x2, ld_global_nc_v4_u32, lop3_b32,
+                    mov_b32_f32_from_u32, mov_b32_u32_from_f32)
 
 FIXED_ONE = 2.0 ** 32   # xacc's fixed point: one unit of x is 2^32
 
@@ -28,6 +28,18 @@ def fixed_to_f32(lo, hi):
     """An int64 of xacc (two uint32 words, low first) as fp32 units of x: rounded once to
     fp32, then times 2^-32 (exact).  A device function body (the kernels wrap it)."""
     return float32(int64((uint64(hi) << uint64(32)) | uint64(lo))) * float32(1.0 / FIXED_ONE)
+
+
+def plus_xacc_body(fixed_f32):
+    """The body of plus_xacc(xa, base, x0, x1, x2, x3): x[base .. base + 3] + xacc's four int64s
+    there (two 16-byte loads of its words), each as fixed_f32 converts it; fixed_f32 is the
+    kernel's device function of fixed_to_f32."""
+    def plus_xacc(xa, base, x0, x1, x2, x3):
+        l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
+        l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
+        return (x0 + fixed_f32(l0, h0), x1 + fixed_f32(l1, h1), x2 + fixed_f32(l2, h2),
+                x3 + fixed_f32(l3, h3))
+    return plus_xacc
 
 
 _NEG1032 = 0xE408E408     # fp16x2 (-1032, -1032)

@@ -55,7 +55,8 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
-                                     _SH8, _SIXTEENTH, fixed_to_f32, pow2_scale_f32)
+                                     _SH8, _SIXTEENTH, fixed_to_f32, plus_xacc_body,
+                                     pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import KINDS, Tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
@@ -294,12 +295,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if NORM:
             x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
             if XACC:
-                l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
-                l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
-                x0 += fixed_f32(l0, h0)
-                x1 += fixed_f32(l1, h1)
-                x2 += fixed_f32(l2, h2)
-                x3 += fixed_f32(l3, h3)
+                x0, x1, x2, x3 = plus_xacc(xa, base, x0, x1, x2, x3)
             w01, w23 = ld_global_nc_v2_u32(norm_w, base)
             return x0, x1, x2, x3, w01, w23
         a01, a23 = ld_global_nc_v2_u32(xin, base)
@@ -442,7 +438,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if row < n_out:
             x[row] += v
 
-    fixed_f32 = dev(fixed_to_f32)
+    plus_xacc = dev(plus_xacc_body(dev(fixed_to_f32)))
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
@@ -477,28 +473,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if ROWS >= 4:
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
-    elif kind == "qkv_rope" and XACC:
-        # the kernel below with x + xacc; repeated, not shared, so that the default kernel's
-        # PTX stays as measured
-        def kernel(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
-            invf = cuda.shared.array(GROUPS, float32)
-            red = cuda.shared.array(WARPS, float32)
-            row0, j = start()
-            cur = load_step(qw, sc, row0, 0, j)
-            norm_to_l2(norm_w)
-            pre = rope_setup(bias, state, inv_freq, table, row0)
-            early()
-            rstd = stage(x, xa, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
-            if j == 0:
-                a0, a1, a2, a3 = acc
-                put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
-        sig = ("void(float32[::1], uint32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], "
-               "float16[::1], int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], "
-               "float32[::1])")
     elif kind == "qkv_rope":
-        def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+        def rope_body(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+            # xa: xacc's words (XACC: the norm is of x + xacc * 2^-32), else x, never read
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
@@ -508,13 +485,24 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
             early()
-            rstd = stage(x, x, norm_w, act, invf, red)
+            rstd = stage(x, xa, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
-        sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], "
-               "int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
+
+        rope_body = dev(rope_body)
+        sig = ("int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
+        if XACC:
+            def kernel(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+                rope_body(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out)
+            sig = ("void(float32[::1], uint32[::1], float16[::1], uint32[:, ::1], "
+                   "float16[:, ::1], float16[::1], " + sig)
+        else:
+            def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
+                rope_body(x, x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out)
+            sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], "
+                   "float16[::1], " + sig)
     elif kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)

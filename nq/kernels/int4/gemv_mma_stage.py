@@ -11,7 +11,7 @@ from numba import cuda, float32  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
-from nq.kernels.int4.dequant import fixed_to_f32, pow2_scale_f32
+from nq.kernels.int4.dequant import fixed_to_f32, plus_xacc_body, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
 from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
@@ -93,12 +93,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
         x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
         if XACC:   # x + xacc * 2^-32 (the int64 words of base .. base + 3)
-            l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
-            l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
-            x0 += fixed_f32(l0, h0)
-            x1 += fixed_f32(l1, h1)
-            x2 += fixed_f32(l2, h2)
-            x3 += fixed_f32(l3, h3)
+            x0, x1, x2, x3 = plus_xacc(xa, base, x0, x1, x2, x3)
         w01, w23 = ld_global_nc_v2_u32(norm_w, base)
         n0, n1 = unpack_f16x2_to_f32(w01)
         n2, n3 = unpack_f16x2_to_f32(w23)
@@ -133,7 +128,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
-    pow2_scale, fixed_f32 = dev(pow2_scale_f32), dev(fixed_to_f32)
+    pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(dev(fixed_to_f32)))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
