@@ -449,70 +449,51 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
                 st_global_u16(out, row, cvt_rn_f16_f32(y))
         return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
-    if XACC:   # down, the four kernels below with xacc folded into x and zeroed
-        def fold(x, xa, row, v):
-            x[row] = v
-            xa[2 * row] = uint32(0)
-            xa[2 * row + 1] = uint32(0)
-        fold = dev(fold)
-        if EARLY and not dynamic_smem(k):
-            def kernel(a, qw, sc, x, xa):
-                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-                red = cuda.shared.array(PARTIALS, float32)
-                dyn = cuda.shared.array(0, uint32)
-                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn)
-                if row >= 0:
-                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
-        elif EARLY:
-            def kernel(a, qw, sc, x, xa):
-                dyn = cuda.shared.array(0, uint32)
-                red = cuda.shared.array(PARTIALS, float32)
-                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn)
-                if row >= 0:
-                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
-        elif not dynamic_smem(k):
-            def kernel(a, qw, sc, x, xa):
-                act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-                red = cuda.shared.array(PARTIALS, float32)
-                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)
-                if row >= 0:
-                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
-        else:
-            def kernel(a, qw, sc, x, xa):
-                act = cuda.shared.array(0, uint32)
-                red = cuda.shared.array(PARTIALS, float32)
-                row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)
-                if row >= 0:
-                    fold(x, xa, row, xr + row_sum(red, tl2, r, 0))
-        return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1], uint32[::1])"
+    # o_proj and down: x = x (+ xacc * 2^-32, XACC: then xacc zeroed) + the row's sums.  Four
+    # bodies for where the activations and early's slots live (static or dynamic shared
+    # memory), each a device function the kernel below calls with xacc's words or x as their
+    # stand-in (the default kernels' PTX as before: ptx_hashes)
+    def put_residual(x, xa, row, tl2, r, xr, red):
+        if row >= 0:
+            x[row] = xr + row_sum(red, tl2, r, 0)
+            if XACC:
+                xa[2 * row] = uint32(0)
+                xa[2 * row + 1] = uint32(0)
+
+    put_residual = dev(put_residual)
     if EARLY and not dynamic_smem(k):
-        def kernel(a, qw, sc, x):
+        def residual(a, qw, sc, x, xa):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, dyn)
-            if row >= 0:
-                x[row] = xr + row_sum(red, tl2, r, 0)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn)
+            put_residual(x, xa, row, tl2, r, xr, red)
     elif EARLY:
-        def kernel(a, qw, sc, x):  # the activations at the start of the dynamic array
+        def residual(a, qw, sc, x, xa):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, x, dyn, red, dyn)
-            if row >= 0:
-                x[row] = xr + row_sum(red, tl2, r, 0)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn)
+            put_residual(x, xa, row, tl2, r, xr, red)
     elif not dynamic_smem(k):
-        def kernel(a, qw, sc, x):
+        def residual(a, qw, sc, x, xa):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, red)   # (red: dyn's stand-in)
-            if row >= 0:
-                x[row] = xr + row_sum(red, tl2, r, 0)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
+            put_residual(x, xa, row, tl2, r, xr, red)
     else:
-        def kernel(a, qw, sc, x):  # the same body, the activations in dynamic shared memory
+        def residual(a, qw, sc, x, xa):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
             red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, x, act, red, red)   # (red: dyn's stand-in)
-            if row >= 0:
-                x[row] = xr + row_sum(red, tl2, r, 0)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
+            put_residual(x, xa, row, tl2, r, xr, red)
+
+    residual = dev(residual)
+    if XACC:   # down with xacc folded into x and zeroed
+        def kernel(a, qw, sc, x, xa):
+            residual(a, qw, sc, x, xa)
+        return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1], uint32[::1])"
+
+    def kernel(a, qw, sc, x):
+        residual(a, qw, sc, x, x)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
