@@ -420,10 +420,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
                         "float16[::1], float32[::1])")
 
-    if kind == "gate_up" and XACC:
-        # the kernel below with h of x + xacc; repeated, not shared, so that the default
-        # kernel's PTX stays as measured
-        def kernel(x, xa, norm_w, qw, sc, out):
+    if kind == "gate_up":
+        def swiglu(x, xa, norm_w, qw, sc, out):
+            # xa: xacc's words (XACC: h of x + xacc * 2^-32), else x, never read
             act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
@@ -432,22 +431,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             if row >= 0:
                 gt = row_sum(red, tl2, r, 0) * rstd
                 up = row_sum(red, tl2, r, 1) * rstd
-                y = gt / (float32(1.0) + math.exp(-gt)) * up
-                st_global_u16(out, row, cvt_rn_f16_f32(y))
-        return kernel, ("void(float32[::1], uint32[::1], float16[::1], uint32[::1], "
-                        "float16[::1], float16[::1])")
-    if kind == "gate_up":
-        def kernel(x, norm_w, qw, sc, out):
-            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
-            red = cuda.shared.array(PARTIALS, float32)
-            invf = cuda.shared.array(GROUPS, float32)
-            ssum = cuda.shared.array(WARPS, float32)
-            row, tl2, r, rstd = gate_up_sums(x, x, norm_w, qw, sc, act, red, invf, ssum)
-            if row >= 0:
-                gt = row_sum(red, tl2, r, 0) * rstd
-                up = row_sum(red, tl2, r, 1) * rstd
                 y = gt / (float32(1.0) + math.exp(-gt)) * up     # gemv.py's put_swiglu
                 st_global_u16(out, row, cvt_rn_f16_f32(y))
+
+        swiglu = dev(swiglu)
+        if XACC:
+            def kernel(x, xa, norm_w, qw, sc, out):
+                swiglu(x, xa, norm_w, qw, sc, out)
+            return kernel, ("void(float32[::1], uint32[::1], float16[::1], uint32[::1], "
+                            "float16[::1], float16[::1])")
+
+        def kernel(x, norm_w, qw, sc, out):
+            swiglu(x, x, norm_w, qw, sc, out)
         return kernel, "void(float32[::1], float16[::1], uint32[::1], float16[::1], float16[::1])"
     # o_proj and down: x = x (+ xacc * 2^-32, XACC: then xacc zeroed) + the row's sums.  Four
     # bodies for where the activations and early's slots live (static or dynamic shared
