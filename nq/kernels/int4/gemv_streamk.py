@@ -27,6 +27,15 @@ gemv_mma's loop takes turns with them), then each unit's loads two units ahead o
 The dequant-mma is gemv_mma's (gemv_mma_weights.group_dot), the staged activations
 gemv_mma_stage.stage's.  The NumPy model of the split is `warp_units`; `reference_streamk` is
 the result the kernel must give.
+
+Measured (docs/PERF.md 0.24; an H100 SXM of 132 SMs, the H200 not starting, 2026-12-07): in
+the 7B step +0.196 ms at 512 as first built, +0.110 at two 512-thread blocks an SM, +0.395 at
+one (16 warps an SM are too few for down's loads).  Its epilogue then recomputed every warp's
+range in each thread, ~4 us a layer of 64-bit integer math; now the warps' first tiles wait
+in shared memory (`first`), not yet measured.  Why little is left to win even so: the
+tile-per-block down already gives each of 112 SMs two whole tiles, and the 20 SMs it leaves
+are where qkv_rope's first blocks start under PDL; a 1024-thread block here leaves them none.
+So it is an experiment (`down.sk=1`), not the default.
 """
 from __future__ import annotations
 
