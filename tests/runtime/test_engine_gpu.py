@@ -283,6 +283,21 @@ def test_fresh_row_attention_in_the_step(model, capsys):
     step_variants_agree(eng, ({"fresh": 1},), decode_tier)
 
 
+def test_qkv_rope_early_in_the_step(model):
+    """The step whose qkv_rope loads step 1 of its weights before the wait too
+    (qkv_rope.early=1): the default step's greedy ids and logits."""
+    import dataclasses
+
+    from nq.kernels.int4.launch import gemv_tiling
+    from nq.kernels.int4.tiling import Tiling
+    name, nf, eng, ref = model
+    c = nf.config
+    t = gemv_tiling("qkv_rope", c)
+    if not isinstance(t, Tiling) or -(-(c.hidden_size // 128) // t.ks) < 2:
+        pytest.skip(f"{name}: qkv_rope has one step of loads (or runs on the tensor cores)")
+    step_variants_agree(eng, (({"qkv_rope": dataclasses.replace(t, early=1)}, {}),))
+
+
 def test_stream_k_down_in_the_step(model, capsys):
     """The step whose down is stream-K into xacc (down.sk, gemv_streamk.py: no layer but the
     last writes x, qkv_rope reads x + xacc): the default step's greedy ids and logits

@@ -79,8 +79,9 @@ def gemv_name(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None) 
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
     extra = {} if heads is None else dict(zip(("heads", "kv_heads", "head_dim"), heads))
     fields = dataclasses.asdict(t)
-    if not fields["xacc"]:
-        del fields["xacc"]               # the names of the kernels before it stand
+    for f in ("xacc", "early"):
+        if not fields[f]:
+            del fields[f]                # the names of the kernels before them stand
     return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **fields, eps=eps, **extra)
 
 
@@ -123,6 +124,10 @@ def _check(kind: str, n_out: int, k: int, t: Tiling, heads):
             and int(t.prefetch) in (0, 1) and t.threads % t.lanes == 0 and t.threads <= 1024):
         raise ValueError(f"unsupported tiling {t} for {kind}")
     steps = -(-(k // GROUP_SIZE) // t.ks)
+    if t.early and not (int(t.prefetch) == 1 and steps >= 2 and int(t.early) == 1):
+        raise ValueError(f"{kind}: tiling {t.tag()}: early=1 loads step 1 before the wait beside "
+                         f"step 0, so it needs prefetch=1 and two steps or more (K={k} gives "
+                         f"{steps} at ks={t.ks}); use early=0")
     staged = steps * 16 * t.ks * 4 * 4 + (k // GROUP_SIZE) * 4 + (t.threads // 32) * 4
     if staged > STATIC_SMEM_LIMIT:
         raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
@@ -168,6 +173,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     INV_K = np.float32(1.0 / k)
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
+    EARLY = bool(t.early)  # step 1's loads before the wait too (prefetch, >= 2 steps: _check)
     XACC = bool(t.xacc)  # qkv_rope: x is x + xacc * 2^-32 (the step with down's stream-K)
 
     def load_row(qw, sc, row, ok, s, j):
@@ -375,9 +381,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             off >>= 1
         return v
 
-    def mainloop(qw, sc, act, invf, row0, j, cur):
+    def mainloop(qw, sc, act, invf, row0, j, cur, nxt1):
         """fp32 dot products of the thread's SLOTS weight rows over its groups, lane-partial.
-        cur: step 0's loads (issued before the prologue)."""
+        cur: step 0's loads (issued before the prologue); nxt1: with EARLY, step 1's (too)."""
         # prefetch=2 (two steps in flight): lost, down +0.033 ms a step, qkv/o_proj +0.055; code at 13c221c
         nxt = cur
         abase = cvta_to_shared_u32(act)
@@ -387,7 +393,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         acc3 = float32(0.0)
         for s in range(STEPS):
             if PREFETCH and s + 1 < STEPS:
-                nxt = load_step(qw, sc, row0, s + 1, j)
+                if EARLY and s == 0:
+                    nxt = nxt1
+                else:
+                    nxt = load_step(qw, sc, row0, s + 1, j)
             g = s * KS + j
             if g < GROUPS and j < KS:
                 d0, d1, d2, d3 = dot_step(cur, abase, s * 16 * KS + j, invf[g])
@@ -459,10 +468,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
             norm_to_l2(norm_w)
             early()
             rstd = stage(x, x, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_qkv(out, bias, row0, a0 * rstd)
@@ -481,12 +491,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
             norm_to_l2(norm_w)
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
             early()
             rstd = stage(x, xa, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
@@ -510,10 +521,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
             norm_to_l2(norm_w)
             early()
             rstd = stage(x, x, norm_w, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 if ROWS == 1:
@@ -529,9 +541,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
             cur = load_step(qw, sc, row0, 0, j)
+            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
             early()
             stage(a, a, a, act, invf, red)
-            acc = mainloop(qw, sc, act, invf, row0, j, cur)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_residual(x, row0, a0)

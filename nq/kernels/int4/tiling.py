@@ -59,6 +59,8 @@ class Tiling:
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     xacc: int = 0        # qkv_rope: x is x + xacc * 2^-32 (the step whose down is stream-K,
     #                      MmaTiling.sk); else 0
+    early: int = 0       # 1: step 1's loads go out before griddepcontrol.wait beside step 0's
+    #                      (needs prefetch and two steps or more); 0: at the main loop's start
 
     @property
     def lanes(self) -> int:
@@ -76,7 +78,7 @@ class Tiling:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + ("_xacc" if self.xacc else ""))
+                + ("_xacc" if self.xacc else "") + ("_e1" if self.early else ""))
 
 
 @dataclasses.dataclass(frozen=True)

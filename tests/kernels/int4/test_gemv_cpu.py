@@ -90,7 +90,8 @@ HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
 @pytest.mark.parametrize("kind,tiling", [(k, None) for k in KINDS]
                          + [("down", Tiling(ks=16, threads=512, prefetch=0)),
                             ("qkv", Tiling(ks=7, rows=2, threads=128)),
-                            ("o_proj", Tiling(ks=14, threads=256, span=128))])
+                            ("o_proj", Tiling(ks=14, threads=256, span=128)),
+                            ("qkv_rope", Tiling(ks=14, rows=2, threads=384, span=128, early=1))])
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
     t = tiling or default_tiling(kind, n, k, mma=False)   # the CUDA-core kernel's
@@ -148,6 +149,10 @@ def test_refuses_unsupported_shapes_and_tilings():
         gemv.build_kernel("qkv", 64, 256, Tiling(ks=2, prefetch=2), 1e-6)
     with pytest.raises(ValueError, match="static shared memory"):
         gemv.build_kernel("down", 64, 27648, Tiling(ks=16), 1e-6)   # the 32B's down_proj
+    with pytest.raises(ValueError, match="early=1 loads step 1"):   # one step: nothing to load early
+        gemv.build_kernel("qkv", 64, 256, Tiling(ks=2, early=1), 1e-6)
+    with pytest.raises(ValueError, match="early=1 loads step 1"):
+        gemv.build_kernel("qkv", 64, 512, Tiling(ks=2, prefetch=0, early=1), 1e-6)
     with pytest.raises(ValueError, match="unknown GEMV kind"):
         gemv.build_kernel("up", 64, 256, Tiling(ks=2), 1e-6)
     with pytest.raises(ValueError, match="not a CUDA-core Tiling"):
@@ -254,9 +259,9 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
 
     x = (rng.standard_normal(640) * 3).astype(np.float32); x[5] = 400.0
     nw = (1 + 0.1 * rng.standard_normal(640)).astype(np.float16)
-    # qkv: K=640 (5 groups over ks=2: a short last step, 3 steps, each prefetched), N=40 (not a
-    # multiple of the 16-row block), two rows a thread
-    g = launch.QkvGemv(cfg, 40, 640, 40, Tiling(ks=2, rows=2, threads=64))
+    # qkv: K=640 (5 groups over ks=2: a short last step, 3 steps, each prefetched, steps 0 and
+    # 1 before the wait: early), N=40 (not a multiple of the 16-row block), two rows a thread
+    g = launch.QkvGemv(cfg, 40, 640, 40, Tiling(ks=2, rows=2, threads=64, early=1))
     qw, sc, wd = mk(40, 640); b = (0.1 * rng.standard_normal(40)).astype(np.float16)
     pq, ps = g.prepare([(qw, sc)]); out = D(np.full(40, np.nan, np.float32))
     g(D(x), D(nw), D(pq), D(ps), D(b), out)
@@ -339,7 +344,7 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     # two steps (the second prefetched), span 128.  Positions: the last slot of page 0, the
     # first of page 1, 0, and 1000 (page 62, through a permuted table).
     cases = [(64, 128, dict(threads=128, ks=2), (15, 16)),
-             (128, 256, dict(threads=64, ks=1, span=128), (0, 1000)),
+             (128, 256, dict(threads=64, ks=1, span=128, early=1), (0, 1000)),
              # the 7B's grid shape (ks 14, 384 threads: 12 warps, 48 rows a block) and the
              # 14B's (ks 8, 512 threads: 128 rows a block), here 8 and 3 blocks
              (128, 1792, dict(threads=384, ks=14, span=128), (17,)),
@@ -356,7 +361,8 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
         wd = np.concatenate([dequantize_packed(q, s) for q, s in parts])
         bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
         fused = launch.make_qkv_rope_gemv(cfg, Tiling(rows=2, **tk))
-        plain = launch.make_qkv_gemv(cfg, Tiling(rows=1, **tk))
+        # the plain kernel without early: step 1's loads before the wait change no bit
+        plain = launch.make_qkv_gemv(cfg, Tiling(rows=1, **dict(tk, early=0)))
         pq, ps = plain.prepare(parts)   # one upload serves both kinds
         args = [D(x), D(nw), D(pq), D(ps), D(bias)]
         qkv = D(np.full(n, np.nan, np.float32))

@@ -137,6 +137,45 @@ def test_int4_gemv_prefetch_keeps_the_bits(kind, n, k, tiling):
     assert np.array_equal(got, without)
 
 
+@pytest.mark.parametrize("kind,n,k,tiling", [
+    ("qkv", 4608, 3584, Tiling(ks=14, threads=384, span=128)),
+    ("down", 3584, 18944, Tiling(ks=16, threads=512)),
+    ("gate_up", 18944, 3584, Tiling(ks=4, threads=192, span=128))],
+    ids=lambda v: v.tag() if isinstance(v, Tiling) else str(v))
+def test_int4_gemv_early_keeps_the_bits(kind, n, k, tiling):
+    """`early` only moves step 1's loads before griddepcontrol.wait: the same bits."""
+    got, ref = run_case(kind, n, k, dataclasses.replace(tiling, early=1), seed=13)
+    assert rel(got, ref) < TOL_INT4
+    without, _ = run_case(kind, n, k, tiling, seed=13)
+    assert np.array_equal(got, without)
+
+
+def test_qkv_rope_early_keeps_the_bits():
+    """The 7B's qkv_rope with step 1's loads before the wait: q and the pool bit for bit the
+    default kernel's."""
+    cfg = PRESETS["7b"]
+    rng = np.random.default_rng(21)
+    n, k = cfg.qkv_size, cfg.hidden_size
+    base = launch.make_qkv_rope_gemv(cfg)
+    early = launch.make_qkv_rope_gemv(cfg, dataclasses.replace(base.tiling, early=1))
+    parts = [rand_int4(rng, m, k) for m in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
+    pq, ps = base.prepare([p[:2] for p in parts])
+    d = cuda.to_device
+    x = (rng.standard_normal(k) * 2).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
+    bias = (0.5 * rng.standard_normal(n)).astype(np.float16)
+    args = [d(x), d(nw), d(pq), d(ps), d(bias)]
+    state, inv = make_state(pos=700), d(R.rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+    table = d(rng.permutation(48).astype(np.int32))
+    pool0 = rng.standard_normal(pool_shape(cfg, 48)[1:]).astype(np.float16)
+    outs = []
+    for g in (base, early):
+        pool, q = d(pool0), d(np.full(cfg.q_size, np.nan, np.float32))
+        g(*args, state, inv, table, pool, q, 0)
+        outs.append((q.copy_to_host().view(np.uint32), pool.copy_to_host().view(np.uint16)))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
 def test_int4_gemv_deterministic():
     a, _ = run_case("down", 3584, 18944, None, seed=3)
     b, _ = run_case("down", 3584, 18944, None, seed=3)
