@@ -41,9 +41,9 @@ import math
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float16, float32
 
-from nq.kernels.attention.plan import NEG_BIG
+from nq.kernels.attention.plan import NEG_BIG, plan_body
 from nq.kernels.common import dev
-from nq.paged import PAGE, STATE_POS
+from nq.paged import STATE_POS
 
 ROWS = 8         # exchange rows: a GQA group's heads, padded as the mma fragment's rows 0-7
 
@@ -58,7 +58,8 @@ def cluster_tail(split_main, gqa: int, head_dim: int, consumers: int, max_splits
     if max_splits != cluster:
         raise ValueError(f"attention cluster={cluster}: max_splits must be the cluster size "
                          f"(got {max_splits})")
-    GQA, D, C, MAXS, MINP = gqa, head_dim, cluster, max_splits, min_pps
+    GQA, D, C = gqa, head_dim, cluster
+    plan = dev(plan_body(max_splits, min_pps))   # (n_pages, pps, n_splits) of a length
     THREADS = (consumers + 1) * 32
     OUTS = GQA * D
     NEG = float32(NEG_BIG)
@@ -69,9 +70,7 @@ def cluster_tail(split_main, gqa: int, head_dim: int, consumers: int, max_splits
         barrier_cluster_sync()                # every CTA's partial is in its shared memory
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
-        n_pages = (length + PAGE - 1) // PAGE
-        pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
-        n_splits = (n_pages + pps - 1) // pps
+        n_pages, pps, n_splits = plan(length)
         acc0 = cvta_to_shared_u32_at(xacc, (0, 0, 0))
         ml0 = cvta_to_shared_u32_at(xml, (0, 0, 0))
         for i in range(cluster_ctarank() * THREADS + cuda.threadIdx.x, OUTS, C * THREADS):

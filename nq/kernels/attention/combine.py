@@ -103,6 +103,8 @@ def combine_body(head_dim: int, max_splits: int, min_pps: int, groups: int = GRO
         # The plan before the wait: state is written by nothing in the step (attn_split's
         # EARLY reads it there too, decode.py), so the loads below go out as the wait ends.
         length = state[STATE_POS] + 1
+        # plan_body's arithmetic written out: through the shared device function the compiler
+        # lost the splits' sign and added index wrap-around selects (PTX +63 instructions)
         n_pages = (length + PAGE - 1) // PAGE
         pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
         n_splits = (n_pages + pps - 1) // pps

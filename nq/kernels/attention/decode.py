@@ -115,6 +115,7 @@ from numba import cuda  # a module global: the simulator swaps it for its fake m
 from numba.cuda.types import float32, uint32, uint64
 
 from nq.kernels.attention.plan import (ALIGN, LOG2E, NEG_BIG, PAD, TMA_ALIGN, TMA_HALF_BYTES,
+                                       plan_body,
                                        barrier_bytes, page_slot_bytes, tma_slot_bytes)
 from nq.kernels.common import dev
 from nq.paged import PAGE, STATE_POS
@@ -137,7 +138,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
-    stages, RPC token rows a bulk copy, MAXS / MINP the plan's max_splits / min_pps; in the
+    stages, RPC token rows a bulk copy, `plan` the split plan (plan.plan_body); in the
     body g = lane // 4 (a head of the group), t = lane % 4, c the consumer, stage the ring slot.
     """
     from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_tensor_5d_g2s, cvta_to_shared_u32_at,
@@ -155,7 +156,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
-    MAXS, MINP = max_splits, min_pps
+    plan = dev(plan_body(max_splits, min_pps))   # (n_pages, pps, n_splits) of a length
     KSTEPS = D // 16                   # k-steps of Q K^T = dim blocks of P V (2 n-tiles each)
     NT = D // 8                        # dim n-tiles of the accumulator
     QW, AW = 4 * KSTEPS, 2 * NT        # local array sizes (compile-time constants)
@@ -211,9 +212,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
-        n_pages = (length + PAGE - 1) // PAGE
-        pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
-        n_splits = (n_pages + pps - 1) // pps
+        n_pages, pps, n_splits = plan(length)
         # nca consumers share the split's pages (a stage holds nca of them): all NC, or with
         # PPC one per PPC pages of the plan, so a short context's split of one or two pages
         # is one consumer's, without the merge, and a long one's pages go to every consumer

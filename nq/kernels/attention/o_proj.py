@@ -53,10 +53,10 @@ from numba import cuda  # a module global: the simulator swaps it for its fake m
 from numba import float32, int64, uint32, uint64
 
 from nq.config import GROUP_SIZE
-from nq.kernels.attention.plan import NEG_BIG
+from nq.kernels.attention.plan import NEG_BIG, plan_body
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import dev
-from nq.paged import PAGE, STATE_POS
+from nq.paged import STATE_POS
 
 SPLIT_GROUPS = 8   # split groups a block's merge (256 threads: 32 four-dim threads a group)
 VEC = 4            # dims a merging thread
@@ -96,7 +96,7 @@ def check_o_proj(n_out: int, k: int, head_dim: int, num_heads: int, tpw: int) ->
 def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: int,
                 min_pps: int, tpw: int, acc: bool = False):
     """The kernel body for one set of constants (o_proj_name spells them).  Legend: D head_dim,
-    HQ query heads, MAXS / MINP the split plan's max_splits / min_pps (the split kernel's), G
+    HQ query heads, MAXS the split plan's max_splits, `plan` the plan itself (plan.plan_body; the split kernel's), G
     split groups, R splits a thread may own, HPG heads a K group, TPW tiles a warp, TPB tiles a
     block (a chunk), CH rows a chunk.  acc: the heads' shares go into xacc as fixed-point int64
     (red.add, any order, the same bits) instead of part_o and the last block's fold; gate_up
@@ -114,7 +114,8 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     check_o_proj(n_out, k, head_dim, num_heads, tpw)
     ACC = bool(acc)
     FIX = float32(2.0 ** 32)            # xacc's unit: 2^-32 of x (int4.dequant.FIXED_ONE)
-    D, HQ, MAXS, MINP, TPW, G = head_dim, num_heads, max_splits, min_pps, tpw, SPLIT_GROUPS
+    D, HQ, MAXS, TPW, G = head_dim, num_heads, max_splits, tpw, SPLIT_GROUPS
+    plan = dev(plan_body(max_splits, min_pps))   # (n_pages, pps, n_splits) of a length
     GROUPS = k // GROUP_SIZE
     HPG = GROUP_SIZE // D
     N_TILES = n_out // 16
@@ -188,9 +189,7 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
             b = tile_bases(warp_tile(rc, warp, 3), lane, g)
             c3 = load_group(qw, sc, b[0], b[1], gk)
         length = state[STATE_POS] + 1
-        n_pages = (length + PAGE - 1) // PAGE
-        pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
-        n_splits = (n_pages + pps - 1) // pps
+        n_pages, pps, n_splits = plan(length)
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         # the merge (attn_combine's, module doc): dims 4q.. of the group's 128, head hq.

@@ -4,7 +4,7 @@ kernel's shared-memory layout, the partial buffers and the launcher's argument c
 Kernels, launcher, NumPy models and tests all read the numbers from here, so the plan has one
 definition (the kernels repeat its arithmetic on the device, from `state`, each step).
 
-Split plan (the same arithmetic in attn_split, attn_combine and `split_plan`):
+Split plan (`plan_body`: one function for the kernels and `split_plan`):
     n_pages  = ceil(length / PAGE)                    length = state[STATE_POS] + 1
     pps      = max(min_pps, ceil(n_pages / max_splits))      pages per split
     n_splits = ceil(n_pages / pps)                            every split has >= 1 page
@@ -22,6 +22,8 @@ rows (`row_offset`): at one row a copy the 8 rows an ldmatrix phase reads fall i
 16-byte bank groups; 2**k rows a copy give a 2**k-way conflict and 1/2**k the copies.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -59,11 +61,26 @@ CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_hea
 #                     (the decode step runs one CTA an SM instead: one_wave_splits, step.py)
 
 
+@functools.cache
+def plan_body(max_splits: int, min_pps: int):
+    """The split plan for baked-in (max_splits, min_pps): plan(length) -> (n_pages, pages per
+    split, splits), the module doc's arithmetic.  A plain function: the kernels wrap it in
+    `dev` (attn_split, attn_o_proj, the cluster merge; attn_combine writes it out, combine.py
+    says why), `split_plan` calls it."""
+    MAXS, MINP = max_splits, min_pps
+
+    def plan(length):
+        n_pages = (length + PAGE - 1) // PAGE
+        pps = max(MINP, (n_pages + MAXS - 1) // MAXS)
+        return n_pages, pps, (n_pages + pps - 1) // pps
+
+    return plan
+
+
 def split_plan(length: int, max_splits: int, min_pps: int = MIN_PPS) -> tuple[int, int]:
     """(pages per split, number of splits) for a context of `length` tokens (module doc)."""
-    n_pages = -(-length // PAGE)
-    pps = max(min_pps, -(-n_pages // max_splits))
-    return pps, -(-n_pages // pps)
+    _, pps, n_splits = plan_body(max_splits, min_pps)(length)
+    return pps, n_splits
 
 
 def default_max_splits(num_kv_heads: int, n_sms: int = 132, ctas_per_sm: int = CTAS_PER_SM) -> int:

@@ -153,8 +153,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: in
                         ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32,
                         pack_f16x2_from_f32)
 
-    G, D, HKV, NW, NST = gqa, head_dim, num_kv, warps, nstage
-    HQ = G * HKV
+    G, D, NW, NST = gqa, head_dim, warps, nstage
     T = tokens_per_cta(G, NW)          # query tokens a CTA
     assert T >= 1, f"gqa {G} needs more than {NW} warps"
     NTH = 32 * NW
