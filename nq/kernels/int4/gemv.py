@@ -53,12 +53,12 @@ from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import STATIC_SMEM_LIMIT, block_rstd, dev, warp_max, warp_sum
+from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
                                      _SH8, _SIXTEENTH, fixed_to_f32, plus_xacc_body,
                                      pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
-from nq.kernels.int4.tiling import KINDS, Tiling
+from nq.kernels.int4.tiling import Tiling, check_tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fma_rn_f16x2,
                     griddepcontrol_launch_dependents,
@@ -94,52 +94,12 @@ def compile_gemv(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                           launch_bounds=bounds)
 
 
-def _check(kind: str, n_out: int, k: int, t: Tiling, heads):
-    """Refuse what the kernel cannot do, with what to use instead."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown GEMV kind {kind!r}; one of {KINDS}")
-    if not isinstance(t, Tiling):
-        raise ValueError(f"{kind}: {t} is not a CUDA-core Tiling (an MmaTiling is gemv_mma's: "
-                         f"build it with make_{kind}_gemv)")
-    if kind == "qkv_rope":
-        if heads is None:
-            raise ValueError("qkv_rope: build_kernel needs heads=(num_heads, num_kv_heads, head_dim)")
-        hq, hkv, d = (int(h) for h in heads)
-        if d <= 0 or d % 2:
-            raise ValueError(f"qkv_rope: head_dim={d} is odd; RoPE pairs element i with i + D/2, "
-                             f"so a head must split in halves (use kind 'qkv' and rope_kv)")
-        if hq <= 0 or hkv <= 0 or n_out != (hq + 2 * hkv) * d:
-            raise ValueError(f"qkv_rope: N={n_out} is not (num_heads + 2*num_kv_heads)*head_dim "
-                             f"for heads {heads}; the rows must be [q heads | k heads | v heads]")
-        if t.rows != 2:
-            raise ValueError(f"qkv_rope: tiling {t.tag()} has rows={t.rows}; a thread owns one "
-                             f"RoPE pair (rows i and i + D/2 of a head): use rows=2")
-    elif heads is not None:
-        raise ValueError(f"{kind}: heads= is for qkv_rope only")
-    if t.xacc and kind != "qkv_rope":
-        raise ValueError(f"{kind}: tiling {t.tag()}: xacc (x + the int64 sums of the step whose "
-                         f"down is stream-K) is read by the CUDA-core qkv_rope only")
-    slots = t.rows * (2 if kind == "gate_up" else 1)
-    if not (1 <= t.ks <= 32 and t.span in (32, 128) and slots <= 4 and t.threads % 32 == 0
-            and int(t.prefetch) in (0, 1) and t.threads % t.lanes == 0 and t.threads <= 1024):
-        raise ValueError(f"unsupported tiling {t} for {kind}")
-    steps = -(-(k // GROUP_SIZE) // t.ks)
-    if t.early and not (int(t.prefetch) == 1 and steps >= 2 and int(t.early) == 1):
-        raise ValueError(f"{kind}: tiling {t.tag()}: early=1 loads step 1 before the wait beside "
-                         f"step 0, so it needs prefetch=1 and two steps or more (K={k} gives "
-                         f"{steps} at ks={t.ks}); use early=0")
-    staged = steps * 16 * t.ks * 4 * 4 + (k // GROUP_SIZE) * 4 + (t.threads // 32) * 4
-    if staged > STATIC_SMEM_LIMIT:
-        raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
-                         f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
-
-
 @functools.cache
 def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None):
     """The kernel body of `gemv_name(...)` and the signature to compile it for.
 
     heads: (num_heads, num_kv_heads, head_dim), for qkv_rope only (the RoPE epilogue)."""
-    _check(kind, n_out, k, t, heads)
+    check_tiling(kind, n_out, k, t, heads)
     # The constants the body closes over (numba freezes them):
     #   GROUPS       k / 128: a row's groups
     #   KS, LANES    the tiling's ks (lanes that own groups) and pow2(ks) (a row's segment)
@@ -173,7 +133,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     INV_K = np.float32(1.0 / k)
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
-    EARLY = bool(t.early)  # step 1's loads before the wait too (prefetch, >= 2 steps: _check)
+    EARLY = bool(t.early)  # step 1's loads before the wait too (prefetch, >= 2 steps: check_tiling)
     XACC = bool(t.xacc)  # qkv_rope: x is x + xacc * 2^-32 (the step with down's stream-K)
 
     def load_row(qw, sc, row, ok, s, j):

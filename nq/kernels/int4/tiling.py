@@ -118,6 +118,47 @@ class MmaTiling:
                 + ("_xacc" if self.xacc else "") + (f"_sk{self.sk}" if self.sk else ""))
 
 
+def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
+    """Refuse what the CUDA-core GEMV (gemv.py) cannot do, with what to use instead; the
+    tensor-core kernel's check is gemv_mma_shape.check_tiling."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMV kind {kind!r}; one of {KINDS}")
+    if not isinstance(t, Tiling):
+        raise ValueError(f"{kind}: {t} is not a CUDA-core Tiling (an MmaTiling is gemv_mma's: "
+                         f"build it with make_{kind}_gemv)")
+    if kind == "qkv_rope":
+        if heads is None:
+            raise ValueError("qkv_rope: build_kernel needs heads=(num_heads, num_kv_heads, head_dim)")
+        hq, hkv, d = (int(h) for h in heads)
+        if d <= 0 or d % 2:
+            raise ValueError(f"qkv_rope: head_dim={d} is odd; RoPE pairs element i with i + D/2, "
+                             f"so a head must split in halves (use kind 'qkv' and rope_kv)")
+        if hq <= 0 or hkv <= 0 or n_out != (hq + 2 * hkv) * d:
+            raise ValueError(f"qkv_rope: N={n_out} is not (num_heads + 2*num_kv_heads)*head_dim "
+                             f"for heads {heads}; the rows must be [q heads | k heads | v heads]")
+        if t.rows != 2:
+            raise ValueError(f"qkv_rope: tiling {t.tag()} has rows={t.rows}; a thread owns one "
+                             f"RoPE pair (rows i and i + D/2 of a head): use rows=2")
+    elif heads is not None:
+        raise ValueError(f"{kind}: heads= is for qkv_rope only")
+    if t.xacc and kind != "qkv_rope":
+        raise ValueError(f"{kind}: tiling {t.tag()}: xacc (x + the int64 sums of the step whose "
+                         f"down is stream-K) is read by the CUDA-core qkv_rope only")
+    slots = t.rows * (2 if kind == "gate_up" else 1)
+    if not (1 <= t.ks <= 32 and t.span in (32, 128) and slots <= 4 and t.threads % 32 == 0
+            and int(t.prefetch) in (0, 1) and t.threads % t.lanes == 0 and t.threads <= 1024):
+        raise ValueError(f"unsupported tiling {t} for {kind}")
+    steps = -(-(k // GROUP_SIZE) // t.ks)
+    if t.early and not (int(t.prefetch) == 1 and steps >= 2 and int(t.early) == 1):
+        raise ValueError(f"{kind}: tiling {t.tag()}: early=1 loads step 1 before the wait beside "
+                         f"step 0, so it needs prefetch=1 and two steps or more (K={k} gives "
+                         f"{steps} at ks={t.ks}); use early=0")
+    staged = steps * 16 * t.ks * 4 * 4 + (k // GROUP_SIZE) * 4 + (t.threads // 32) * 4
+    if staged > STATIC_SMEM_LIMIT:
+        raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
+                         f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
+
+
 def hilo_bytes(k: int) -> int:
     """Shared memory that K activations staged as hi + lo take (MmaTiling.hilo): 2K bytes
     each, lo 32 bytes past hi (gemv_mma.py: other banks)."""
