@@ -107,18 +107,16 @@ def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
                          f"(an MmaTiling)")
     if cores or cfg.head_dim not in HEAD_DIMS:
         return 0      # the default, where this width keeps those GEMVs on the CUDA cores
-    if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc); down stream-K with sk
-        from nq.kernels.int4.gemv_streamk import streamk_tiling
+    if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc); down's sk: stream_k
         tilings.update({k: dataclasses.replace(tl[k], xacc=1) for k in ("gate_up", "down")})
-        if tilings["down"].sk:
-            tilings["down"] = streamk_tiling(tilings["down"])
     return fuse_o
 
 
 def stream_k(cfg, tilings: dict, rope_tiling, use_rope: bool, asked: bool):
     """(down's fold kernel for the last layer, qkv_rope's tiling with xacc) where the step's
-    down is stream-K (tilings' down has sk, put there by fused_o), else (None, rope_tiling).
-    Without an experiment's sk, DOWN_SK's where the CUDA-core qkv_rope runs."""
+    down is stream-K (tilings' down, with xacc from fused_o, has an experiment's sk, or DOWN_SK
+    where the CUDA-core qkv_rope runs), else (None, rope_tiling).  The stream-K down's tiling
+    (streamk_tiling) goes back into `tilings`."""
     import dataclasses
 
     from nq.kernels.int4 import make_down_gemv
@@ -131,9 +129,10 @@ def stream_k(cfg, tilings: dict, rope_tiling, use_rope: bool, asked: bool):
     rope = rope_tiling or gemv_tiling("qkv_rope", cfg)
     cores_rope = use_rope and isinstance(rope, Tiling)
     if not down.sk and not asked and DOWN_SK and cores_rope:
-        down = tilings["down"] = streamk_tiling(dataclasses.replace(down, sk=DOWN_SK))
+        down = dataclasses.replace(down, sk=DOWN_SK)
     if not down.sk:
         return None, rope_tiling
+    tilings["down"] = streamk_tiling(down)
     if not cores_rope:
         raise ValueError(f"down.sk={down.sk}: qkv_rope must read x + xacc, which only the "
                          f"CUDA-core qkv_rope does (rope.fused=1 and a Tiling: unset "

@@ -216,4 +216,8 @@ def test_the_step_takes_stream_k_only_beside_the_cuda_core_qkv_rope():
     assert step.stream_k(cfg, {"down": plain}, None, True, False) == (None, None)
     tilings = {"down": dataclasses.replace(gemv_tiling("down", cfg), sk=1)}
     assert step.fused_o(cfg, 2, tilings) == 2
-    assert tilings["down"] == down and tilings["gate_up"].xacc
+    assert tilings["down"].xacc and tilings["down"].sk == 1 and tilings["gate_up"].xacc
+    # stream_k puts the stream-K form back before it refuses (or builds the fold, on a GPU)
+    with pytest.raises(ValueError, match="CUDA-core qkv_rope"):
+        step.stream_k(cfg, tilings, rope_mma, True, True)
+    assert tilings["down"] == down
