@@ -140,6 +140,35 @@ def smem_bytes(head_dim: int, nstage: int = NSTAGE) -> int:
 
 # ---- kernel --------------------------------------------------------------------------------------
 
+def out_body(head_dim: int):
+    """The epilogue both prefill kernels end with (this one's and prefill_wgmma's): a lane's
+    two rows (g and g + 8 of its m16 tile: tokens tk0 / tk1, heads h0 / h1) finish their sums
+    l over the quad, and their O accumulators (acc's C-fragment order) go to o scaled by 1 / l,
+    as fp16 pairs; ok0 / ok1 say which rows hold a token of the chunk.  A plain function: the
+    kernels wrap it in `dev`."""
+    from nq.ptx import pack_f16x2_from_f32
+    D, NTO, FULL = head_dim, head_dim // 8, 0xFFFFFFFF
+
+    def store_out(o, acc, l0, l1, h0, h1, t, tk0, tk1, ok0, ok1):
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        inv0 = float32(1.0) / l0
+        inv1 = float32(1.0) / l1
+        c0 = h0 * (D // 2) + t
+        c1 = h1 * (D // 2) + t
+        for jd in range(NTO):
+            if ok0:
+                o[tk0, c0 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd] * inv0,
+                                                         acc[4 * jd + 1] * inv0)
+            if ok1:
+                o[tk1, c1 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd + 2] * inv1,
+                                                         acc[4 * jd + 3] * inv1)
+
+    return store_out
+
+
 def _name(gqa, head_dim, num_kv, warps, nstage):
     return kernel_name("prefill_attn", g=gqa, d=head_dim, kv=num_kv, w=warps, st=nstage)
 
@@ -193,6 +222,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: in
             cp_async_cg_shared_global_16_zfill(sbase + VOFF + off, kv, (pid, kvh, 1, p % PG, 8 * c), nbytes)
 
     load_tile = dev(load_tile)
+    store_out = dev(out_body(D))
 
     def prefill_attn(q, kv, table, o, start, m):
         # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
@@ -348,21 +378,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warps: int, nstage: in
                                                       acc[jd + 5], acc[jd + 6], acc[jd + 7])
 
         if w_active:
-            l0 += cuda.shfl_xor_sync(FULL, l0, 1)
-            l1 += cuda.shfl_xor_sync(FULL, l1, 1)
-            l0 += cuda.shfl_xor_sync(FULL, l0, 2)
-            l1 += cuda.shfl_xor_sync(FULL, l1, 2)
-            inv0 = float32(1.0) / l0
-            inv1 = float32(1.0) / l1
-            c0 = h0 * (D // 2) + t
-            c1 = h1 * (D // 2) + t
-            for jd in range(NTO):
-                if ok0:
-                    o[tk0, c0 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd] * inv0,
-                                                             acc[4 * jd + 1] * inv0)
-                if ok1:
-                    o[tk1, c1 + 4 * jd] = pack_f16x2_from_f32(acc[4 * jd + 2] * inv1,
-                                                             acc[4 * jd + 3] * inv1)
+            store_out(o, acc, l0, l1, h0, h1, t, tk0, tk1, ok0, ok1)
 
     return prefill_attn
 

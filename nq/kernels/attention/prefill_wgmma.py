@@ -82,7 +82,7 @@ import os
 from numba import cuda  # a module global: the simulator swaps it for its fake module
 from numba.cuda.types import float32, int32, uint32, uint64
 
-from nq.kernels.attention.prefill import (LOG2E, NEG_BIG, SIG, check_arrays, paged_launch,
+from nq.kernels.attention.prefill import (LOG2E, NEG_BIG, SIG, check_arrays, out_body, paged_launch,
                                           prefill_attention_reference, rounded_q,
                                           tokens_per_cta)
 from nq.kernels.build import compile_kernel, kernel_name
@@ -343,6 +343,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         return step
 
     step_full, step_masked = dev(make_step(softmax_full)), dev(make_step(softmax_masked))
+    store_out = dev(out_body(D))
 
     def prefill_attn_wgmma(q, kv, table, o, start, m):
         # q (M_max, HQ, D) f32; kv (n_pages, HKV, 2, 16, D) f16; table (max_pages,) int32
@@ -432,21 +433,7 @@ def _prefill_kernel(gqa: int, head_dim: int, num_kv: int, warpgroups: int, bn: i
         wait_o(oacc, 0)
         cp_async_wait_group(0)                    # the empty tail groups: nothing in flight
 
-        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
-        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
-        inv0 = float32(1.0) / l0
-        inv1 = float32(1.0) / l1
-        c0 = h0 * (D // 2) + t
-        c1 = h1 * (D // 2) + t
-        for jd in range(NTO):
-            if ok0:
-                o[tk0, c0 + 4 * jd] = pack_f16x2_from_f32(oacc[4 * jd] * inv0,
-                                                         oacc[4 * jd + 1] * inv0)
-            if ok1:
-                o[tk1, c1 + 4 * jd] = pack_f16x2_from_f32(oacc[4 * jd + 2] * inv1,
-                                                         oacc[4 * jd + 3] * inv1)
+        store_out(o, oacc, l0, l1, h0, h1, t, tk0, tk1, ok0, ok1)
 
     return prefill_attn_wgmma
 
