@@ -11,14 +11,14 @@ options (`Engine.variant`), recaptures it and times decode steps at each context
 
 A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o_proj,
 gate_up, down; fields of its tiling, nq.kernels.int4.tiling: a Tiling's ks, rows, threads,
-prefetch, span, min_blocks, an MmaTiling's warps, threads, min_blocks -- a new ks reads the
+prefetch, span, min_blocks, early, an MmaTiling's warps, threads, min_blocks -- a new ks reads the
 weights in the wrong order, which is fine for timing random weights and nothing else;
 `kind.mma=0` / `kind.mma=1` first switches o_proj, down, gate_up, qkv or qkv_rope to the
 shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what
 NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
-rows_per_copy, min_pps, early, cluster -- e.g. "attn.cluster=16", the merge in a thread
-block cluster; and max_splits, the split kernel's grid width a kv head, up to the engine's
+rows_per_copy, min_pps, early, cluster, fresh -- e.g. "attn.cluster=16", the merge in a
+thread block cluster, "attn.fresh=1", the last page copied before the wait too; and max_splits, the split kernel's grid width a kv head, up to the engine's
 default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value), or pdl.full=NAME[+NAME...] (the graph's edges into kernels
 whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).
