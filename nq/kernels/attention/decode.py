@@ -350,6 +350,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     nv = min(PAGE, length - pg * PAGE)  # valid tokens of this page
                     slot = (stage * NC + c) * sl
                     base = stage0 + slot
+                    patch = FRESH and pg == last        # this page holds the new row
                     if nv < PAGE:
                         # Zero the stale V rows nv..15 (tail page only): 0 * NaN = NaN in P V.
                         for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
@@ -363,8 +364,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                                 r = PAGE + nv + i // ROW_WORDS
                                 byte = slot + r * ROW_BYTES + (r // RPC) * PAD
                                 smu[w0 + byte // 4 + i % ROW_WORDS] = Z
-                        cuda.syncwarp(FULL)
-                    if FRESH and pg == last and lane < 2 * CH:
+                    if patch and lane < 2 * CH:
                         # the new row: K row nv - 1 or V row PAGE + nv - 1, 16-byte chunk ch
                         row = (lane // CH) * PAGE + nv - 1
                         ch = lane % CH
@@ -378,8 +378,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                         smu[wi + 1] = fr1
                         smu[wi + 2] = fr2
                         smu[wi + 3] = fr3
-                    if FRESH and pg == last:
-                        cuda.syncwarp(FULL)
+                    if nv < PAGE or patch:
+                        cuda.syncwarp(FULL)      # the zeroed / patched rows before ldmatrix
                     for j in range(16):
                         sc[j] = ZERO
                     for kstep in range(KSTEPS):
@@ -447,7 +447,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                             pa0, pa1, pa2, pa3, v2, v3, acc[j + 2] * alpha, acc[j + 3] * alpha,
                             ZERO, ZERO)
                         acc[j + 2], acc[j + 3] = d0 + d2, d1 + d3
-                    if nv < PAGE or (FRESH and pg == last):
+                    if nv < PAGE or patch:
                         # The zeroing (and patching) stores were generic-proxy writes; order
                         # them before any later bulk copy into this slot.
                         fence_proxy_async_shared()
