@@ -371,6 +371,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     cur = load_step(qw, sc, row0, s + 1, j)
         return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
 
+    def first_loads(qw, sc, row0, j):
+        """What goes out before the wait: step 0's loads, and with EARLY step 1's (else step
+        0's again, unused)."""
+        cur = load_step(qw, sc, row0, 0, j)
+        nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
+        return cur, nxt1
+
     def early():
         """Programmatic dependent launch (nq/ptx/griddep.py): wait for the kernel before,
         then let the next one launch.  The caller has already issued its step-0 weight loads,
@@ -417,6 +424,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
                              put_residual))
+    first_loads = dev(first_loads)   # (after load_step's dev)
     # (after weight_row's dev)
     put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)
     put_rope, rope_setup = dev(put_rope), dev(rope_setup)
@@ -427,8 +435,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
-            cur = load_step(qw, sc, row0, 0, j)
-            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
+            cur, nxt1 = first_loads(qw, sc, row0, j)
             norm_to_l2(norm_w)
             early()
             rstd = stage(x, x, norm_w, act, invf, red)
@@ -450,8 +457,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
-            cur = load_step(qw, sc, row0, 0, j)
-            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
+            cur, nxt1 = first_loads(qw, sc, row0, j)
             norm_to_l2(norm_w)
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
@@ -480,8 +486,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
-            cur = load_step(qw, sc, row0, 0, j)
-            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
+            cur, nxt1 = first_loads(qw, sc, row0, j)
             norm_to_l2(norm_w)
             early()
             rstd = stage(x, x, norm_w, act, invf, red)
@@ -500,8 +505,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
-            cur = load_step(qw, sc, row0, 0, j)
-            nxt1 = load_step(qw, sc, row0, 1, j) if EARLY else cur
+            cur, nxt1 = first_loads(qw, sc, row0, j)
             early()
             stage(a, a, a, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
