@@ -291,7 +291,14 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # graph (scripts/step_variants.py) the uncapped kernel beat min_blocks=2 at 32K (+0.025
         # against +0.21 ms over qkv + rope_kv); at 512 it saves 0.05 ms.  Alone, graph, no PDL:
         # 9.26 us against qkv 8.89 + rope_kv = 10.95 us (ks14 t128 9.28, ks7 t128 10.04).
-        return dataclasses.replace(default_tiling("qkv", n_out, k, sms, mma=False), rows=2)
+        t = dataclasses.replace(default_tiling("qkv", n_out, k, sms, mma=False), rows=2)
+        if (n_out, k) == (4608, 3584):
+            # the 7B's two steps: step 1's loads before the wait too (docs/PERF.md 0.26; H100,
+            # 2026-12-07, two runs of step_variants.py): -0.024 / -0.010 ms a step at 512,
+            # -0.017 / -0.008 at 8K, -0.008 / -0.006 at 32K.  159 registers offline against
+            # 134, still one 384-thread block an SM; at the 14B's and 32B's widths it spills.
+            t = dataclasses.replace(t, early=1)
+        return t
     groups = k // GROUP_SIZE
     # (kind, n_out, k) -> Tiling, chosen inside the whole decode step on the H200
     # (scripts/step_variants.py; docs/KERNELS_GEMV.md): alone (bench_gemv.py) and in the step

@@ -151,13 +151,14 @@ def test_int4_gemv_early_keeps_the_bits(kind, n, k, tiling):
 
 
 def test_qkv_rope_early_keeps_the_bits():
-    """The 7B's qkv_rope with step 1's loads before the wait: q and the pool bit for bit the
-    default kernel's."""
+    """The 7B's qkv_rope with step 1's loads before the wait (its default): q and the pool bit
+    for bit the kernel's without it."""
     cfg = PRESETS["7b"]
     rng = np.random.default_rng(21)
     n, k = cfg.qkv_size, cfg.hidden_size
-    base = launch.make_qkv_rope_gemv(cfg)
-    early = launch.make_qkv_rope_gemv(cfg, dataclasses.replace(base.tiling, early=1))
+    t = launch.gemv_tiling("qkv_rope", cfg)
+    base = launch.make_qkv_rope_gemv(cfg, dataclasses.replace(t, early=0))
+    early = launch.make_qkv_rope_gemv(cfg, dataclasses.replace(t, early=1))
     parts = [rand_int4(rng, m, k) for m in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
     pq, ps = base.prepare([p[:2] for p in parts])
     d = cuda.to_device

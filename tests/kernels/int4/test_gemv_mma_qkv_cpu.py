@@ -59,7 +59,7 @@ def test_qkv_tiling_follows_the_switch(monkeypatch):
     monkeypatch.setattr(tiling, "MMA_QKV", False)
     off = default_tiling("qkv", n, h, head_dim=128)
     assert off == Tiling(ks=14, threads=384, span=128)           # the measured entry
-    assert default_tiling("qkv_rope", n, h, head_dim=128) == dataclasses.replace(off, rows=2)
+    assert default_tiling("qkv_rope", n, h, head_dim=128) == dataclasses.replace(off, rows=2, early=1)
     monkeypatch.setattr(tiling, "MMA_QKV", True)
     assert default_tiling("qkv", n, h, head_dim=128) == SEVEN_B
     assert default_tiling("qkv_rope", n, h, head_dim=128) == SEVEN_B   # one layout, both
