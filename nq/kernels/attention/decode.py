@@ -82,29 +82,8 @@ fp32 accumulate); P as hi+lo fp16 leaves ~2^-22 relative on each weight (P in fp
 <= 2^-11, |err| up to 9.8e-4 * max|v|), so what is left is fp32 accumulation and ex2.approx, and
 the fp16 rounding of o.
 
-Epitaphs (each in commit 13c221c):
-  - attn_decode's fp32 split kernel (one consumer warp a query head, each converting the page
-    itself): 9.0 / 30.6 / 97.8 us a layer at 512 / 8K / 32K against 9.8 / 16.5 / 33.4 here
-    (nq/kernels/attn_decode.py `attn_split`).
-  - The combine fused into this kernel's last CTA of each kv head: +0.35 ms a step (combine.py).
-  - `trigger_splits` (every CTA triggers the dependent launch at its start when the plan has
-    at most that many splits): 0 ms a step at <= 32 splits (docs/PERF.md 0.3).
-  - `pids` (the producer reading 32 block-table entries before its loop and passing them by
-    shfl, instead of one dependent table load a page): -0.013 ms a step at 32K with one
-    consumer, 0 with four (H200, 2026-12-02; code at b6a6835).
-  - `spread` (a stage's bulk copies over all 32 producer lanes): -0.002 / -0.005 / -0.033 ms
-    a step at 512 / 8K / 32K, superseded by the tensor-map copies' -0.155 at 32K; tma 1 (one
-    copy a page, non-monotonic strides), tma 3 (a page in memory order, 2-way conflicts), the
-    map's L2 promotion at 256 or none, and `tma_pf` (prefetch.tensormap before the first copy)
-    each lost 0.005-0.03 against a copy a 64-dim half at 128 (H200, 2026-12-02; code at
-    85f95dc, docs/PERF.md 0.10).
-  - `direct` (one CTA a kv head walking the whole context with eight consumers and writing o
-    itself, no attn_combine), in a second, short-context step graph the engine replayed up to
-    2048 tokens: +0.166 / +0.278 ms a step at 512 / 1024 tokens; 3 stages +0.140 / +0.240, no
-    tensor maps +0.43 / +0.97 (H200, 2026-12-03; code at 9b8ae46, docs/PERF.md 0.11).  Four
-    CTAs stream a layer's context at ~64 KB a microsecond each (the bytes their stages hold
-    in flight over a ~2 us loaded round trip): one SM cannot replace 64 splits, whatever the
-    combine's boundary costs.
+Retired variants, each with its figures and the commit that holds it: docs/KERNELS_ATTN.md
+"Retired variants of the split kernel".
 """
 from __future__ import annotations
 
