@@ -97,9 +97,7 @@ def regs(eng) -> dict:
     (docs/KERNELS_GEMV.md, "One wave for the family's grids")."""
     from nq.runtime.weights import gemvs
     out = {}
-    from nq.kernels.int4.gemv_streamk import streamk_tiling
-    tilings = {k: streamk_tiling(t) if getattr(t, "sk", 0) else t   # as the step takes it
-               for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
+    tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
     for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
         try:
             local = g.kernel.get_local_mem_per_thread()

@@ -14,9 +14,6 @@ One decode step (this file never holds a kernel body; nq/kernels does):
                                                                       then the o_proj GEMV)
                a    = silu(rmsnorm(x') @ Wg) * (rmsnorm(x') @ Wu)     fused GEMV, x' = x + xacc
                x    = x' + a @ Wd;  xacc = 0                          GEMV, residual epilogue
-                                                                      (step.DOWN_SK: xacc += a @
-                                                                      Wd, stream-K; only the last
-                                                                      layer's folds)
     lm_head    logits = rmsnorm(x) @ Wlm                              fp16 GEMV
     argmax     state.token = argmax(logits); out_ids[step] = token; pos += 1; step += 1
                (any other sampling: the device sampler in its place, in a second graph

@@ -51,13 +51,6 @@ FUSE_ROPE = True
 # "attn.o_tpw=2" (tiles a warp), "attn.trigger=0".
 FUSE_O = 2
 
-# down as a stream-K GEMV into xacc (nq/kernels/int4/gemv_streamk.py; needs FUSE_O = 2): its
-# blocks an SM, 0 for the tile-per-block down.  With it no layer but the last writes x: every
-# down adds into xacc beside attn_o_proj, qkv_rope reads x + xacc as gate_up does, and the last
-# layer's down folds xacc into x for lm_head.  Where qkv_rope runs on the tensor cores
-# (NQ_MMA_QKV=1) the step keeps 0.  Experiments: "down.sk=1", "down.sk=1 down.threads=768".
-DOWN_SK = 0
-
 
 def o_tiles_per_warp(cfg, sms: int | None = None) -> int:
     """attn_o_proj's tiles a warp: the fewest whose grid (K/128 groups x row chunks) is at most
@@ -84,6 +77,7 @@ def o_tiles_per_warp(cfg, sms: int | None = None) -> int:
 # "mlp.slots=8"): gate_up, a grid barrier, then down through a ring of slots first filled beside
 # gate_up's stream; +0.13..+0.32 ms a step, 40.1-44.3 us a layer alone against the two kernels'
 # 35.9 (docs/PERF.md 0.18).
+# Retired: stream-K down into xacc (docs/PERF.md 0.24; code at c922c89).
 
 
 def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
@@ -107,38 +101,9 @@ def fused_o(cfg, fuse_o: int, tilings: dict, asked: bool = False) -> int:
                          f"(an MmaTiling)")
     if cores or cfg.head_dim not in HEAD_DIMS:
         return 0      # the default, where this width keeps those GEMVs on the CUDA cores
-    if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc); down's sk: stream_k
+    if fuse_o == 2:   # gate_up and down with xacc (MmaTiling.xacc)
         tilings.update({k: dataclasses.replace(tl[k], xacc=1) for k in ("gate_up", "down")})
     return fuse_o
-
-
-def stream_k(cfg, tilings: dict, rope_tiling, use_rope: bool, asked: bool):
-    """(down's fold kernel for the last layer, qkv_rope's tiling with xacc) where the step's
-    down is stream-K (tilings' down, with xacc from fused_o, has an experiment's sk, or DOWN_SK
-    where the CUDA-core qkv_rope runs), else (None, rope_tiling).  The stream-K down's tiling
-    (streamk_tiling) goes back into `tilings`."""
-    import dataclasses
-
-    from nq.kernels.int4 import make_down_gemv
-    from nq.kernels.int4.gemv_streamk import streamk_tiling
-    from nq.kernels.int4.launch import gemv_tiling
-    from nq.kernels.int4.tiling import MmaTiling, Tiling
-    down = tilings.get("down")
-    if not isinstance(down, MmaTiling) or not down.xacc:
-        return None, rope_tiling
-    rope = rope_tiling or gemv_tiling("qkv_rope", cfg)
-    cores_rope = use_rope and isinstance(rope, Tiling)
-    if not down.sk and not asked and DOWN_SK and cores_rope:
-        down = dataclasses.replace(down, sk=DOWN_SK)
-    if not down.sk:
-        return None, rope_tiling
-    tilings["down"] = streamk_tiling(down)
-    if not cores_rope:
-        raise ValueError(f"down.sk={down.sk}: qkv_rope must read x + xacc, which only the "
-                         f"CUDA-core qkv_rope does (rope.fused=1 and a Tiling: unset "
-                         f"NQ_MMA_QKV, or drop down.sk)")
-    fold = make_down_gemv(cfg, dataclasses.replace(gemv_tiling("down", cfg), xacc=1))
-    return fold, dataclasses.replace(rope, xacc=1)
 
 
 def split_width(cfg, opts=None) -> int:
@@ -199,13 +164,8 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     tilings = dict(tilings or {})
     rope_tiling = tilings.pop("qkv_rope", None)
     o_fused = xacc = None
-    asked_sk = bool(getattr(tilings.get("down"), "sk", 0))
     fuse_o = fused_o(c, fuse_o, tilings, asked_o)
     use_rope = FUSE_ROPE if fuse_rope is None else fuse_rope
-    fold_down, rope_tiling = stream_k(c, tilings, rope_tiling, use_rope, asked_sk)
-    if asked_sk and fuse_o != 2:
-        raise ValueError("down.sk: stream-K adds into xacc, which needs attn.fuse_o=2 and "
-                         "o_proj, gate_up and down on the tensor cores")
     # the launchers the step runs, and only those compiled: no qkv GEMV beside qkv_rope, no
     # o_proj GEMV beside attn_o_proj
     g = gemvs(c, tilings, check_layout, kinds=[k for k in ("qkv", "o_proj", "gate_up", "down")
@@ -225,8 +185,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
                          f"the uploaded qkv weights ({qkv_t.tag()}); keep ks")
     acc = {"xacc": xacc} if xacc is not None else {}
-    rope_acc = acc if fold_down is not None else {}    # qkv_rope reads xacc with stream-K
-    last = len(weights.layers) - 1
     steps = [("embed", feed.feed_launcher(eng.prompt, eng.feed_meta, eng.state)),
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]
     for i, L in enumerate(weights.layers):
@@ -234,7 +192,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         if qkv_rope is not None:
             steps.append(("qkv_gemv", lambda st, L=L, kv_i=kv_i: qkv_rope(
                 eng.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, eng.state, eng.inv_freq,
-                eng.d_table, kv_i, eng.q, st, **rope_acc)))
+                eng.d_table, kv_i, eng.q, st)))
         else:
             steps += [
                 ("qkv_gemv", lambda st, L=L: g["qkv"](eng.x, L.input_norm, L.qkv_w, L.qkv_s,
@@ -251,8 +209,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st, **acc)),
-            ("down", lambda st, L=L, d=(fold_down if i == last and fold_down else g["down"]):
-             d(eng.a, L.down_w, L.down_s, eng.x, st, **acc)),
+            ("down", lambda st, L=L: g["down"](eng.a, L.down_w, L.down_s, eng.x, st, **acc)),
         ]
     head = lm_head.make_lm_head(c, weights.lm_head)   # fp16, or int8 rows + scales
     steps.append(("lm_head", lambda st: head(eng.x, weights.norm, weights.lm_head,

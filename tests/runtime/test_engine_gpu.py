@@ -300,36 +300,6 @@ def test_qkv_rope_early_in_the_step(model):
     step_variants_agree(eng, (({"qkv_rope": other}, {}),))
 
 
-def test_stream_k_down_in_the_step(model, capsys):
-    """The step whose down is stream-K into xacc (down.sk, gemv_streamk.py: no layer but the
-    last writes x, qkv_rope reads x + xacc): the default step's greedy ids and logits
-    (step_variants_agree), at one block of 1024 threads an SM and two of 512, and nq verify's
-    decode tier passes with it."""
-    import dataclasses
-
-    from nq.kernels.int4.launch import gemv_tiling
-    from nq.kernels.int4.tiling import MmaTiling, default_tiling
-    from nq.tools import references, verify
-    name, nf, eng, ref = model
-    c = nf.config
-    down = gemv_tiling("down", c)
-    if not (isinstance(down, MmaTiling) and isinstance(
-            default_tiling("o_proj", c.hidden_size, c.q_size), MmaTiling)):
-        pytest.skip(f"{name}: o_proj or down runs on the CUDA cores at this width")
-    sk1 = {"down": dataclasses.replace(down, sk=1)}
-    sk2 = {"down": dataclasses.replace(down, sk=2, threads=512)}
-
-    def decode_tier(eng):
-        eng.variant(sk1)
-        prompts = np.random.default_rng(6).integers(0, min(c.vocab_size, 500), (2, 12)).tolist()
-        row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 24)
-        with capsys.disabled():
-            print(f"\n{name} down.sk=1: decode tier {row.detail}")
-        assert row.passed, row
-
-    step_variants_agree(eng, ((sk1, {}), (sk2, {})), decode_tier)
-
-
 def test_fill_kernels_match_their_reference():
     from numba import cuda
 

@@ -55,8 +55,7 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
-                                     _SH8, _SIXTEENTH, fixed_to_f32, plus_xacc_body,
-                                     pow2_scale_f32)
+                                     _SH8, _SIXTEENTH, pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import Tiling, check_tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
@@ -79,9 +78,8 @@ def gemv_name(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None) 
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
     extra = {} if heads is None else dict(zip(("heads", "kv_heads", "head_dim"), heads))
     fields = dataclasses.asdict(t)
-    for f in ("xacc", "early"):
-        if not fields[f]:
-            del fields[f]                # the names of the kernels before them stand
+    if not fields["early"]:
+        del fields["early"]              # the names of the kernels before it stand
     return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **fields, eps=eps, **extra)
 
 
@@ -134,7 +132,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
     EARLY = bool(t.early)  # step 1's loads before the wait too (prefetch, >= 2 steps: check_tiling)
-    XACC = bool(t.xacc)  # qkv_rope: x is x + xacc * 2^-32 (the step with down's stream-K)
 
     def load_row(qw, sc, row, ok, s, j):
         # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
@@ -254,14 +251,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % ROWS) < n_out, s, j)
         return r0, r1, r2, r3
 
-    def piece_load(xin, xa, norm_w, g, lane):
-        # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch);
-        # XACC: x + xacc * 2^-32, xa xacc's words (else a stand-in, never read)
+    def piece_load(xin, norm_w, g, lane):
+        # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
         base = min(g, GROUPS - 1) * GROUP_SIZE + lane * 4
         if NORM:
             x0, x1, x2, x3 = ld_global_nc_v4_f32(xin, base)
-            if XACC:
-                x0, x1, x2, x3 = plus_xacc(xa, base, x0, x1, x2, x3)
             w01, w23 = ld_global_nc_v2_u32(norm_w, base)
             return x0, x1, x2, x3, w01, w23
         a01, a23 = ld_global_nc_v2_u32(xin, base)
@@ -292,7 +286,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf[g] = fi
         return ss
 
-    def stage(xin, xa, norm_w, act, invf, red):
+    def stage(xin, norm_w, act, invf, red):
         """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd.
 
         A warp owns groups warp, warp + WARPS, ...; it issues the loads of AT_ONCE groups
@@ -304,16 +298,16 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         ss = float32(0.0)
         for it in range(STAGE_ITERS):
             g0 = it * AT_ONCE * WARPS + warp
-            c0 = piece_load(xin, xa, norm_w, g0, lane)
-            c1 = piece_load(xin, xa, norm_w, g0 + WARPS, lane)
-            c2 = piece_load(xin, xa, norm_w, g0 + 2 * WARPS, lane)
-            c3 = piece_load(xin, xa, norm_w, g0 + 3 * WARPS, lane)
+            c0 = piece_load(xin, norm_w, g0, lane)
+            c1 = piece_load(xin, norm_w, g0 + WARPS, lane)
+            c2 = piece_load(xin, norm_w, g0 + 2 * WARPS, lane)
+            c3 = piece_load(xin, norm_w, g0 + 3 * WARPS, lane)
             c4 = c5 = c6 = c7 = c0
             if AT_ONCE == 8:
-                c4 = piece_load(xin, xa, norm_w, g0 + 4 * WARPS, lane)
-                c5 = piece_load(xin, xa, norm_w, g0 + 5 * WARPS, lane)
-                c6 = piece_load(xin, xa, norm_w, g0 + 6 * WARPS, lane)
-                c7 = piece_load(xin, xa, norm_w, g0 + 7 * WARPS, lane)
+                c4 = piece_load(xin, norm_w, g0 + 4 * WARPS, lane)
+                c5 = piece_load(xin, norm_w, g0 + 5 * WARPS, lane)
+                c6 = piece_load(xin, norm_w, g0 + 6 * WARPS, lane)
+                c7 = piece_load(xin, norm_w, g0 + 7 * WARPS, lane)
             ss += piece_put(c0, g0, lane, act, invf)
             ss += piece_put(c1, g0 + WARPS, lane, act, invf)
             ss += piece_put(c2, g0 + 2 * WARPS, lane, act, invf)
@@ -414,7 +408,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if row < n_out:
             x[row] += v
 
-    plus_xacc = dev(plus_xacc_body(dev(fixed_to_f32)))
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
@@ -438,7 +431,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             cur, nxt1 = first_loads(qw, sc, row0, j)
             norm_to_l2(norm_w)
             early()
-            rstd = stage(x, x, norm_w, act, invf, red)
+            rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
@@ -451,8 +444,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
     elif kind == "qkv_rope":
-        def rope_body(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-            # xa: xacc's words (XACC: the norm is of x + xacc * 2^-32), else x, never read
+        def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
@@ -462,24 +454,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
             pre = rope_setup(bias, state, inv_freq, table, row0)
             early()
-            rstd = stage(x, xa, norm_w, act, invf, red)
+            rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)
-
-        rope_body = dev(rope_body)
-        sig = ("int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
-        if XACC:
-            def kernel(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                rope_body(x, xa, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out)
-            sig = ("void(float32[::1], uint32[::1], float16[::1], uint32[:, ::1], "
-                   "float16[:, ::1], float16[::1], " + sig)
-        else:
-            def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                rope_body(x, x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out)
-            sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], "
-                   "float16[::1], " + sig)
+        sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], "
+               "int32[::1], float32[::1], int32[::1], float16[:, :, :, :, ::1], float32[::1])")
     elif kind == "gate_up":
         def kernel(x, norm_w, qw, sc, out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
@@ -489,7 +470,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             cur, nxt1 = first_loads(qw, sc, row0, j)
             norm_to_l2(norm_w)
             early()
-            rstd = stage(x, x, norm_w, act, invf, red)
+            rstd = stage(x, norm_w, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
@@ -507,7 +488,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             row0, j = start()
             cur, nxt1 = first_loads(qw, sc, row0, j)
             early()
-            stage(a, a, a, act, invf, red)
+            stage(a, a, act, invf, red)
             acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc

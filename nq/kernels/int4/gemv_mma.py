@@ -77,6 +77,7 @@ against down's own 14.2.  And gate_up fed by the copy engine (gemv_mma_feed.py, 
 at 3ba57e0; docs/PERF.md 0.22): one block an SM, 28 consumer warps sharing a tile pair whose
 groups one producer lane bulk-copies 56 KB a stage, a reducer warp summing rows a pair behind:
 at best -0.002..-0.008 ms a step (the baseline's drift), deeper rings +0.09 and more.
+Retired: stream-K down into xacc (docs/PERF.md 0.24; code at c922c89).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -159,7 +160,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "xacc", "sk"):
+    for f in ("rope", "hilo", "early", "l2ahead", "xacc"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}

@@ -71,12 +71,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.xacc and kind not in ("gate_up", "down"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
                          f"is read by gate_up and folded by down; {kind} takes x alone")
-    if t.sk and (kind != "down" or not t.xacc or t.early or t.l2ahead or t.warps != 1):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: sk (stream-K into xacc, "
-                         f"gemv_streamk.py) is down's, with xacc=1 and warps=1, early=0, "
-                         f"l2ahead=0 (gemv_streamk.streamk_tiling makes them so)")
-    if t.sk < 0:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: sk is blocks an SM, 0 for none")
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")

@@ -24,8 +24,7 @@ import numpy as np
 from nq.config import GROUP_SIZE, ModelConfig
 from nq.kernels.common import allow_smem, need
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
-from nq.kernels.int4.gemv_mma import (check_tiling, compile_gemv_mma, dynamic_smem, gemv_mma_name,
-                                      launch_smem)
+from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
 from nq.kernels.int4.layout import mma_layout, prepare_weights
 from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling
 from nq.paged import STATE_LEN, check_paged_args
@@ -107,22 +106,15 @@ class QkvRopeGemv(_Gemv):
         super().__init__(cfg, cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling)
 
     def __call__(self, x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out,
-                 stream=0, xacc=None):
+                 stream=0):
         """q_out fp32 (Hq*D,) = rope(q), kv_layer[table[pos//16], :, 0/1, pos%16] = fp16 rope(k)
         / v, pos = state[STATE_POS], where [q|k|v] = Wqkv . rmsnorm(x, norm_w) + bias (fp32).
         x fp32 (K,), norm_w/bias fp16, inv_freq fp32 (D/2,) (rope_kv.rope_inv_freq), state and
-        table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/runtime/kv_cache.py).  xacc:
-        with the tiling's xacc, the int64 sums (K,) beside x (o_proj.xacc_workspace): the
-        norm is of x + xacc * 2^-32."""
+        table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/runtime/kv_cache.py)."""
         self._check_weights(qw, sc)
         _check_rope_args(self, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out)
-        if self.tiling.xacc:
-            self.kernel[self.grid, self.block, stream, 0](
-                x, _xacc_words(self.name, xacc, self.k), norm_w, qw, sc, bias, state, inv_freq,
-                table, kv_layer, q_out)
-        else:
-            self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state,
-                                                          inv_freq, table, kv_layer, q_out)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
+                                                      table, kv_layer, q_out)
 
 
 class GateUpGemv(_Gemv):
@@ -203,36 +195,18 @@ def _xacc_words(name, xacc, n):
 
 class ResidualMmaGemv(_MmaGemv):
     """o_proj and down on the tensor cores: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a,
-    a fp16 (K,).  down with `sk` (gemv_streamk.py): xacc += W . a instead, x untouched, on
-    sk blocks an SM (`sms`: the device's SM count by default)."""
+    a fp16 (K,)."""
 
-    def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling, sms: int | None = None):
-        if not tiling.sk:
-            super().__init__(kind, n_out, k, n_out, tiling)
-            return
-        from nq.kernels.common import sm_count
-        from nq.kernels.int4.gemv_streamk import compile_streamk, streamk_name
-        check_tiling(kind, n_out, k, tiling)
-        self.kind, self.n_out, self.k, self.tiling, self.n_rows = kind, n_out, k, tiling, n_out
-        self.grid = tiling.sk * (sms or sm_count())
-        self.block = tiling.threads
-        self.kernel = compile_streamk(n_out, k, tiling.threads, self.grid)
-        self.name = streamk_name(n_out, k, tiling.threads, self.grid)
-        self.smem = dynamic_smem(k)
-        if self.smem:
-            allow_smem(self.kernel, self.smem)
+    def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling):
+        super().__init__(kind, n_out, k, n_out, tiling)
 
     def __call__(self, a, qw, sc, x, stream=0, xacc=None):
         """xacc: with a tiling's xacc (down), attn_o_proj's int64 sums (N,) beside x, folded
-        into x and zeroed here (o_proj.xacc_workspace); with sk, where this down's sums go
-        (x is not read)."""
+        into x and zeroed here (o_proj.xacc_workspace)."""
         qw, sc = self._weights(qw, sc)
         need(a, f"{self.name} a", np.float16, (self.k,), 16)
         need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        if self.tiling.sk:
-            self.kernel[self.grid, self.block, stream, self.smem](
-                a, qw, sc, _xacc_words(self.name, xacc, self.n_out))
-        elif self.tiling.xacc:
+        if self.tiling.xacc:
             self.kernel[self.grid, self.block, stream, self.smem](
                 a, qw, sc, x, _xacc_words(self.name, xacc, self.n_out))
         else:

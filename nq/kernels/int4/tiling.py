@@ -57,8 +57,6 @@ class Tiling:
     prefetch: int = 1    # 1: step s+1's loads are issued before step s's math; 0: after
     span: int = 32       # weights per fp16 partial sum: 32 (a chunk) or 128 (a group)
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
-    xacc: int = 0        # qkv_rope: x is x + xacc * 2^-32 (the step whose down is stream-K,
-    #                      MmaTiling.sk); else 0
     early: int = 0       # 1: step 1's loads go out before griddepcontrol.wait beside step 0's
     #                      (needs prefetch and two steps or more); 0: at the main loop's start
 
@@ -78,7 +76,7 @@ class Tiling:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + ("_xacc" if self.xacc else "") + ("_e1" if self.early else ""))
+                + ("_e1" if self.early else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +97,6 @@ class MmaTiling:
     xacc: int = 0        # gate_up / down: x is x + xacc * 2^-32, xacc the int64 sums attn_o_proj
     #                      adds its heads' shares into (gate_up reads it, down folds it into x
     #                      and zeroes it; gemv_mma.py "xacc")
-    sk: int = 0          # down: stream-K into xacc (gemv_streamk.py), sk blocks an SM; 0: off
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -115,7 +112,7 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else "") + (f"_sk{self.sk}" if self.sk else ""))
+                + ("_xacc" if self.xacc else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
@@ -141,9 +138,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
                              f"RoPE pair (rows i and i + D/2 of a head): use rows=2")
     elif heads is not None:
         raise ValueError(f"{kind}: heads= is for qkv_rope only")
-    if t.xacc and kind != "qkv_rope":
-        raise ValueError(f"{kind}: tiling {t.tag()}: xacc (x + the int64 sums of the step whose "
-                         f"down is stream-K) is read by the CUDA-core qkv_rope only")
     slots = t.rows * (2 if kind == "gate_up" else 1)
     if not (1 <= t.ks <= 32 and t.span in (32, 128) and slots <= 4 and t.threads % 32 == 0
             and int(t.prefetch) in (0, 1) and t.threads % t.lanes == 0 and t.threads <= 1024):
