@@ -34,7 +34,7 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
 # in a thread block cluster, nq/kernels/attention/cluster.py; +0.022 ms at 512 as first built).
 # Retired (2026-12-03; 9b8ae46 holds it): a second, short-context step graph up to 2048 tokens
 # whose attention was one CTA a kv head writing o (`direct`), +0.166 / +0.278 ms at 512 / 1024
-# (decode.py's epitaphs).
+# (docs/KERNELS_ATTN.md, retired variants).
 # True: the qkv_rope GEMV does rope_kv's job in its epilogue (one kernel less a layer): -0.05 ms
 # a token at 512, -0.02 at 8K, +0.025 at 32K (step_variants, 2026-11-29, 946790c).
 FUSE_ROPE = True
