@@ -53,7 +53,7 @@ def summarize(ks: list[dict]) -> dict:
     """GPU span, busy time by family, and the idle time inside the span (us)."""
     if not ks:
         return {"span_us": 0.0, "idle_us": 0.0, "families": {}}
-    t0, end, busy_end, idle = ks[0]["ts"], 0.0, ks[0]["ts"], 0.0
+    t0, busy_end, idle = ks[0]["ts"], ks[0]["ts"], 0.0
     fams: dict = {}
     for k in ks:
         idle += max(0.0, k["ts"] - busy_end)

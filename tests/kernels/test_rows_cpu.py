@@ -3,7 +3,6 @@ the kernels under the CUDA simulator against their references -- rope_kv_rows bi
 against decode's rope_kv kernel run token by token."""
 import textwrap
 
-import numpy as np
 import pytest
 
 from nq.config import PRESETS

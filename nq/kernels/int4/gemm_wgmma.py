@@ -113,7 +113,6 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     GU_SPLIT = GATE_UP and TA == 1         # gate_up: gate in warpgroups 0..WGS/2-1, up after
     HALF = TA // 2 if GATE_UP and not GU_SPLIT else TA   # output m64 tiles of a warpgroup
     OUT_TILES = tiles.out_tiles(kind)      # output 16-row tiles of a block
-    NB = -(-NT_OUT // OUT_TILES)
     W_BYTES = BW * GROUP_SIZE // 2
     X_OFF = W_BYTES
     X_HALF = BT * 128                      # one 64-k half of the group's activations

@@ -10,7 +10,6 @@ import pytest
 
 from nq.config import PRESETS
 from nq.kernels.attention import prefill
-from nq.paged import PAGE
 
 from ptx_util import (assert_no_local_memory, assert_uses, compile_ptx_sm90, count, have_ptxas,
                       ptxas_report, run_under_simulator)
