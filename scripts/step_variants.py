@@ -22,8 +22,13 @@ thread block cluster, "attn.fresh=1", the last page copied before the wait too; 
 default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value), or pdl.full=NAME[+NAME...] (the graph's edges into kernels
 whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).
-The baseline is timed first and last (drift between them is printed).  --leave-out also times the step with each region left out
-(the results are garbage, the timing is not): a region's marginal cost in the step.
+The baseline is timed first and last (drift between them is printed).  --rounds R times the
+baseline and every variant R times in turn (baseline, variants; baseline, variants; ...) and
+ends with each variant's difference from its own round's baseline, the median over rounds and
+its range: drift between rounds (0.005-0.017 ms on the H100 of 2026-12-07) is as large as the
+levers it measures, and a difference paired inside a round cancels most of it.  --leave-out also
+times the step with each region left out (the results are garbage, the timing is not): a
+region's marginal cost in the step.
 """
 from __future__ import annotations
 
@@ -91,6 +96,29 @@ def itl(eng, ctx: int, steps: int) -> float:
     return statistics.median(eng.time_steps(steps))
 
 
+def paired(rows: list[dict], ctxs: list[int]) -> list[dict]:
+    """Each variant's difference from the baseline of its own round, over the rounds: rows are
+    the timings in run order, each with "variant", "round" and ms at every context; a round's
+    baseline is its row named "baseline".  -> [{"variant", ctx: (median, lo, hi), ...}] in the
+    order variants first appear, the baseline's own round-to-round change (against round 0's)
+    first."""
+    base = {r["round"]: r for r in rows if r["variant"] == "baseline"}
+    if not base:
+        raise ValueError("paired: no baseline row")
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    out = []
+    for name in names:
+        mine = [r for r in rows if r["variant"] == name and r["round"] in base]
+        row = {"variant": name, "rounds": len(mine)}
+        for c in ctxs:
+            ref = (lambda r: base[min(base)][c]) if name == "baseline" else \
+                (lambda r: base[r["round"]][c])
+            d = sorted(r[c] - ref(r) for r in mine)
+            row[c] = (statistics.median(d), d[0], d[-1])
+        out.append(row)
+    return out
+
+
 def regs(eng) -> dict:
     """Registers per thread of the step's GEMV kernels (numba dispatchers), and each grid's
     blocks x threads: a grid of more blocks than SMs piles its early blocks up under PDL
@@ -115,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--random", default="7b", choices=sorted(PRESETS))
     ap.add_argument("--ctx", default="512")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the baseline and the variants this many times in turn and "
+                         "report differences paired within a round")
     ap.add_argument("--leave-out", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -138,26 +169,39 @@ def main(argv=None) -> int:
                            mma_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size, hd))
     results = []
 
-    def run(name, tilings, attn, rope=None):
+    if a.rounds < 1:
+        raise SystemExit(f"step_variants: --rounds {a.rounds}: at least 1")
+    parsed = [(v, parse_variant(v, defaults, engines)) for v in a.variants]  # refused up front
+
+    def run(name, tilings, attn, rope=None, rnd=0):
         t1 = time.perf_counter()
         full = tuple(f for f in (attn or {}).pop("pdl_full", "").split("+") if f)
         eng.variant(tilings, attn, check_layout=False, fuse_rope=rope)  # random weights: timing only
         if full:   # edges into these kernels as full dependencies (the rest programmatic)
             eng.capture(True, full_into=full)
         eng._tilings = tilings
-        row = {"variant": name, "regs": regs(eng)}
+        row = {"variant": name, "round": rnd, "regs": regs(eng)}
         for c in ctxs:
             row[c] = itl(eng, c, a.steps)
         results.append(row)
-        base = results[0]
+        base = [r for r in results if r["variant"] == "baseline" and r["round"] == rnd][0]
         print(f"{name:48s} " + "  ".join(f"@{c}: {row[c]:.4f} ms ({row[c] - base[c]:+.4f})"
                                          for c in ctxs)
               + f"  regs {row['regs']}  [{time.perf_counter() - t1:.1f} s]", flush=True)
 
-    run("baseline", None, None)
-    for v in a.variants:
-        run(v, *parse_variant(v, defaults, engines))
-    run("baseline (again)", None, None)
+    for rnd in range(a.rounds):
+        run("baseline", None, None, rnd=rnd)
+        for v, (tilings, attn, rope) in parsed:
+            run(v, tilings and dict(tilings), attn and dict(attn), rope, rnd=rnd)  # run pops
+    run("baseline (again)", None, None, rnd=a.rounds - 1)
+    if a.rounds > 1:
+        print(f"\npaired with each round's baseline over {a.rounds} rounds, ms: median (lo..hi)",
+              flush=True)
+        for row in paired(results, ctxs):
+            name = row["variant"] + (" (against round 0)" if row["variant"] == "baseline" else "")
+            print(f"{name:48s} " + "  ".join(
+                f"@{c}: {row[c][0]:+.4f} ({row[c][1]:+.4f}..{row[c][2]:+.4f})" for c in ctxs),
+                flush=True)
     if a.leave_out:
         eng.variant()
         for region in eng.regions:

@@ -496,3 +496,32 @@ def test_bench_stream_reads_every_word_of_the_matrix_in_each_form():
     errs, stdout = ptx_util.run_under_simulator(STREAM_SCRIPT, timeout=600)
     assert len(errs) == 18, stdout
     assert all(v == 0 for v in errs.values()), stdout
+
+
+def test_step_variants_pairs_each_variant_with_its_rounds_baseline():
+    """scripts/step_variants.py --rounds: a variant's difference is taken from its own round's
+    baseline, so drift between rounds cancels (here the machine slows by 0.05 ms in round 1
+    and the variant still reads -0.01 in both)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "step_variants.py"
+    spec = importlib.util.spec_from_file_location("step_variants", path)
+    sv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sv)
+    rows = [{"variant": "baseline", "round": 0, 512: 1.90, 8192: 2.00},
+            {"variant": "a", "round": 0, 512: 1.89, 8192: 2.02},
+            {"variant": "baseline", "round": 1, 512: 1.95, 8192: 2.05},
+            {"variant": "a", "round": 1, 512: 1.94, 8192: 2.04},
+            {"variant": "baseline", "round": 2, 512: 1.92, 8192: 2.01},
+            {"variant": "a", "round": 2, 512: 1.91, 8192: 2.03}]
+    out = {r["variant"]: r for r in sv.paired(rows, [512, 8192])}
+    assert list(out) == ["baseline", "a"] and out["a"]["rounds"] == 3
+    med, lo, hi = out["a"][512]
+    assert med == pytest.approx(-0.01) and lo == pytest.approx(-0.01) and hi == pytest.approx(-0.01)
+    med, lo, hi = out["a"][8192]
+    assert (med, lo, hi) == pytest.approx((0.02, -0.01, 0.02))
+    # the baseline's own row: its change against round 0, the drift the pairing removes
+    assert out["baseline"][512] == pytest.approx((0.02, 0.0, 0.05))
+    with pytest.raises(ValueError, match="no baseline"):
+        sv.paired([r for r in rows if r["variant"] != "baseline"], [512])
