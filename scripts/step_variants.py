@@ -111,9 +111,8 @@ def paired(rows: list[dict], ctxs: list[int]) -> list[dict]:
         mine = [r for r in rows if r["variant"] == name and r["round"] in base]
         row = {"variant": name, "rounds": len(mine)}
         for c in ctxs:
-            ref = (lambda r: base[min(base)][c]) if name == "baseline" else \
-                (lambda r: base[r["round"]][c])
-            d = sorted(r[c] - ref(r) for r in mine)
+            d = sorted(r[c] - base[min(base) if name == "baseline" else r["round"]][c]
+                       for r in mine)
             row[c] = (statistics.median(d), d[0], d[-1])
         out.append(row)
     return out

@@ -289,8 +289,9 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         if (n_out, k) == (4608, 3584):
             # the 7B's two steps: step 1's loads before the wait too (docs/PERF.md 0.26; H100,
             # 2026-12-07, three runs of step_variants.py): -0.024 / -0.010 / -0.003 ms a step
-            # at 512, -0.017 / -0.008 / -0.000 at 8K, -0.008 / -0.006 / +0.001 at 32K.  159 registers offline against
-            # 134, still one 384-thread block an SM; at the 14B's and 32B's widths it spills.
+            # at 512, -0.017 / -0.008 / -0.000 at 8K, -0.008 / -0.006 / +0.001 at 32K.  159
+            # registers offline against 134, still one 384-thread block an SM; at the 14B's and
+            # 32B's widths it spills.
             t = dataclasses.replace(t, early=1)
         return t
     groups = k // GROUP_SIZE
