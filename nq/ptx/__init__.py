@@ -12,14 +12,15 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               ld_shared_v4_f32, cvta_to_shared_u32,
               cvta_to_shared_u32_at
     half      fma_rn_f16x2, mul_rn_f16x2, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
-              pack_f16x2_from_f32, unpack_f16x2_to_f32
+              pack_f16x2_from_f32, unpack_f16x2_to_f32, cvt_rni_s32_f32
     mbarrier  mbarrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx,
               mbarrier_try_wait_parity, mbarrier_wait_parity
     fence     fence_mbarrier_init, fence_proxy_async_shared
     bulk      cp_async_bulk_g2s, cp_async_bulk_g2s_hint, cp_async_bulk_prefetch_l2
     tensormap cp_async_bulk_tensor_5d_g2s (TMA with a tensor map; `tensormap.encode` makes one)
     async_copy cp_async_cg_shared_global_16 (+ _zfill, _zfill_off), cp_async_commit_group, cp_async_wait_group
-    mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
+    mma       ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32,
+              mma_sync_m16n8k32_s8_s32
     (nq.ptx.wgmma, sm_90a only, imported from there: wgmma_fence, wgmma_commit_group,
      wgmma_wait_group, the accumulator-carrying wgmma_rs(n) / wgmma_ss(n) / wgmma_fence_acc /
      wgmma_wait_group_acc / wgmma_zero_acc / acc_store_shared factories, the descriptor)
@@ -51,8 +52,8 @@ from nq.ptx.gridsync import (atom_add_acq_rel_gpu_u32, fence_acq_rel_gpu, ld_acq
                              st_release_gpu_u32)
 from nq.ptx.clock import clock64
 from nq.ptx.fence import fence_mbarrier_init, fence_proxy_async_shared
-from nq.ptx.half import (add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32, fma_rn_f16x2, mul_rn_f16x2,
-                         pack_f16x2_from_f32, unpack_f16x2_to_f32)
+from nq.ptx.half import (add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32, cvt_rni_s32_f32, fma_rn_f16x2,
+                         mul_rn_f16x2, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 from nq.ptx.mbarrier import (mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init,
                              mbarrier_try_wait_parity, mbarrier_wait_parity)
 from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
@@ -62,7 +63,8 @@ from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            ld_global_nc_v4_u32, ld_shared_v4_f32, ld_shared_v4_u32,
                            ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
                            st_global_v4_u32)
-from nq.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32
+from nq.ptx.mma import (ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32,
+                        mma_sync_m16n8k32_s8_s32)
 from nq.ptx.permute import (LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop3_b32,
                             mov_b32_f32_from_u32, mov_b32_u32_from_f32, prmt_b32)
 
@@ -79,7 +81,7 @@ __all__ = [
     "ld_shared_v4_f32",
     "cvta_to_shared_u32", "cvta_to_shared_u32_at",
     "fma_rn_f16x2", "mul_rn_f16x2", "add_rn_f16x2", "cvt_f32_f16", "cvt_rn_f16_f32",
-    "pack_f16x2_from_f32", "unpack_f16x2_to_f32",
+    "pack_f16x2_from_f32", "unpack_f16x2_to_f32", "cvt_rni_s32_f32",
     "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
     "mbarrier_try_wait_parity", "mbarrier_wait_parity",
     "fence_mbarrier_init", "fence_proxy_async_shared",
@@ -89,6 +91,7 @@ __all__ = [
     "cp_async_cg_shared_global_16_zfill_off",
     "cp_async_commit_group", "cp_async_wait_group",
     "ldmatrix_x4", "ldmatrix_x4_trans", "mma_sync_m16n8k16_f16_f32",
+    "mma_sync_m16n8k32_s8_s32",
     "dp4a_s32", "mul_hi_u32",
     "griddepcontrol_wait", "griddepcontrol_launch_dependents",
     "atom_add_acq_rel_gpu_u32", "red_release_gpu_add_u32", "red_relaxed_gpu_add_u64", "ld_acquire_gpu_u32", "st_release_gpu_u32", "fence_acq_rel_gpu",

@@ -115,6 +115,16 @@ def cvt_rn_f16_f32(f):
     return np.uint16(f16_round_bits(float(np.float32(f))))
 
 
+@ptx("cvt.rni.s32.f32 %0, %1;", out="s32", args=("f32",))
+def cvt_rni_s32_f32(f):
+    """`cvt.rni.s32.f32 i, f;` -- float32 to the nearest int32, ties to even (saturating at the
+    int32 range; NaN gives 0)."""
+    f = float(np.float32(f))
+    if f != f:
+        return np.int32(0)
+    return np.int32(min(max(round(f), -2**31), 2**31 - 1))   # round(): ties to even
+
+
 @ptx("cvt.rn.f16x2.f32 %0, %2, %1;", out="u32", args=("f32", "f32"))
 def pack_f16x2_from_f32(lo, hi):
     """`cvt.rn.f16x2.f32 d, hi, lo;` -- two float32 to one half2 word, lo in bits 0-15.

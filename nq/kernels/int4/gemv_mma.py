@@ -134,7 +134,7 @@ import dataclasses
 import functools
 import math
 
-from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
+from numba import cuda, float32, uint8, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import dev
@@ -151,6 +151,8 @@ from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, cp_async_wait_group, c
                     cvta_to_shared_u32, griddepcontrol_launch_dependents, griddepcontrol_wait,
                     st_global_u16)
 
+FULL = 0xFFFFFFFF
+
 __all__ = ["NORM_KINDS", "build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem",
            "gemv_mma_name", "launch_smem"]
 
@@ -160,7 +162,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "xacc"):
+    for f in ("rope", "hilo", "early", "l2ahead", "xacc", "i8"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -206,6 +208,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     MATS, ACT_WORDS, PARTIALS, ACT_ALLOC = s.MATS, s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
     ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
     EARLY, L2AHEAD, XACC = s.EARLY, s.L2AHEAD, s.XACC
+    I8 = s.I8
+    # the staged activations: words, or (i8) the digits' bytes
+    ACT_T, ACT_N = (uint8, ACT_ALLOC * 4) if I8 else (uint32, ACT_ALLOC)
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
@@ -231,6 +236,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         tile = cuda.blockIdx.x * TILES + tl2
         r0 = file_row(tile, g)
         return tl2, g, r0 if tid < TILES * 8 and tile < N_TILES else -1
+
+    def lo_to_t0(acc):
+        # i8: each accumulator plus lane ^ 1's (t = 1's into t = 0; put_partials reads t = 0)
+        return (acc[0] + cuda.shfl_xor_sync(FULL, acc[0], 1),
+                acc[1] + cuda.shfl_xor_sync(FULL, acc[1], 1),
+                acc[2] + cuda.shfl_xor_sync(FULL, acc[2], 1),
+                acc[3] + cuda.shfl_xor_sync(FULL, acc[3], 1))
 
     def put_partials(red, tl, kw, g, t4, acc):
         # lane t = 0 of each row pair: the warp's sums of rows g and g+8 (and the up tile's)
@@ -325,7 +337,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         abase = uint64(cvta_to_shared_u32(act))
         if HILO:   # lanes of odd g hold B's odd columns: lo
             abase += uint64((g & 1) * LO_WORDS * 4)
+        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
+            abase += uint64((min(g, 2) * 4 + t4) * 32)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
+            acc = lo_to_t0(acc)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         cos_a = float32(1.0)
@@ -368,12 +384,17 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         abase = uint64(cvta_to_shared_u32(act))
         if HILO:   # lanes of odd g hold B's odd columns: lo
             abase += uint64((g & 1) * LO_WORDS * 4)
+        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
+            abase += uint64((min(g, 2) * 4 + t4) * 32)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
+        if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
+            acc = lo_to_t0(acc)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         tl2, r, row = out_row()
         return row, tl2, r, rstd
 
+    lo_to_t0 = dev(lo_to_t0)
     out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, \
         weight_row, put_qkv, gate_up_sums = (
             dev(f) for f in (out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums,
@@ -402,7 +423,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         qkv_body = dev(qkv_body)
         if ROPE:
             def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+                act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
                 red = cuda.shared.array(PARTIALS, float32)
                 invf = cuda.shared.array(GROUPS, float32)
                 ssum = cuda.shared.array(WARPS, float32)
@@ -413,7 +434,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                             "float16[:, :, :, :, ::1], float32[::1])")
 
         def kernel(x, norm_w, qw, sc, bias, out):
-            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)
@@ -424,7 +445,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     if kind == "gate_up":
         def swiglu(x, xa, norm_w, qw, sc, out):
             # xa: xacc's words (XACC: h of x + xacc * 2^-32), else x, never read
-            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)

@@ -71,6 +71,14 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.xacc and kind not in ("gate_up", "down"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
                          f"is read by gate_up and folded by down; {kind} takes x alone")
+    if t.i8 and (kind not in NORM_KINDS or t.hilo):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: i8 (the activations as signed-byte "
+                         f"digits) is for {NORM_KINDS}, which stage rmsnorm(x) in fp32 "
+                         f"themselves, and replaces hilo (use one of the two)")
+    if t.i8 and 3 * k > STATIC_SMEM_LIMIT:
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as three bytes a value "
+                         f"needs {3 * k} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
+                         f"shared memory; use i8=0")
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
@@ -138,6 +146,7 @@ class MmaShape:
     SLOT_TX: int
     L2AHEAD: int
     XACC: bool
+    I8: bool
 
 
 def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> MmaShape:
@@ -216,6 +225,15 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # 2N uint32 words) holding attn_o_proj's heads' shares in fixed point; gate_up stages the
     # sum, down adds it to x with its own sums and zeroes xacc
     XACC = bool(t.xacc)
+    # i8 (t.i8, gate_up and qkv): each staged value v (x * norm_w * f_g, |v| < 256) becomes
+    # the integer x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes (hi, mid, lo;
+    # x = 65536 hi + 256 mid + lo) in three planes of shared memory; a lane's B fragment reads
+    # plane min(g, 2), so D's columns 0, 1, 2 are the weights' dot products with hi, mid and
+    # lo, exact in int32, and lanes t = 0 (columns 0, 1) and t = 1 (column 2) hold them.
+    # A group is 3 planes x 4 lanes t x 8 words (4 k32 steps x b0, b1): 384 bytes
+    I8 = bool(t.i8)
+    if I8:
+        ACT_ALLOC = GROUPS * 96
 
     here = locals()
     return MmaShape(**{f.name: here[f.name] for f in dataclasses.fields(MmaShape)})

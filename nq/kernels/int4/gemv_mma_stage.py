@@ -7,22 +7,22 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from numba import cuda, float32  # module globals: the simulator swaps cuda
+from numba import cuda, float32, uint8, uint32  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import fixed_to_f32, plus_xacc_body, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
-from nq.ptx import (ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
-                    pack_f16x2_from_f32, unpack_f16x2_to_f32)
+from nq.ptx import (cvt_rni_s32_f32, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                    ld_global_nc_v4_u32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
 
 def act_path(s: MmaShape) -> SimpleNamespace:
     """The activation side of one kernel's body, as device functions."""
     THREADS, WARPS, GROUPS, CHUNKS = s.THREADS, s.WARPS, s.GROUPS, s.CHUNKS
     STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
-    LO_WORDS, XACC = s.LO_WORDS, s.XACC
+    LO_WORDS, XACC, I8 = s.LO_WORDS, s.XACC, s.I8
 
     def stage(a, act):
         # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
@@ -74,8 +74,11 @@ def act_path(s: MmaShape) -> SimpleNamespace:
                 v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
                 if grp < GROUPS:
                     ss += sq
-                    act[w] = pack_f16x2_from_f32(v0, v1)
-                    act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
+                    if I8:
+                        put_digits(act, grp, lane, v0, v1, v2, v3)
+                    else:
+                        act[w] = pack_f16x2_from_f32(v0, v1)
+                        act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
                     if lane == 0:
                         invf[grp] = fi
         ss = wsum(ss)
@@ -128,6 +131,35 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
+    def put_digit(act, o, v):
+        """i8: v (|v| < 256) as x = rni(v * 2^14) in three signed bytes, hi at byte o of plane
+        0, mid of plane 1 (128 bytes on), lo of plane 2: (x + 0x808080) ^ 0x808080 holds
+        them as bytes 2, 1, 0 -- each byte of x + 0x808080 is a digit + 128, |x| <= 2^22."""
+        d = uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
+        act[o] = uint8(d >> uint32(16))
+        act[o + 128] = uint8(d >> uint32(8))
+        act[o + 256] = uint8(d)
+
+    def put_digits(act, grp, lane, v0, v1, v2, v3):
+        """i8: the lane's four values of group grp (columns 4 lane .. 4 lane + 3: chunk
+        lane // 4, positions p = 4 (lane % 4) + i) where the B fragments read them.  A k32
+        step s takes chunks 2s (b0) and 2s + 1 (b1); lane t's four bytes of a chunk are its
+        A word's columns 2t, 2t + 8, 2t + 1, 2t + 9 (gemv_mma.py "i8"), so position p goes
+        to lane t = (p % 8) // 2, byte (p % 2) * 2 + p // 8, at byte
+        grp * 384 + plane * 128 + t * 32 + s * 8 + (chunk % 2) * 4 + byte."""
+        c = lane >> 2
+        base = grp * 384 + (c >> 1) * 8 + (c & 1) * 4
+        p = (lane & 3) * 4
+        put_digit(act, base + ((p & 7) >> 1) * 32 + (p >> 3), v0)
+        p += 1
+        put_digit(act, base + ((p & 7) >> 1) * 32 + 2 + (p >> 3), v1)
+        p += 1
+        put_digit(act, base + ((p & 7) >> 1) * 32 + (p >> 3), v2)
+        p += 1
+        put_digit(act, base + ((p & 7) >> 1) * 32 + 2 + (p >> 3), v3)
+
+    put_digit = dev(put_digit)
+    put_digits = dev(put_digits)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(dev(fixed_to_f32)))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (

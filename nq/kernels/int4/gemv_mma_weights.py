@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from numba import cuda, float32, uint32  # module globals: the simulator swaps cuda
+import numpy as np
+from numba import cuda, float32, int32, uint32  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import dev
@@ -21,9 +22,12 @@ from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_prefetch_l2, cp_async_cg_sh
                     cp_async_commit_group, cvt_f32_f16, cvta_to_shared_u32, fence_mbarrier_init,
                     ld_global_nc_u16, ld_global_nc_v4_u32, ld_shared_v2_u32_at,
                     ld_shared_v4_u32_at, mbarrier_arrive, mbarrier_arrive_expect_tx,
-                    mbarrier_init, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32)
+                    mbarrier_init, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
+                    mma_sync_m16n8k32_s8_s32)
 
 FULL = 0xFFFFFFFF
+SH4 = np.uint32(4)
+HIGH_NIBBLES = np.uint32(0xF0F0F0F0)   # i8: a byte's top nibble, the weight times 16
 
 
 def weight_path(s: MmaShape) -> SimpleNamespace:
@@ -32,6 +36,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     NORM, D, TPH, PARTNER, HILO, EARLY = s.NORM, s.D, s.TPH, s.PARTNER, s.HILO, s.EARLY
     PAIRS_MAIN, SLOTS_B, SC_W, SC_CHUNKS = s.PAIRS_MAIN, s.SLOTS_B, s.SC_W, s.SC_CHUNKS
     SC_ITERS, BAR_B, SLOT_TX, L2AHEAD = s.SC_ITERS, s.BAR_B, s.SLOT_TX, s.L2AHEAD
+    I8 = s.I8
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -95,11 +100,58 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
         return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
                 db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
 
+    def kstep(q0, q1, b0, b1, d):
+        """i8: one k32 step, chunks 2s (word q0) and 2s + 1 (q1): each nibble n moved to the
+        top of a byte is the signed byte 16 n, rows g (a0, a2: the word shifted left by 4)
+        and g + 8 (a1, a3), in the column order (2t, 2t + 8, 2t + 1, 2t + 9) the staged
+        digits follow; D += A . B in int32."""
+        return mma_sync_m16n8k32_s8_s32((q0 << SH4) & HIGH_NIBBLES, q0 & HIGH_NIBBLES,
+                                        (q1 << SH4) & HIGH_NIBBLES, q1 & HIGH_NIBBLES, b0, b1,
+                                        d[0], d[1], d[2], d[3])
+
+    def digits_dot(c, b0, b1, b2, b3, b4, b5, b6, b7):
+        # i8: a group of one tile, four k32 steps (the lane's eight words), int32 sums
+        z = int32(0)
+        d = (z, z, z, z)
+        d = kstep(c[0], c[1], b0, b1, d)
+        d = kstep(c[2], c[3], b2, b3, d)
+        d = kstep(c[4], c[5], b4, b5, d)
+        return kstep(c[6], c[7], b6, b7, d)
+
+    def group_dot_i8(ca, cb, abase, grp, t4):
+        """group_dot for i8: rows g and g+8 (and the up tile's), fp32, times their scales.
+        D's column 0 (hi digits) and 1 (mid) are lane t = 0's d0, d1 (d2, d3 for row g + 8),
+        column 2 (lo) lane t = 1's d0; each lane weighs its two columns, so that lanes t = 0
+        and t = 1 together hold 16 * dot(w, rni(v 2^14)) * 2^-18 (mainloop's caller adds
+        them); the int32 sums are exact (|D| <= 128 * 128 * 128) and so is each product
+        before the one fp32 add."""
+        b = abase + uint32(grp * 384)
+        b0, b1, b2, b3 = ld_shared_v4_u32_at(b)
+        b4, b5, b6, b7 = ld_shared_v4_u32_at(b + uint32(16))
+        wa = float32(0.0)
+        wb = float32(0.0)
+        if t4 == 0:
+            wa = float32(2.0 ** -2)
+            wb = float32(2.0 ** -10)
+        elif t4 == 1:
+            wa = float32(2.0 ** -18)
+        da = digits_dot(ca, b0, b1, b2, b3, b4, b5, b6, b7)
+        db = da
+        if MATS == 2:
+            db = digits_dot(cb, b0, b1, b2, b3, b4, b5, b6, b7)
+        return ((float32(da[0]) * wa + float32(da[1]) * wb) * cvt_f32_f16(ca[8]),
+                (float32(da[2]) * wa + float32(da[3]) * wb) * cvt_f32_f16(ca[9]),
+                (float32(db[0]) * wa + float32(db[1]) * wb) * cvt_f32_f16(cb[8]),
+                (float32(db[2]) * wa + float32(db[3]) * wb) * cvt_f32_f16(cb[9]))
+
     def add_group(acc, ca, cb, abase, grp, t4, invf):
         # acc + group grp's sums (none past the last group; gate_up's and qkv's undo f_g)
         a0, a1, a2, a3 = acc
         if grp < GROUPS:
-            v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
+            if I8:
+                v0, v1, v2, v3 = group_dot_i8(ca, cb, abase, grp, t4)
+            else:
+                v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
             if NORM:
                 fi = invf[grp]
                 v0, v1, v2, v3 = v0 * fi, v1 * fi, v2 * fi, v3 * fi
@@ -254,6 +306,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
 
 
     dequant = dev(dequant_word)
+    kstep, digits_dot, group_dot_i8 = dev(kstep), dev(digits_dot), dev(group_dot_i8)
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, add_group, \
         mainloop, to_l2, ahead_prologue, early_issue, early_prologue, early_scale, early_read, \
         early_loop, roles, file_row, tile_bases = (

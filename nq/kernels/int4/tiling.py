@@ -97,6 +97,9 @@ class MmaTiling:
     xacc: int = 0        # gate_up / down: x is x + xacc * 2^-32, xacc the int64 sums attn_o_proj
     #                      adds its heads' shares into (gate_up reads it, down folds it into x
     #                      and zeroes it; gemv_mma.py "xacc")
+    i8: int = 0          # gate_up, qkv: the staged activations as three signed-byte digits (22
+    #                      bits a group) on the int8 tensor cores, 3 instructions a word of
+    #                      weights instead of 9 (gemv_mma.py "i8")
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -112,7 +115,7 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else ""))
+                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
