@@ -262,6 +262,8 @@ def extras_set(w, h, f, out, o16):
     out[i] = a + b + c + d + e + g + bits + P.cvta_to_shared_u32_at(tile, (1, 2)) + a3 \
         + (P.clock64() - tick > 1 << 40)
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(bits) + P.cvt_f32_f16(hb)))
+    m0, m1, m2, m3 = P.mma_sync_m16n8k32_s8_s32(a, b, c, d, e, g, P.cvt_rni_s32_f32(x0), 1, 2, 3)
+    out[i + 32] = m0 + m1 + m2 + m3
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +278,7 @@ def extras_ptx():
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global", "mul.hi.u32",
     "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "%clock64",
+    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "cvt.rni.s32.f32",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -359,7 +362,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 63
+    assert len(names) == 65
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx(),
             gridsync_ptx)
     for n in names:
@@ -380,6 +383,7 @@ GPU_TEST_KERNELS = {
     "k_dequant": f"void({_U},{_U},{_U2})", "k_copy16": f"void({_U},{_U2})",
     "k_copy16_2d": f"void({_U2},{_U2})", "k_dp4a": f"void({_U},{_U},int32[::1],int32[::1])",
     "k_ldmatrix": f"void({_U2},{_U2},{_U2})", "k_mma": f"void({_U2},{_U2},{_F2},{_F2})",
+    "k_mma_s8": f"void({_U2},{_U2},int32[:, ::1],int32[:, ::1],float32[::1],int32[::1])",
     "k_bulk_pipeline": f"void({_U},{_U},{_U})",
     "k_extras": f"void({_U}, float16[::1], float32[::1], {_U2}, float16[::1], {_U}, {_U}, "
                 f"{_F2})",

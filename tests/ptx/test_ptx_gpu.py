@@ -294,6 +294,33 @@ def test_mma_sync_m16n8k16():
                                    rtol=1e-5, atol=1e-5)
 
 
+@cuda.jit
+def k_mma_s8(a, b, c, out, f, r):
+    lane = cuda.threadIdx.x
+    d0, d1, d2, d3 = P.mma_sync_m16n8k32_s8_s32(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3],
+                                                b[lane, 0], b[lane, 1],
+                                                c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = d0, d1, d2, d3
+    r[lane] = P.cvt_rni_s32_f32(f[lane])
+
+
+def test_mma_sync_m16n8k32_s8_and_cvt_rni():
+    from nq.ptx.mma import mma_m16n8k32_s8_s32_warp
+
+    for _ in range(3):   # integer sums: the tensor core and the model agree to the bit
+        a = RNG.integers(0, 2**32, (32, 4), dtype=np.uint32)
+        b = RNG.integers(0, 2**32, (32, 2), dtype=np.uint32)
+        c = RNG.integers(-2**30, 2**30, (32, 4)).astype(np.int32)
+        f = (RNG.standard_normal(32) * 4e6).astype(np.float32)
+        f[:4] = [2.5, 3.5, -2.5, -0.5]
+        d = [cuda.to_device(x) for x in (a, b, c, np.zeros((32, 4), np.int32), f,
+                                         np.zeros(32, np.int32))]
+        k_mma_s8[1, 32](*d)
+        np.testing.assert_array_equal(d[3].copy_to_host(), mma_m16n8k32_s8_s32_warp(a, b, c))
+        np.testing.assert_array_equal(d[5].copy_to_host(),
+                                      [P.cvt_rni_s32_f32.twin(v) for v in f])
+
+
 # ---- bulk copies signalled through an mbarrier, two phases ----------------------------------
 STAGE_WORDS = 1024  # 4 KiB per stage, copied as two 2 KiB bulk copies
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import nq.ptx as P
-from nq.ptx.mma import ldmatrix_x4_warp, mma_m16n8k16_f16_f32_warp
+from nq.ptx.mma import ldmatrix_x4_warp, mma_m16n8k16_f16_f32_warp, mma_m16n8k32_s8_s32_warp
 
 RNG = np.random.default_rng(1234)
 
@@ -60,6 +60,45 @@ def test_mma_warp_model_is_a_matmul():
     d = mma_m16n8k16_f16_f32_warp(a_fragments(A), b_fragments(B), np.zeros((32, 4), np.float32))
     lane, reg = 4 * (13 - 8) + 6 // 2, 2 + 6 % 2
     assert d[lane, reg] == -6.0 and np.count_nonzero(d) == 1
+
+
+def pack4(v):
+    return int(np.array(v, np.int8).view(np.uint32)[0])
+
+
+def s8_fragments(A, B):
+    """A 16x32 and B 32x8 int8 -> (32, 4) and (32, 2) uint32, written out from the PTX ISA's
+    figure for m16n8k32 .s8 (four consecutive k a register)."""
+    a, b = np.zeros((32, 4), np.uint32), np.zeros((32, 2), np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        a[lane] = [pack4(A[g, 4 * t:4 * t + 4]), pack4(A[g + 8, 4 * t:4 * t + 4]),
+                   pack4(A[g, 16 + 4 * t:20 + 4 * t]), pack4(A[g + 8, 16 + 4 * t:20 + 4 * t])]
+        b[lane] = [pack4(B[4 * t:4 * t + 4, g]), pack4(B[16 + 4 * t:20 + 4 * t, g])]
+    return a, b
+
+
+def test_mma_s8_warp_model_is_an_exact_matmul():
+    A = RNG.integers(-128, 128, (16, 32)).astype(np.int8)
+    B = RNG.integers(-128, 128, (32, 8)).astype(np.int8)
+    C = RNG.integers(-2**20, 2**20, (16, 8)).astype(np.int64)
+    a, b = s8_fragments(A, B)
+    d = mma_m16n8k32_s8_s32_warp(a, b, c_fragments(C).astype(np.int32))
+    want = A.astype(np.int64) @ B.astype(np.int64) + C
+    np.testing.assert_array_equal(d, c_fragments(want).astype(np.int32))
+    # a single nonzero in A and B lands exactly where D[row, col] says; sums wrap as int32
+    A, B = np.zeros((16, 32), np.int8), np.zeros((32, 8), np.int8)
+    A[13, 21], B[21, 6] = -3, 127
+    a, b = s8_fragments(A, B)
+    d = mma_m16n8k32_s8_s32_warp(a, b, np.full((32, 4), 2**31 - 1, np.int32))
+    lane, reg = 4 * (13 - 8) + 6 // 2, 2 + 6 % 2
+    assert d[lane, reg] == 2**31 - 1 - 381 and (d == 2**31 - 1).sum() == 127
+
+
+def test_cvt_rni_twin_rounds_ties_to_even():
+    got = [int(P.cvt_rni_s32_f32.twin(np.float32(v))) for v in
+           (2.5, 3.5, -2.5, -0.5, 1e10, -1e10, float("nan"), 4194303.75)]
+    assert got == [2, 4, -2, 0, 2**31 - 1, -2**31, 0, 4194304]
 
 
 def rows_for(tile, lane_rc):

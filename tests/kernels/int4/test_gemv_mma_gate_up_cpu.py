@@ -114,6 +114,34 @@ def test_gate_up_ptx_sm90(n, k, t):
     assert spill == 0 and regs <= 128, (regs, spill)
 
 
+@pytest.mark.parametrize("n,k,t", [
+    (18944, 3584, MmaTiling(warps=2, threads=576, l2ahead=1, i8=1)),   # 7B
+    (13824, 5120, MmaTiling(warps=2, threads=448, l2ahead=1, i8=1)),   # 14B
+    (4864, 896, MmaTiling(warps=2, threads=256, i8=1)),                # 0.5B
+])
+def test_gate_up_i8_ptx_sm90(n, k, t):
+    fn, sig = gemv_mma.build_kernel("gate_up", n, k, t, 1e-6)
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(t.threads,))
+    ptx_util.assert_uses(ptx, "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32",
+                         "cvt.rni.s32.f32", "st.shared.u8", "ld.shared.v4.u32")
+    ptx_util.assert_no_local_memory(ptx)
+    # four k32 steps a group of each tile, gate and up, two groups an iteration; no fp16
+    # dequant (each word: a shift and two ands); two 16-byte B loads a group
+    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k32") == 16
+    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 0
+    assert ptx_util.count(ptx, "fma.rn.f16x2") == ptx_util.count(ptx, "add.rn.f16x2") == 0
+    assert ptx_util.count(ptx, "ld.shared.v4.u32") == 4
+    with pytest.raises(ValueError, match="replaces hilo"):
+        gemv_mma.build_kernel("gate_up", n, k, MmaTiling(2, 256, hilo=1, i8=1), 1e-6)
+    with pytest.raises(ValueError, match="i8"):
+        gemv_mma.build_kernel("down", k, n, MmaTiling(2, 256, i8=1))
+    if not ptx_util.have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptx_util.ptxas_report(ptx)
+    print(f"gemv_mma gate_up i8 n{n} k{k} {t.tag()}: {regs} registers, {spill} bytes spilled")
+    assert spill == 0 and regs <= 65536 // t.threads, (regs, spill)   # one block an SM
+
+
 SIM_SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
@@ -145,11 +173,14 @@ SIM_SCRIPT = textwrap.dedent('''
              ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
              ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
              ("w1", 32, 640, MmaTiling(warps=1, threads=64))]
-    cases += [(name + "_hilo", n, k, MmaTiling(t.warps, t.threads, hilo=1))
-              for name, n, k, t in cases]
+    cases += ([(name + "_hilo", n, k, MmaTiling(t.warps, t.threads, hilo=1))
+               for name, n, k, t in cases]
+              + [(name + "_i8", n, k, MmaTiling(t.warps, t.threads, i8=1))
+                 for name, n, k, t in cases])
     # l2ahead: every group after a warp's first, of its gate and its up tile, asked of L2 once
     cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
-              ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3))]
+              ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3)),
+              ("l2a2_i8", 48, 640, MmaTiling(warps=2, threads=128, i8=1, l2ahead=3))]
     import nq.kernels.int4.gemv_mma_weights as gw
     asked = sim_warp.record_l2_prefetches(gw)   # to_l2 lives in the weight path
     for name, n, k, t in cases:
@@ -196,14 +227,19 @@ def test_gate_up_under_the_simulator():
     only the fp16 store is left: within 2^-11 = 4.9e-4 of the fp64 output (measured 1.6e-4..
     3.6e-4), and against that output rounded to fp16 the fp32 sums (~1e-6) can move a row
     across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
-    2.3e-4..9.0e-4, so the bound tells the two apart)."""
+    2.3e-4..9.0e-4, so the bound tells the two apart).
+
+    i8=1 stages h as rni(v * 2^14) in three signed-byte digits (2^-23 of the group's absmax a
+    value) and sums the products exactly in int32: the same bounds as hilo."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
     names = {"t2_w2", "tail", "w4", "w1", "l2a2"}
-    assert set(errs) == {n + s for n in names for s in ("", "_f16", "_hilo", "_hilo_f16")}, stdout
+    forms = ("", "_f16", "_hilo", "_hilo_f16", "_i8", "_i8_f16")
+    assert set(errs) == {n + s for n in names for s in forms}, stdout
     for name in names:
         assert errs[name] < 2e-3, (name, errs[name])
-        assert errs[name + "_hilo"] < 6e-4, (name, errs[name + "_hilo"])
-        assert errs[name + "_hilo_f16"] < 1e-4, (name, errs[name + "_hilo_f16"])
+        for form in ("_hilo", "_i8"):
+            assert errs[name + form] < 6e-4, (name + form, errs[name + form])
+            assert errs[name + form + "_f16"] < 1e-4, (name + form, errs[name + form + "_f16"])
 
 
 SWITCH_SCRIPT = textwrap.dedent('''

@@ -156,10 +156,11 @@ SIM_SCRIPT = textwrap.dedent('''
     cases = [("tiny", tiny_config(), None),
              ("d128", dataclasses.replace(tiny_config(head_dim=128, num_heads=1, num_kv_heads=1),
                                           hidden_size=384), MmaTiling(warps=2, threads=128, rope=128))]
-    for (name, cfg, t), hilo in [(c, h) for h in (0, 1) for c in cases]:
+    for (name, cfg, t), form in [(c, f) for f in ("", "_hilo", "_i8") for c in cases]:
         n, k, d = cfg.qkv_size, cfg.hidden_size, cfg.head_dim
-        t = dataclasses.replace(t or mma_tiling("qkv_rope", n, k, d), hilo=hilo)
-        name += "_hilo" if hilo else ""
+        t = dataclasses.replace(t or mma_tiling("qkv_rope", n, k, d), hilo=int(form == "_hilo"),
+                                i8=int(form == "_i8"))
+        name += form
         if name not in CASES:
             continue
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
@@ -195,10 +196,10 @@ SIM_SCRIPT = textwrap.dedent('''
 ''')
 
 
-# ~80 s a case on 2 cores: CI's tier takes the 7B's head_dim with hilo and the tiny model
-# without; the long tier (`pytest -m long`) the other two
-SIM_CASES = ("d128_hilo", "tiny")
-SIM_CASES_LONG = ("d128", "tiny_hilo")
+# ~80 s a case on 2 cores: CI's tier takes the 7B's head_dim with hilo and with i8 and the tiny
+# model without; the long tier (`pytest -m long`) the other three
+SIM_CASES = ("d128_hilo", "d128_i8", "tiny")
+SIM_CASES_LONG = ("d128", "tiny_hilo", "tiny_i8")
 
 
 @pytest.mark.slow
@@ -223,13 +224,16 @@ def _qkv_rope_under_the_simulator(cases):
 
     hilo=1 (h staged as fp16 hi + lo, 2^-22 of each value): q and qkv are then fp32 sums of
     exact products, ~1e-7 (measured 0.8e-7..1.1e-7; without hilo 1.9e-4), so 1e-5; k and v
-    keep their fp16 store, 2^-11."""
+    keep their fp16 store, 2^-11.
+
+    i8=1 (h as rni(v * 2^14) in three signed bytes, |v| < 256 for the group's absmax in
+    [128, 256): 2^-23 of the absmax a value, the dot products exact in int32): as hilo."""
     errs, stdout = ptx_util.run_under_simulator(f"CASES = {list(cases)!r}\n" + SIM_SCRIPT,
                                                 timeout=900)
     assert len(errs) == 4 * len(cases), stdout
     for name, e in errs.items():
         fp16_store = name[-2:] in ("_k", "_v")
-        if "_hilo" in name:
+        if "_hilo" in name or "_i8" in name:
             assert e < (6e-4 if fp16_store else 1e-5), (name, e)
         else:
             assert e < (1.1e-3 if fp16_store else 6e-4), (name, e)

@@ -64,6 +64,10 @@ def run(cfg, tiling, seed, pos=4097):
     ("7b", T(warps=7, threads=448, rope=128, hilo=1)),
     ("7b", T(warps=4, threads=512, rope=128, hilo=1)),
     ("14b", T(warps=10, threads=320, rope=128, hilo=1)),   # 4 staged groups a warp
+    ("7b", T(warps=14, threads=448, rope=128, i8=1)),      # h as three signed-byte digits
+    ("7b", T(warps=7, threads=448, rope=128, i8=1)),
+    ("0.5b", T(warps=3, threads=96, rope=64, i8=1)),
+    ("14b", T(warps=10, threads=320, rope=128, i8=1)),
 ])
 def test_qkv_rope_against_the_reference(model, tiling):
     cfg = PRESETS[model]
@@ -73,7 +77,7 @@ def test_qkv_rope_against_the_reference(model, tiling):
         a = got[part].astype(np.float64)
         assert np.isfinite(a).all(), (part, int((~np.isfinite(a)).sum()))
         err = float(np.linalg.norm(a - want[part]) / np.linalg.norm(want[part]))
-        if t.hilo:   # h as hi + lo: q and qkv are fp32 sums of exact products
+        if t.hilo or t.i8:   # h as hi + lo or digits: q and qkv are fp32-accurate sums
             assert err < (6e-4 if part in ("k", "v") else 1e-5), (model, t.tag(), part, err)
         else:
             assert err < (1.1e-3 if part in ("k", "v") else 6e-4), (model, t.tag(), part, err)
