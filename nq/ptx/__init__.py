@@ -9,6 +9,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               ld_global_nc_v2_u32, ld_global_nc_v2_f32, ld_global_nc_v4_f32, ld_global_nc_u16,
               st_global_v4_u32,
               st_global_u16, ld_shared_v4_u32, ld_shared_v4_u32_at, ld_shared_v2_u32_at,
+              st_shared_u8_at,
               ld_shared_v4_f32, cvta_to_shared_u32,
               cvta_to_shared_u32_at
     half      fma_rn_f16x2, mul_rn_f16x2, add_rn_f16x2, cvt_f32_f16, cvt_rn_f16_f32,
@@ -62,7 +63,7 @@ from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            ld_global_nc_v4_f32,
                            ld_global_nc_v4_u32, ld_shared_v4_f32, ld_shared_v4_u32,
                            ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
-                           st_global_v4_u32)
+                           st_global_v4_u32, st_shared_u8_at)
 from nq.ptx.mma import (ldmatrix_x4, ldmatrix_x4_trans, mma_sync_m16n8k16_f16_f32,
                         mma_sync_m16n8k32_s8_s32)
 from nq.ptx.permute import (LOP3_A, LOP3_B, LOP3_C, LUT_AND_OR, LUT_AND_XOR, lop3_b32,
@@ -77,7 +78,7 @@ __all__ = [
     "createpolicy_evict_first_b64", "ld_global_nc_v2_u32", "ld_global_nc_v2_f32",
     "ld_global_nc_v4_f32",
     "ld_global_nc_u16", "st_global_v4_u32", "st_global_u16", "ld_shared_v4_u32",
-    "ld_shared_v4_u32_at", "ld_shared_v2_u32_at",
+    "ld_shared_v4_u32_at", "ld_shared_v2_u32_at", "st_shared_u8_at",
     "ld_shared_v4_f32",
     "cvta_to_shared_u32", "cvta_to_shared_u32_at",
     "fma_rn_f16x2", "mul_rn_f16x2", "add_rn_f16x2", "cvt_f32_f16", "cvt_rn_f16_f32",

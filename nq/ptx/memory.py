@@ -156,6 +156,14 @@ def ld_shared_v4_u32_at(addr):
     return tuple(_sim.shared_bytes(addr, 16).view(np.uint32))
 
 
+@ptx("st.shared.u8 [%0], %1;", args=("u32", "u16"), effect="memory")
+def st_shared_u8_at(addr, b):
+    """`st.shared.u8 [addr], b;` -- one byte (b's low 8 bits) at a 32-bit shared address, from
+    cvta_to_shared_u32(arr) plus a byte offset: whatever arr's element type (the tensor-core
+    GEMV's digits, gemv_mma "i8", land in a word array)."""
+    _sim.shared_bytes(addr, 1)[0] = np.uint8(int(b) & 0xFF)
+
+
 @ptx("ld.shared.v2.u32 {%0, %1}, [%2];", out=("u32",) * 2, args=("u32",), effect="load")
 def ld_shared_v2_u32_at(addr):
     """`ld.shared.v2.u32 {d0, d1}, [addr];` -- 8 bytes of shared at a 32-bit address (8-aligned):

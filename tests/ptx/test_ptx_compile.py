@@ -264,6 +264,7 @@ def extras_set(w, h, f, out, o16):
     P.st_global_u16(o16, i, P.cvt_rn_f16_f32(P.mov_b32_f32_from_u32(bits) + P.cvt_f32_f16(hb)))
     m0, m1, m2, m3 = P.mma_sync_m16n8k32_s8_s32(a, b, c, d, e, g, P.cvt_rni_s32_f32(x0), 1, 2, 3)
     out[i + 32] = m0 + m1 + m2 + m3
+    P.st_shared_u8_at(P.cvta_to_shared_u32(ctile) + i, m0)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +279,7 @@ def extras_ptx():
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global", "mul.hi.u32",
     "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "%clock64",
-    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "cvt.rni.s32.f32",
+    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "cvt.rni.s32.f32", "st.shared.u8",
 ])
 def test_extras_emit_each_instruction(extras_ptx, instruction):
     assert_uses(extras_ptx, instruction)
@@ -362,7 +363,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 65
+    assert len(names) == 66
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx(),
             gridsync_ptx)
     for n in names:

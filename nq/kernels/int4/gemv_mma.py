@@ -134,7 +134,7 @@ import dataclasses
 import functools
 import math
 
-from numba import cuda, float32, uint8, uint32, uint64  # module globals: the simulator swaps cuda
+from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import dev
@@ -209,15 +209,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
     EARLY, L2AHEAD, XACC = s.EARLY, s.L2AHEAD, s.XACC
     I8 = s.I8
-    # the staged activations: words, or (i8) the digits' bytes
-    ACT_T, ACT_N = (uint8, ACT_ALLOC * 4) if I8 else (uint32, ACT_ALLOC)
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
     roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
                                                         w.load_both, w.mainloop)
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop
-    stage, stage_norm = a_.stage, a_.stage_norm
+    stage, stage_norm, stage_digits = a_.stage, a_.stage_norm, a_.stage_digits
 
     def out_row():
         # the epilogue's thread: (tile in the block, row in the tile, row of the output); only
@@ -262,14 +260,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
-    def block_sums(a, qw, sc, x, xa, act, red, dyn):
+    def block_sums(a, qw, sc, x, xa, act, red, dyn, invf):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, xr) for
         row_sum(red, tl2, r, 0), the thread's output row (-1 for threads without one) and
         x[row] as it was, read right after the wait so that the epilogue's x += waits on no L2.
         With EARLY, the warp's first EARLY groups come from their slots in `dyn` (copied
         before the wait), mainloop's from group kw + EARLY * TILE_WARPS on; else dyn is a
         stand-in never read.  xa: xacc's words (XACC: xr is x + xacc * 2^-32), else a
-        stand-in never read."""
+        stand-in never read.  invf: i8's 1/f_g a group (else red, never read)."""
         lane, g, t4, tl, kw, tile = roles()
         bases = tile_bases(tile, lane, g)
         if EARLY:
@@ -286,20 +284,26 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             xr = x[row]
             if XACC:
                 xr += fixed_f32(xa[2 * row], xa[2 * row + 1])
-        stage(a, act)
+        if I8:
+            stage_digits(a, act, invf)
+        else:
+            stage(a, act)
         if EARLY:
             cp_async_wait_group(0)      # this thread's scale copies; the barrier: everyone's
         cuda.syncthreads()
         # widened here, once: the chunk offsets added to it are 64-bit sums anyway (kept as a
         # 32-bit value the PTX comes out in another order)
         abase = uint64(cvta_to_shared_u32(act))
-        # (red stands in for invf, which only gate_up reads)
+        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
+            abase += uint64((min(g, 2) * 4 + t4) * 32)
         if EARLY:
-            a0, a1, a2, a3 = early_loop(dyn, abase, t4, red)
-            b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, red)
+            a0, a1, a2, a3 = early_loop(dyn, abase, t4, invf)
+            b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, invf)
             acc = (a0 + b0, a1 + b1, a2 + b2, a3 + b3)
         else:
-            acc = mainloop(qw, sc, abase, bases, kr, t4, first, red)
+            acc = mainloop(qw, sc, abase, bases, kr, t4, first, invf)
+        if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
+            acc = lo_to_t0(acc)
         put_partials(red, tl, kw, g, t4, acc)
         cuda.syncthreads()
         return row, tl2, r, xr
@@ -423,7 +427,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         qkv_body = dev(qkv_body)
         if ROPE:
             def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
+                act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
                 red = cuda.shared.array(PARTIALS, float32)
                 invf = cuda.shared.array(GROUPS, float32)
                 ssum = cuda.shared.array(WARPS, float32)
@@ -434,7 +438,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                             "float16[:, :, :, :, ::1], float32[::1])")
 
         def kernel(x, norm_w, qw, sc, bias, out):
-            act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)
@@ -445,7 +449,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     if kind == "gate_up":
         def swiglu(x, xa, norm_w, qw, sc, out):
             # xa: xacc's words (XACC: h of x + xacc * 2^-32), else x, never read
-            act = cuda.shared.array(ACT_N, ACT_T, alignment=None if SIMULATOR else 16)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(PARTIALS, float32)
             invf = cuda.shared.array(GROUPS, float32)
             ssum = cuda.shared.array(WARPS, float32)
@@ -478,30 +482,46 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 xa[2 * row + 1] = uint32(0)
 
     put_residual = dev(put_residual)
-    if EARLY and not dynamic_smem(k):
+    # i8: invf (1/f_g a group) after the partials in `red`; else red stands in for it
+    RED_N = PARTIALS + GROUPS if I8 else PARTIALS
+    if EARLY and not dynamic_smem(k, t):
         def residual(a, qw, sc, x, xa):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-            red = cuda.shared.array(PARTIALS, float32)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(RED_N, float32)
+            invf = red
+            if I8:
+                invf = red[PARTIALS:]
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn, invf)
             put_residual(x, xa, row, tl2, r, xr, red)
     elif EARLY:
         def residual(a, qw, sc, x, xa):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
-            red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn)
+            red = cuda.shared.array(RED_N, float32)
+            invf = red
+            if I8:
+                invf = red[PARTIALS:]
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn, invf)
             put_residual(x, xa, row, tl2, r, xr, red)
-    elif not dynamic_smem(k):
+    elif not dynamic_smem(k, t):
         def residual(a, qw, sc, x, xa):
-            act = cuda.shared.array(ACT_WORDS, uint32, alignment=None if SIMULATOR else 16)
-            red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
+            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
+            red = cuda.shared.array(RED_N, float32)
+            invf = red
+            if I8:
+                invf = red[PARTIALS:]
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red,  # (red: dyn's stand-in)
+                                         invf)
             put_residual(x, xa, row, tl2, r, xr, red)
     else:
         def residual(a, qw, sc, x, xa):  # the same body, the activations in dynamic shared memory
-            act = cuda.shared.array(0, uint32)  # ACT_WORDS at launch; 16-byte aligned base
-            red = cuda.shared.array(PARTIALS, float32)
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
+            act = cuda.shared.array(0, uint32)  # ACT_ALLOC at launch; 16-byte aligned base
+            red = cuda.shared.array(RED_N, float32)
+            invf = red
+            if I8:
+                invf = red[PARTIALS:]
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red,  # (red: dyn's stand-in)
+                                         invf)
             put_residual(x, xa, row, tl2, r, xr, red)
 
     residual = dev(residual)

@@ -18,11 +18,18 @@ from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
 
 
-def dynamic_smem(k: int) -> int:
+def staged_bytes(k: int, t: MmaTiling | None = None) -> int:
+    """Bytes of the staged activations: 2 a value (fp16), 3 with i8 (the digits)."""
+    return k * (3 if t is not None and t.i8 else 2)
+
+
+def dynamic_smem(k: int, t: MmaTiling | None = None) -> int:
     """Bytes of dynamic shared memory a launch needs: 0 while the staged activations (2K
-    bytes) fit the 48 KB of static shared memory (every shape up to the 14B), else all of
-    them (the 32B's down, K = 27,648: 55 KB), with the kernel opted in (`allow_smem`)."""
-    return 0 if k * 2 <= STATIC_SMEM_LIMIT else k * 2
+    bytes, 3K with i8) fit the 48 KB of static shared memory (every shape up to the 14B), else
+    all of them (the 32B's down, K = 27,648: 55 KB; the 7B's down with i8, 57 KB), with the
+    kernel opted in (`allow_smem`)."""
+    b = staged_bytes(k, t)
+    return 0 if b <= STATIC_SMEM_LIMIT else b
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
@@ -47,9 +54,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs "
                          f"{hilo_bytes(k)} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
                          f"shared memory; use hilo=0")
-    if k * 2 + partials > SMEM_OPTIN_LIMIT:
-        raise ValueError(f"gemv_mma: K={k} needs {k * 2} bytes of staged activations, over the "
-                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block")
+    if staged_bytes(k, t) + partials > SMEM_OPTIN_LIMIT:
+        raise ValueError(f"gemv_mma: K={k} needs {staged_bytes(k, t)} bytes of staged "
+                         f"activations, over the {SMEM_OPTIN_LIMIT}-byte shared memory of a "
+                         f"block")
     if kind in NORM_KINDS and dynamic_smem(k):
         raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
                          f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
@@ -62,8 +70,8 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
                          f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
                          f"down; 0 copies none")
-    if t.early and early_smem(k, t) + k * 2 * (not dynamic_smem(k)) + partials \
-            > SMEM_OPTIN_LIMIT:
+    if t.early and early_smem(k, t) + staged_bytes(k, t) * (not dynamic_smem(k, t)) \
+            + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
                          f"early groups and scales beside {k * 2} of activations, over the "
                          f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
@@ -71,11 +79,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.xacc and kind not in ("gate_up", "down"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
                          f"is read by gate_up and folded by down; {kind} takes x alone")
-    if t.i8 and (kind not in NORM_KINDS or t.hilo):
+    if t.i8 and t.hilo:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: i8 (the activations as signed-byte "
-                         f"digits) is for {NORM_KINDS}, which stage rmsnorm(x) in fp32 "
-                         f"themselves, and replaces hilo (use one of the two)")
-    if t.i8 and 3 * k > STATIC_SMEM_LIMIT:
+                         f"digits) replaces hilo (use one of the two)")
+    if t.i8 and kind in NORM_KINDS and 3 * k > STATIC_SMEM_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as three bytes a value "
                          f"needs {3 * k} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
                          f"shared memory; use i8=0")
@@ -104,7 +111,7 @@ def early_smem(k: int, t: MmaTiling) -> int:
 def launch_smem(k: int, t: MmaTiling) -> int:
     """Dynamic shared memory a launch passes: the activations where they outgrow static
     shared memory (dynamic_smem), then the early groups (early_smem)."""
-    return dynamic_smem(k) + early_smem(k, t)
+    return dynamic_smem(k, t) + early_smem(k, t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +201,16 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     HILO = bool(t.hilo)
     LO_WORDS = ACT_WORDS + 8 if HILO else 0
     ACT_ALLOC = ACT_WORDS + LO_WORDS
+    # i8 (t.i8): each staged value v (gate_up, qkv: x * norm_w * f_g; o_proj, down: a * f_g,
+    # f_g a power of two putting the group's absmax in [128, 256)) becomes the integer
+    # x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes (hi, mid, lo;
+    # x = 65536 hi + 256 mid + lo) in three planes of shared memory; a lane's B fragment reads
+    # plane min(g, 2), so D's columns 0, 1, 2 are the weights' dot products with hi, mid and
+    # lo, exact in int32, and lanes t = 0 (columns 0, 1) and t = 1 (column 2) hold them.
+    # A group is 3 planes x 4 lanes t x 8 words (4 k32 steps x b0, b1): 384 bytes
+    I8 = bool(t.i8)
+    if I8:
+        ACT_ALLOC = GROUPS * 96
     # early (t.early > 0, o_proj and down; "early" in the module doc), in the dynamic shared
     # array `dyn`:
     #   EARLY        a warp's slots, each its next group (1 KB: the file's bytes, the lane's
@@ -208,7 +225,7 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     EARLY = t.early
     ITERS = -(-GROUPS // TILE_WARPS)
     PAIRS_MAIN = PAIRS if not EARLY else max(0, -(-(ITERS - EARLY) // 2))
-    ACT_DYN = ACT_WORDS if dynamic_smem(k) else 0
+    ACT_DYN = ACT_ALLOC if dynamic_smem(k, t) else 0
     SLOTS_B = ACT_DYN * 4
     SC_W = ACT_DYN + WARPS * EARLY * MATS * 256
     SC_CHUNKS = TILE * GROUPS * 2 // 16
@@ -225,15 +242,6 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # 2N uint32 words) holding attn_o_proj's heads' shares in fixed point; gate_up stages the
     # sum, down adds it to x with its own sums and zeroes xacc
     XACC = bool(t.xacc)
-    # i8 (t.i8, gate_up and qkv): each staged value v (x * norm_w * f_g, |v| < 256) becomes
-    # the integer x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes (hi, mid, lo;
-    # x = 65536 hi + 256 mid + lo) in three planes of shared memory; a lane's B fragment reads
-    # plane min(g, 2), so D's columns 0, 1, 2 are the weights' dot products with hi, mid and
-    # lo, exact in int32, and lanes t = 0 (columns 0, 1) and t = 1 (column 2) hold them.
-    # A group is 3 planes x 4 lanes t x 8 words (4 k32 steps x b0, b1): 384 bytes
-    I8 = bool(t.i8)
-    if I8:
-        ACT_ALLOC = GROUPS * 96
 
     here = locals()
     return MmaShape(**{f.name: here[f.name] for f in dataclasses.fields(MmaShape)})

@@ -1,21 +1,23 @@
 """The block's activations in the tensor-core GEMV (gemv_mma.py's module doc has the why):
 `stage` copies fp16 `a` (o_proj, down) into shared memory in B-fragment order, `stage_norm`
 writes rmsnorm(x) * norm_w there (gate_up, qkv: each group times a power of two, its inverse in
-`invf`, and with hilo a lo half beside the hi) and returns rstd.  `act_path(shape)` returns them
+`invf`, and with hilo a lo half beside the hi; with i8 as digits) and returns rstd;
+`stage_digits` stages fp16 `a` as digits (o_proj, down with i8).  `act_path(shape)` returns them
 as device functions for gemv_mma.build_kernel."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from numba import cuda, float32, uint8, uint32  # module globals: the simulator swaps cuda
+from numba import cuda, float32, uint16, uint32  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import fixed_to_f32, plus_xacc_body, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
-from nq.ptx import (cvt_rni_s32_f32, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
-                    ld_global_nc_v4_u32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
+from nq.ptx import (cvt_rni_s32_f32, cvta_to_shared_u32, ld_global_nc_v2_u32,
+                    ld_global_nc_v4_f32, ld_global_nc_v4_u32, pack_f16x2_from_f32,
+                    st_shared_u8_at, unpack_f16x2_to_f32)
 
 
 def act_path(s: MmaShape) -> SimpleNamespace:
@@ -131,14 +133,15 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
-    def put_digit(act, o, v):
-        """i8: v (|v| < 256) as x = rni(v * 2^14) in three signed bytes, hi at byte o of plane
-        0, mid of plane 1 (128 bytes on), lo of plane 2: (x + 0x808080) ^ 0x808080 holds
-        them as bytes 2, 1, 0 -- each byte of x + 0x808080 is a digit + 128, |x| <= 2^22."""
+    def put_digit(o, v):
+        """i8: v (|v| < 256) as x = rni(v * 2^14) in three signed bytes, hi at shared address
+        o (plane 0), mid 128 bytes on (plane 1), lo 256 on (plane 2): (x + 0x808080) ^
+        0x808080 holds them as bytes 2, 1, 0 -- each byte of x + 0x808080 is a digit + 128,
+        |x| <= 2^22."""
         d = uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
-        act[o] = uint8(d >> uint32(16))
-        act[o + 128] = uint8(d >> uint32(8))
-        act[o + 256] = uint8(d)
+        st_shared_u8_at(o, uint16(d >> uint32(16)))
+        st_shared_u8_at(o + uint32(128), uint16(d >> uint32(8)))
+        st_shared_u8_at(o + uint32(256), uint16(d))
 
     def put_digits(act, grp, lane, v0, v1, v2, v3):
         """i8: the lane's four values of group grp (columns 4 lane .. 4 lane + 3: chunk
@@ -148,20 +151,35 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         to lane t = (p % 8) // 2, byte (p % 2) * 2 + p // 8, at byte
         grp * 384 + plane * 128 + t * 32 + s * 8 + (chunk % 2) * 4 + byte."""
         c = lane >> 2
-        base = grp * 384 + (c >> 1) * 8 + (c & 1) * 4
         p = (lane & 3) * 4
-        put_digit(act, base + ((p & 7) >> 1) * 32 + (p >> 3), v0)
-        p += 1
-        put_digit(act, base + ((p & 7) >> 1) * 32 + 2 + (p >> 3), v1)
-        p += 1
-        put_digit(act, base + ((p & 7) >> 1) * 32 + (p >> 3), v2)
-        p += 1
-        put_digit(act, base + ((p & 7) >> 1) * 32 + 2 + (p >> 3), v3)
+        o = cvta_to_shared_u32(act) + uint32(grp * 384 + (c >> 1) * 8 + (c & 1) * 4
+                                             + ((p & 7) >> 1) * 32 + (p >> 3))
+        put_digit(o, v0)                  # positions p, p + 1: lane t's bytes j, j + 2;
+        put_digit(o + uint32(2), v1)      # p + 2, p + 3: lane t + 1's
+        put_digit(o + uint32(32), v2)
+        put_digit(o + uint32(34), v3)
 
-    put_digit = dev(put_digit)
-    put_digits = dev(put_digits)
+    def stage_digits(a, act, invf):
+        """o_proj, down with i8: fp16 `a` staged as digits, each group times a power of two
+        f_g that puts its absmax in [128, 256) (invf[g] = 1/f_g, as stage_norm's).  Warp w
+        stages groups w, w + WARPS, ...; a lane its four values 4 lane .. 4 lane + 3."""
+        lane = cuda.threadIdx.x & 31
+        warp = cuda.threadIdx.x >> 5
+        for it in range(NORM_ITERS):
+            grp = it * WARPS + warp
+            w01, w23 = ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
+            p0, p1 = unpack_f16x2_to_f32(w01)
+            p2, p3 = unpack_f16x2_to_f32(w23)
+            f, fi = pow2_scale(wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))))
+            if grp < GROUPS:
+                put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
+                if lane == 0:
+                    invf[grp] = fi
+
+    put_digit, put_digits, stage_digits = dev(put_digit), dev(put_digits), dev(stage_digits)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(dev(fixed_to_f32)))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
-    return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group)
+    return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group,
+                           stage_digits=stage_digits)

@@ -152,7 +152,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
                 v0, v1, v2, v3 = group_dot_i8(ca, cb, abase, grp, t4)
             else:
                 v0, v1, v2, v3 = group_dot(ca, cb, abase, grp, t4)
-            if NORM:
+            if NORM or I8:
                 fi = invf[grp]
                 v0, v1, v2, v3 = v0 * fi, v1 * fi, v2 * fi, v3 * fi
             a0 += v0
