@@ -59,6 +59,13 @@ def run(kind, n, k, tiling, seed):
     ("o_proj", 48, 384, T(warps=2, threads=128)),       # a clamped tile in the last block
     ("down", 3584, 18944, T(warps=8, threads=256, min_blocks=4)),
     ("down", 3584, 18944, T(warps=16, threads=1024, early=3)),  # early: one-shot, then registers
+    ("down", 3584, 18944, T(warps=16, threads=1024, early=1, i8=1)),   # a as digits (dynamic smem)
+    ("down", 3584, 18944, T(warps=16, threads=1024, i8=1)),
+    ("down", 3584, 18944, T(warps=16, threads=512, i8=1)),
+    ("o_proj", 3584, 3584, T(warps=14, threads=448, i8=1)),
+    ("down", 5120, 13824, T(warps=8, threads=768, early=1, i8=1)),   # the 14B's grid
+    ("down", 5120, 27648, T(warps=8, threads=768, early=1, i8=1)),   # the 32B's: 81 KB of digits
+    ("down", 896, 4864, T(warps=4, threads=384, i8=1)),
     ("down", 3584, 18944, T(warps=16, threads=1024, early=5)),
     ("down", 3584, 18944, T(warps=16, threads=512, early=4)),
     ("o_proj", 3584, 3584, T(warps=14, threads=448, early=2)),
@@ -77,7 +84,8 @@ def test_mma_gemv_against_the_reference(kind, n, k, tiling):
 
 
 @pytest.mark.parametrize("tiling", [T(warps=16, threads=1024), T(warps=8, threads=512),
-                                    T(warps=16, threads=1024, early=1)], ids=lambda t: t.tag())
+                                    T(warps=16, threads=1024, early=1),
+                                    T(warps=16, threads=1024, early=1, i8=1)], ids=lambda t: t.tag())
 def test_mma_gemv_is_deterministic(tiling):
     a, _, _ = run("down", 3584, 18944, tiling, seed=3)
     b, _, _ = run("down", 3584, 18944, tiling, seed=3)
