@@ -527,3 +527,29 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
         assert top[0] - top[1] <= TIE_TOL * spread, (
             f"n={n}: divergence at token {k}: batched {got[k]} vs replay {want[k]}, top-2 gap "
             f"{(top[0] - top[1]) / spread:.2e} of the spread")
+
+
+def test_i8_projections_in_the_step(model, capsys):
+    """The step with gate_up's and down's activations as signed-byte digits (i8, opt-in):
+    the default step's greedy ids and logits (step_variants_agree), and nq verify's decode
+    tier passes with it."""
+    import dataclasses
+
+    from nq.kernels.int4.launch import gemv_tiling
+    from nq.kernels.int4.tiling import MmaTiling
+    from nq.tools import references, verify
+    name, nf, eng, ref = model
+    c = nf.config
+    tilings = {kind: dataclasses.replace(gemv_tiling(kind, c), i8=1) for kind in ("gate_up", "down")
+               if isinstance(gemv_tiling(kind, c), MmaTiling)}
+    if not tilings:
+        pytest.skip(f"{name}: gate_up and down run on the CUDA cores at this width")
+
+    def decode_tier(eng):
+        prompts = np.random.default_rng(9).integers(0, min(c.vocab_size, 500), (2, 12)).tolist()
+        row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 40)
+        with capsys.disabled():
+            print(f"\n{name} i8 {sorted(tilings)}: decode tier {row.detail}")
+        assert row.passed, row
+
+    step_variants_agree(eng, ((tilings, {}),), decode_tier)
