@@ -123,6 +123,27 @@ model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the log
 qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
 at ~40 %, the KV cache's fp16 at ~30 %, the attention output's and SwiGLU's at the rest).
 
+i8 (`MmaTiling.i8`, every kind; opt-in, docs/PERF.md 0.27): the fp16 dequant is 9 of a
+word's ~12 instructions, and the tensor cores multiply signed bytes too.  A nibble n moved to
+the top of its byte is the signed byte 16 n, so `(q << 4) & 0xF0F0F0F0` and `q & 0xF0F0F0F0`
+are rows g and g + 8 of one k16 chunk's weights -- each byte in the column order (2t, 2t + 8,
+2t + 1, 2t + 9) -- and two words (chunks 2s, 2s + 1) are the A fragment of one
+`mma.sync.m16n8k32.s8`: 3 instructions a word.  The activations become integers: each staged
+value v (gate_up, qkv: x * norm_w * f_g; o_proj, down: a * f_g, stage_digits), |v| < 256,
+is x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes hi, mid, lo (x = 65536 hi +
+256 mid + lo; `(x + 0x808080) ^ 0x808080` holds them as bytes 2, 1, 0) in three planes of
+shared memory, each byte where the B fragment of its column order wants it.  B has 8 columns
+and a GEMV needs one, so (as hilo does with two) lane (g, t) loads plane min(g, 2): D's
+columns 0, 1, 2 are the weights' dot products with hi, mid and lo, exact in int32
+(|D| <= 128 * 128 * 128), lane t = 0 holds columns 0 and 1, lane t = 1 column 2.  Each lane
+weighs its columns (2^-2 and 2^-10 at t = 0, 2^-18 at t = 1, zero elsewhere: 1/16 for the
+16 n, 2^-14 for the fixed point, 65536 / 256 / 1 for the digits), times the row's scale and
+1/f_g; after the loop lane t = 1's sums join lane t = 0's (one shuffle a sum).  So the
+activations carry 22 bits of their group's absmax (fp16: 11 of each value), the sums are
+exact, and a group is 4 k32 mmas a tile instead of 8 k16.  A group of digits is 3 planes x 4
+lanes t x 32 bytes = 384 bytes (3 a value: the 7B's down stages 57 KB, in dynamic shared
+memory).
+
 Where the body lives: build_kernel (here) checks the shape, takes its constants from
 gemv_mma_shape.py, a warp's weights (tile, loads, dequant-mma, the loop, early, l2ahead) from
 gemv_mma_weights.py and the staged activations from gemv_mma_stage.py, and assembles the
