@@ -56,28 +56,11 @@ beside x right after the wait, writes x + xacc * 2^-32 + its sums and zeroes xac
 layer: one writer an element, as ever.  Each int64 is rounded once to fp32, then scaled
 exactly (dequant.fixed_to_f32).  Measured: docs/PERF.md 0.23.
 
-Retired, each after it lost in the 7B step graph on the H200 (docs/KERNELS_GEMV.md, "Retired
-variants", has their figures): prefetch=2 and splits (code at 13c221c), preload=2 (c936f73),
-ring=R, the weights through shared memory, R groups a warp refilled as they were used
-(per-lane cp.async 805e084, cp.async.bulk 6362a1e; early keeps its prologue).  And a down
-block small enough to be resident beside gate_up's (128 threads, 2 warps a tile, early=42:
-57 % of down's weights copied into shared memory while gate_up streams; MAX_EARLY raised,
-code at 0f4633d): +0.59..+0.67 ms a step, +0.47..+0.51 at 192 threads -- four or six warps
-an SM cannot do down's math, wherever its weights wait (docs/PERF.md 0.14).  And for gate_up
-(a8a7e72 holds both; docs/PERF.md 0.17): sets=3, three register sets so a group's loads go
-out two groups ahead (96 registers + 12 B spilled at 576 threads), +0.066 / +0.065 / +0.078;
-apart=1, a warp computing gate or up alone (56 registers, three 384-thread blocks an SM, 36
-warps instead of 18), -0.014 / -0.004 / +0.007 for 21 % more instructions.  And gate_up
-and down as one kernel (gemv_mlp.py, bc19524; docs/PERF.md 0.18): one 576-thread block an SM
-did this gate_up, a grid barrier, then down's tiles at 9 warps a tile through a ring of
-bulk-copied slots first filled beside gate_up's stream: +0.13..+0.32 ms a step (2..9 slots a
-warp; alone 40.1-44.3 us a layer against the two kernels' 35.9): under PDL the boundary it
-removed cost ~1 us, the barrier ~1.5-2, and down's phase with 18 warps an SM took 16-18.5 us
-against down's own 14.2.  And gate_up fed by the copy engine (gemv_mma_feed.py, `feed`, code
-at 3ba57e0; docs/PERF.md 0.22): one block an SM, 28 consumer warps sharing a tile pair whose
-groups one producer lane bulk-copies 56 KB a stage, a reducer warp summing rows a pair behind:
-at best -0.002..-0.008 ms a step (the baseline's drift), deeper rings +0.09 and more.
-Retired: stream-K down into xacc (docs/PERF.md 0.24; code at c922c89).
+Retired, each after it lost in the 7B step graph (docs/KERNELS_GEMV.md, "Retired variants",
+has what each did and cost): prefetch=2 and splits (13c221c), preload=2 (c936f73), ring
+(805e084, 6362a1e; early keeps its prologue), a down block resident beside gate_up's
+(0f4633d), gate_up's sets=3 and apart (a8a7e72), gate_up and down as one kernel (bc19524),
+the copy engine as gate_up's feed (3ba57e0), stream-K down (c922c89).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
