@@ -530,9 +530,9 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
 
 
 def test_i8_projections_in_the_step(model, capsys):
-    """The step with gate_up's and down's activations as signed-byte digits (i8, opt-in):
-    the default step's greedy ids and logits (step_variants_agree), and nq verify's decode
-    tier passes with it."""
+    """The step with gate_up's and down's activations as signed-byte digits (i8, opt-in), then
+    attn_o_proj's too: the default step's greedy ids and logits (step_variants_agree), and nq
+    verify's decode tier passes with all three."""
     import dataclasses
 
     from nq.kernels.int4.launch import gemv_tiling
@@ -552,4 +552,5 @@ def test_i8_projections_in_the_step(model, capsys):
             print(f"\n{name} i8 {sorted(tilings)}: decode tier {row.detail}")
         assert row.passed, row
 
-    step_variants_agree(eng, ((tilings, {}),), decode_tier)
+    attn = {"o_i8": 1} if "down" in tilings else {}   # attn_o_proj goes with the mma down
+    step_variants_agree(eng, ((tilings, {}), (tilings, attn)), decode_tier)

@@ -94,22 +94,27 @@ def check_o_proj(n_out: int, k: int, head_dim: int, num_heads: int, tpw: int) ->
 
 @functools.cache
 def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: int,
-                min_pps: int, tpw: int, acc: bool = False):
+                min_pps: int, tpw: int, acc: bool = False, i8: bool = False):
     """The kernel body for one set of constants (o_proj_name spells them).  Legend: D head_dim,
     HQ query heads, MAXS the split plan's max_splits, `plan` the plan itself (plan.plan_body; the split kernel's), G
     split groups, R splits a thread may own, HPG heads a K group, TPW tiles a warp, TPB tiles a
     block (a chunk), CH rows a chunk.  acc: the heads' shares go into xacc as fixed-point int64
     (red.add, any order, the same bits) instead of part_o and the last block's fold; gate_up
     reads x + xacc and down folds it into x (gemv_mma.py "xacc"); the kernel is then
-    O_SIG_ACC's."""
+    O_SIG_ACC's.  i8: o (rounded to fp16 as ever) staged as gemv_mma's digits and multiplied
+    on the int8 tensor cores (gemv_mma.py "i8")."""
+    from nq.kernels.common import warp_max
+    from nq.kernels.int4.dequant import pow2_scale_f32
     from nq.kernels.int4.gemv_mma_shape import shape_of
+    from nq.kernels.int4.gemv_mma_stage import act_path
     from nq.kernels.int4.gemv_mma_weights import weight_path
     from nq.kernels.int4.tiling import MmaTiling
     from nq.ptx import (SIMULATOR, atom_add_acq_rel_gpu_u32, cvta_to_shared_u32,
                         griddepcontrol_launch_dependents,
                         griddepcontrol_wait, ld_global_cg_v4_u32, ld_global_nc_v2_f32,
                         red_relaxed_gpu_add_u64,
-                        ld_global_nc_v4_f32, mov_b32_f32_from_u32, pack_f16x2_from_f32)
+                        ld_global_nc_v4_f32, mov_b32_f32_from_u32, pack_f16x2_from_f32,
+                        unpack_f16x2_to_f32)
 
     check_o_proj(n_out, k, head_dim, num_heads, tpw)
     ACC = bool(acc)
@@ -129,8 +134,36 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     NEG = float32(NEG_BIG)
     ZERO = float32(0.0)
     # the weight side is o_proj's (its mma layout; warps and threads do not enter group_dot)
-    w = weight_path(shape_of("o_proj", n_out, k, MmaTiling(warps=1, threads=32 * WARPS), None))
-    tile_bases, load_group, group_dot = w.tile_bases, w.load_group, w.group_dot
+    I8 = bool(i8)
+    shape = shape_of("o_proj", n_out, k, MmaTiling(warps=1, threads=32 * WARPS, i8=int(I8)), None)
+    w = weight_path(shape)
+    tile_bases, load_group, group_dot, group_dot_i8 = (w.tile_bases, w.load_group, w.group_dot,
+                                                       w.group_dot_i8)
+    put_digits = act_path(shape).put_digits
+    ACT_W = 96 if I8 else 64            # a group staged: 384 bytes of digits, or 128 fp16
+    FULL = 0xFFFFFFFF
+
+    def stage_o_i8(act, fi_s, q, u0, u1, u2, u3):
+        """Warp 0 with i8: o's dims 4q..4q+3 of the block's group, rounded to fp16 as
+        attn_combine writes them, staged as digits after a power of two f that puts the
+        group's absmax in [128, 256) (fi_s[0] = 1/f)."""
+        o0, o1 = unpack_f16x2_to_f32(pack_f16x2_from_f32(u0, u1))
+        o2, o3 = unpack_f16x2_to_f32(pack_f16x2_from_f32(u2, u3))
+        f, fi = pow2_scale(wmax(max(max(abs(o0), abs(o1)), max(abs(o2), abs(o3)))))
+        put_digits(act, 0, q, o0 * f, o1 * f, o2 * f, o3 * f)
+        if q == 0:
+            fi_s[0] = fi
+
+    def tile_dot_i8(c, abase, t4, fi):
+        # rows g and g + 8 of one tile times the digits: lanes t = 0 and 1 together, their
+        # sums joined, times 1/f
+        v = group_dot_i8(c, c, abase, 0, t4)
+        v0 = v[0] * fi
+        v1 = v[1] * fi
+        return (v0 + cuda.shfl_xor_sync(FULL, v0, 1), v1 + cuda.shfl_xor_sync(FULL, v1, 1))
+
+    pow2_scale, wmax = dev(pow2_scale_f32), dev(warp_max)
+    stage_o_i8, tile_dot_i8 = dev(stage_o_i8), dev(tile_dot_i8)
 
     def warp_tile(rc, warp, j):
         # tile j of the warp in chunk rc, clamped into the matrix (a spare tile loads words
@@ -155,10 +188,15 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         # part_acc / part_ml flat (attn_combine's flat_partials); part_o (GROUPS * N,) f32;
         # counters (chunks,) u32, zero between launches; xa: xacc's words (ACC; else any
         # stand-in, as x, part_o and counters are with ACC)
-        act = cuda.shared.array(64, uint32, alignment=None if SIMULATOR else 16)  # 128 fp16
+        act = cuda.shared.array(ACT_W, uint32, alignment=None if SIMULATOR else 16)
+
         red = cuda.shared.array(RED, float32)
         gm = cuda.shared.array(GH, float32)
         gl = cuda.shared.array(GH, float32)
+        if I8:
+            fi_s = cuda.shared.array(1, float32)   # 1/f of the digits
+        else:
+            fi_s = gl                              # (a stand-in, never touched)
         last = cuda.shared.array(1, uint32)
         ms = cuda.local.array(R, float32)
         ls = cuda.local.array(R, float32)
@@ -250,24 +288,42 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
                 u2 += red[s_ * GROUP_SIZE + q * VEC + 2] * wt
                 u3 += red[s_ * GROUP_SIZE + q * VEC + 3] * wt
                 den += gl[s_ * HPG + hs] * wt
-            # o rounded to fp16 as attn_combine writes it, at the word gemv_mma's stage puts
-            # dims 4q..4q+3 of group 0 (pairs j, j + 1 of chunk q // 4, j = 2 (q % 4))
-            j = (q & 3) * 2
-            wd = (q >> 2) * 8 + (2 * j if j < 4 else 2 * j - 7)
-            act[wd] = pack_f16x2_from_f32(u0 / den, u1 / den)
-            act[wd + 2] = pack_f16x2_from_f32(u2 / den, u3 / den)
+            if I8:
+                stage_o_i8(act, fi_s, q, u0 / den, u1 / den, u2 / den, u3 / den)
+            else:
+                # o rounded to fp16 as attn_combine writes it, at the word gemv_mma's stage
+                # puts dims 4q..4q+3 of group 0 (pairs j, j + 1 of chunk q // 4, j = 2 (q % 4))
+                j = (q & 3) * 2
+                wd = (q >> 2) * 8 + (2 * j if j < 4 else 2 * j - 7)
+                act[wd] = pack_f16x2_from_f32(u0 / den, u1 / den)
+                act[wd + 2] = pack_f16x2_from_f32(u2 / den, u3 / den)
         cuda.syncthreads()
         abase = uint64(cvta_to_shared_u32(act))
-        store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4, group_dot(c0, c0, abase, 0, t4))
-        if TPW > 1:
-            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
-                       group_dot(c1, c1, abase, 0, t4))
-        if TPW > 2:
-            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
-                       group_dot(c2, c2, abase, 0, t4))
-        if TPW > 3:
-            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
-                       group_dot(c3, c3, abase, 0, t4))
+        if I8:     # lane (g, t) reads digit plane min(g, 2), lane t's run (gemv_mma "i8")
+            abase += uint64((min(g, 2) * 4 + t4) * 32)
+            fi = fi_s[0]
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4, tile_dot_i8(c0, abase, t4, fi))
+            if TPW > 1:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
+                           tile_dot_i8(c1, abase, t4, fi))
+            if TPW > 2:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
+                           tile_dot_i8(c2, abase, t4, fi))
+            if TPW > 3:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
+                           tile_dot_i8(c3, abase, t4, fi))
+        else:
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4,
+                       group_dot(c0, c0, abase, 0, t4))
+            if TPW > 1:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
+                           group_dot(c1, c1, abase, 0, t4))
+            if TPW > 2:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
+                           group_dot(c2, c2, abase, 0, t4))
+            if TPW > 3:
+                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
+                           group_dot(c3, c3, abase, 0, t4))
         # the fold (module doc): the last block of the chunk adds the GROUPS shares to x.  The
         # barrier makes the block's stores thread 0's to release (PTX's release is cumulative),
         # its acquire and the second barrier the other blocks' shares the readers'
@@ -327,16 +383,19 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     return kernel
 
 
-def o_proj_name(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False) -> str:
+def o_proj_name(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False,
+                i8=False) -> str:
     extra = {"acc": True} if acc else {}
+    if i8:
+        extra["i8"] = True
     return kernel_name("attn_o_proj", n=n_out, k=k, d=head_dim, hq=num_heads, splits=max_splits,
                        minpps=min_pps, tpw=tpw, **extra)
 
 
 @functools.cache
-def o_proj_kernel(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False):
+def o_proj_kernel(n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, acc=False, i8=False):
     """attn_o_proj compiled for sm_90, launched as [GROUPS * n_chunks, 32 * WARPS]."""
-    args = (n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, bool(acc))
+    args = (n_out, k, head_dim, num_heads, max_splits, min_pps, tpw, bool(acc), bool(i8))
     return compile_kernel(o_proj_body(*args), O_SIG_ACC if acc else O_SIG, o_proj_name(*args),
                           launch_bounds=(32 * WARPS,), fastmath=True)
 
@@ -358,11 +417,12 @@ def o_proj_workspace(n_out: int, k: int, tpw: int):
 
 
 def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: int = 2,
-                         xacc=None):
+                         xacc=None, i8: bool = False):
     """`launch(qw, sc, stream)` for every layer of one engine (the weights change a layer; the
     partials, x and the workspace do not): checks once, allocates the workspace once.  xacc
     (xacc_workspace): the heads' shares are added there (the acc kernel) and x is not touched;
-    gate_up and down then take it (MmaTiling.xacc)."""
+    gate_up and down then take it (MmaTiling.xacc).  i8: o multiplied as digits on the int8
+    tensor cores (gemv_mma.py "i8")."""
     import numpy as np
     from nq.kernels.attention.combine import flat_partials
     n, k, d, hq = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.head_dim, cfg.num_heads
@@ -376,7 +436,7 @@ def make_o_proj_launcher(cfg, state, part_acc, part_ml, x, min_pps: int, tpw: in
     if xacc is not None and (xacc.dtype != np.uint32 or tuple(xacc.shape) != (2 * n,)):
         raise ValueError(f"attn_o_proj: xacc is {xacc.dtype}{tuple(xacc.shape)}, want "
                          f"uint32({2 * n},) (xacc_workspace)")
-    kern = o_proj_kernel(n, k, d, hq, ms, min_pps, tpw, xacc is not None)
+    kern = o_proj_kernel(n, k, d, hq, ms, min_pps, tpw, xacc is not None, i8)
     acc_flat, ml_flat = flat_partials(part_acc, part_ml)
     part_o, counters = o_proj_workspace(n, k, tpw) if xacc is None else (None, None)
     grid = (k // GROUP_SIZE) * n_chunks(n, tpw)

@@ -182,4 +182,4 @@ def act_path(s: MmaShape) -> SimpleNamespace:
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
     return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group,
-                           stage_digits=stage_digits)
+                           stage_digits=stage_digits, put_digits=put_digits)

@@ -317,6 +317,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     return SimpleNamespace(
         load_words=load_words, load_scales=load_scales, load_group=load_group,
         load_both=load_both, dequant_mma=dequant_mma, chunk=chunk, group_dot=group_dot,
+        group_dot_i8=group_dot_i8,
         add_group=add_group, mainloop=mainloop, to_l2=to_l2, ahead_prologue=ahead_prologue,
         early_issue=early_issue, early_prologue=early_prologue, early_scale=early_scale,
         early_read=early_read, early_loop=early_loop, roles=roles, file_row=file_row,

@@ -62,11 +62,13 @@ SIM_SCRIPT = textwrap.dedent('''
     # (name, N, head_dim, heads, max_splits, min_pps, tokens, tpw): two K groups of one head;
     # four heads of 64 (two a group); a plan shorter than the grid (rows past it read row 0 and
     # weigh 0); the last chunk partly past N (tiles clamped, rows not stored or folded)
-    for name, n, d, hq, ms, minp, tokens, tpw in [
-            ("d128", 64, 128, 2, 5, 1, 5 * PAGE, 1),
-            ("d64", 64, 64, 4, 3, 1, 40, 2),
-            ("short_plan", 32, 128, 2, 9, 2, 3 * PAGE, 1),
-            ("ragged", 48, 128, 2, 4, 1, 4 * PAGE, 2)]:
+    # each also with i8 (o as digits on the int8 tensor cores: name_i8)
+    cases = [("d128", 64, 128, 2, 5, 1, 5 * PAGE, 1),
+             ("d64", 64, 64, 4, 3, 1, 40, 2),
+             ("short_plan", 32, 128, 2, 9, 2, 3 * PAGE, 1),
+             ("ragged", 48, 128, 2, 4, 1, 4 * PAGE, 2)]
+    for (name, n, d, hq, ms, minp, tokens, tpw), i8 in [(c, i) for i in (0, 1) for c in cases]:
+        name += "_i8" if i8 else ""
         k = hq * d
         cfg = SimpleNamespace(hidden_size=n, num_heads=hq, head_dim=d)
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
@@ -90,7 +92,7 @@ SIM_SCRIPT = textwrap.dedent('''
         ref = dequantize_packed(qw, sc).astype(np.float64) @ o16
         xd = cuda.to_device(x)
         launch = make_o_proj_launcher(cfg, cuda.to_device(state), cuda.to_device(acc),
-                                      cuda.to_device(ml), xd, minp, tpw)
+                                      cuda.to_device(ml), xd, minp, tpw, i8=bool(i8))
         dq, ds = cuda.to_device(pq), cuda.to_device(ps)
         launch(dq, ds)
         got = xd.copy_to_host()
@@ -104,9 +106,10 @@ SIM_SCRIPT = textwrap.dedent('''
 @pytest.mark.slow
 def test_o_proj_under_the_simulator():
     """fp16 o times small integers is exact in fp32; the merge's exp2 and fp32 sums remain,
-    and o's fp16 rounding, which the reference repeats."""
+    and o's fp16 rounding, which the reference repeats.  With i8 the fp16 o is exact in its
+    digits (22 bits of the group's absmax) and the sums exact in int32: the same bound."""
     errs, stdout = run_under_simulator(SIM_SCRIPT, timeout=900)
-    names = ("d128", "d64", "short_plan", "ragged")
+    names = [n + i for n in ("d128", "d64", "short_plan", "ragged") for i in ("", "_i8")]
     assert set(errs) == set(names) | {n + "_again" for n in names}, stdout
     for name in names:
         assert errs[name] < 2e-5, (name, errs[name])
