@@ -159,24 +159,64 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         put_digit(o + uint32(32), v2)
         put_digit(o + uint32(34), v3)
 
+    def load_group_a(a, grp, lane):
+        # the lane's four fp16 of group grp of `a` (past the last group: the last one's)
+        return ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
+
+    def digit_group(act, invf, grp, lane, w01, w23):
+        # group grp's four values of the lane as digits, times f_g (none past the last group)
+        p0, p1 = unpack_f16x2_to_f32(w01)
+        p2, p3 = unpack_f16x2_to_f32(w23)
+        f, fi = pow2_scale(wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))))
+        if grp < GROUPS:
+            put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
+            if lane == 0:
+                invf[grp] = fi
+
     def stage_digits(a, act, invf):
         """o_proj, down with i8: fp16 `a` staged as digits, each group times a power of two
         f_g that puts its absmax in [128, 256) (invf[g] = 1/f_g, as stage_norm's).  Warp w
-        stages groups w, w + WARPS, ...; a lane its four values 4 lane .. 4 lane + 3."""
+        stages groups w, w + WARPS, ...; a lane its four values 4 lane .. 4 lane + 3.  Eight
+        groups a warp at a time, their loads written out ahead of their math: in a loop NVVM
+        kept, each group's L2 round trip waited for the one before (down: 5 a warp)."""
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
-        for it in range(NORM_ITERS):
-            grp = it * WARPS + warp
-            w01, w23 = ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
-            p0, p1 = unpack_f16x2_to_f32(w01)
-            p2, p3 = unpack_f16x2_to_f32(w23)
-            f, fi = pow2_scale(wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))))
-            if grp < GROUPS:
-                put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
-                if lane == 0:
-                    invf[grp] = fi
+        for it in range(0, NORM_ITERS, 8):
+            g0 = it * WARPS + warp
+            a0 = load_group_a(a, g0, lane)
+            a1 = a2 = a3 = a4 = a5 = a6 = a7 = a0
+            if NORM_ITERS > 1:
+                a1 = load_group_a(a, g0 + WARPS, lane)
+            if NORM_ITERS > 2:
+                a2 = load_group_a(a, g0 + 2 * WARPS, lane)
+            if NORM_ITERS > 3:
+                a3 = load_group_a(a, g0 + 3 * WARPS, lane)
+            if NORM_ITERS > 4:
+                a4 = load_group_a(a, g0 + 4 * WARPS, lane)
+            if NORM_ITERS > 5:
+                a5 = load_group_a(a, g0 + 5 * WARPS, lane)
+            if NORM_ITERS > 6:
+                a6 = load_group_a(a, g0 + 6 * WARPS, lane)
+            if NORM_ITERS > 7:
+                a7 = load_group_a(a, g0 + 7 * WARPS, lane)
+            digit_group(act, invf, g0, lane, a0[0], a0[1])
+            if NORM_ITERS > 1:
+                digit_group(act, invf, g0 + WARPS, lane, a1[0], a1[1])
+            if NORM_ITERS > 2:
+                digit_group(act, invf, g0 + 2 * WARPS, lane, a2[0], a2[1])
+            if NORM_ITERS > 3:
+                digit_group(act, invf, g0 + 3 * WARPS, lane, a3[0], a3[1])
+            if NORM_ITERS > 4:
+                digit_group(act, invf, g0 + 4 * WARPS, lane, a4[0], a4[1])
+            if NORM_ITERS > 5:
+                digit_group(act, invf, g0 + 5 * WARPS, lane, a5[0], a5[1])
+            if NORM_ITERS > 6:
+                digit_group(act, invf, g0 + 6 * WARPS, lane, a6[0], a6[1])
+            if NORM_ITERS > 7:
+                digit_group(act, invf, g0 + 7 * WARPS, lane, a7[0], a7[1])
 
-    put_digit, put_digits, stage_digits = dev(put_digit), dev(put_digits), dev(stage_digits)
+    put_digit, put_digits, load_group_a, digit_group, stage_digits = (
+        dev(f) for f in (put_digit, put_digits, load_group_a, digit_group, stage_digits))
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(dev(fixed_to_f32)))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
