@@ -180,7 +180,11 @@ SIM_SCRIPT = textwrap.dedent('''
                           ("t2_w2_i8", 32, 384, MmaTiling(warps=2, threads=128, i8=1)),
                           ("w1_i8", 32, 640, MmaTiling(warps=1, threads=64, i8=1)),
                           ("early_i8", 48, 640, MmaTiling(warps=2, threads=128, early=2,
-                                                          i8=1))]:
+                                                          i8=1)),
+                          # 3 bytes a value past 48 KB: the digits in dynamic shared memory,
+                          # early's slots after them (the 7B's down with i8)
+                          ("dyn_early_i8", 16, 16512, MmaTiling(warps=4, threads=128, early=1,
+                                                                i8=1))]:
         qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
         a = (rng.standard_normal(k) * 3).astype(np.float16)
@@ -209,6 +213,6 @@ def test_mma_gemv_under_the_simulator():
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
     assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early",
-                         "early3", "t2_w2_i8", "w1_i8", "early_i8"}, stdout
+                         "early3", "t2_w2_i8", "w1_i8", "early_i8", "dyn_early_i8"}, stdout
     for name, e in errs.items():
         assert e < 1e-5, (name, e)
