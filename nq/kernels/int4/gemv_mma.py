@@ -264,15 +264,18 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             s += red[(tl * TILE_WARPS + w_) * TILE * MATS + m * TILE + r]
         return s
 
-    def block_sums(a, qw, sc, x, xa, act, red, dyn, invf):
+    def block_sums(a, qw, sc, x, xa, act, red, dyn):
         """o_proj / down up to the warps' partials in `red`: (row, tl2, r, xr) for
         row_sum(red, tl2, r, 0), the thread's output row (-1 for threads without one) and
         x[row] as it was, read right after the wait so that the epilogue's x += waits on no L2.
         With EARLY, the warp's first EARLY groups come from their slots in `dyn` (copied
         before the wait), mainloop's from group kw + EARLY * TILE_WARPS on; else dyn is a
         stand-in never read.  xa: xacc's words (XACC: xr is x + xacc * 2^-32), else a
-        stand-in never read.  invf: i8's 1/f_g a group (else red, never read)."""
+        stand-in never read.  With I8, red holds the groups' 1/f_g after the partials."""
         lane, g, t4, tl, kw, tile = roles()
+        invf = red        # (a stand-in without i8: only gate_up and i8 read invf)
+        if I8:
+            invf = red[PARTIALS:]
         bases = tile_bases(tile, lane, g)
         if EARLY:
             early_prologue(qw, sc, dyn, bases, tile, tl, kw, lane, cuda.threadIdx.x >> 5)
@@ -486,46 +489,32 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                 xa[2 * row + 1] = uint32(0)
 
     put_residual = dev(put_residual)
-    # i8: invf (1/f_g a group) after the partials in `red`; else red stands in for it
+    # i8: invf (1/f_g a group) after the partials in `red` (block_sums)
     RED_N = PARTIALS + GROUPS if I8 else PARTIALS
     if EARLY and not dynamic_smem(k, t):
         def residual(a, qw, sc, x, xa):
             act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED_N, float32)
-            invf = red
-            if I8:
-                invf = red[PARTIALS:]
             dyn = cuda.shared.array(0, uint32)   # launch_smem bytes: slots, scales, barriers
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn, invf)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, dyn)
             put_residual(x, xa, row, tl2, r, xr, red)
     elif EARLY:
         def residual(a, qw, sc, x, xa):  # the activations at the start of the dynamic array
             dyn = cuda.shared.array(0, uint32)
             red = cuda.shared.array(RED_N, float32)
-            invf = red
-            if I8:
-                invf = red[PARTIALS:]
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn, invf)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, dyn, red, dyn)
             put_residual(x, xa, row, tl2, r, xr, red)
     elif not dynamic_smem(k, t):
         def residual(a, qw, sc, x, xa):
             act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
             red = cuda.shared.array(RED_N, float32)
-            invf = red
-            if I8:
-                invf = red[PARTIALS:]
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red,  # (red: dyn's stand-in)
-                                         invf)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
             put_residual(x, xa, row, tl2, r, xr, red)
     else:
         def residual(a, qw, sc, x, xa):  # the same body, the activations in dynamic shared memory
             act = cuda.shared.array(0, uint32)  # ACT_ALLOC at launch; 16-byte aligned base
             red = cuda.shared.array(RED_N, float32)
-            invf = red
-            if I8:
-                invf = red[PARTIALS:]
-            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red,  # (red: dyn's stand-in)
-                                         invf)
+            row, tl2, r, xr = block_sums(a, qw, sc, x, xa, act, red, red)  # (red: dyn's stand-in)
             put_residual(x, xa, row, tl2, r, xr, red)
 
     residual = dev(residual)
