@@ -34,6 +34,26 @@ def test_o_proj_ptx(n, k, d, hq, ms, tpw):
     assert spill == 0 and regs <= 128, (regs, spill)
 
 
+@pytest.mark.parametrize("n,k,d,hq,ms,tpw", [
+    (3584, 3584, 128, 28, 33, 2),     # the 7B step's
+    (896, 896, 64, 14, 66, 1),        # the 0.5B's
+])
+def test_o_proj_i8_ptx(n, k, d, hq, ms, tpw):
+    # attn.o_i8: o staged as digits (byte stores), 4 k32 mmas a tile, the acc form's red.add
+    body = o_proj.o_proj_body(n, k, d, hq, ms, 2, tpw, True, True)
+    ptx = compile_ptx_sm90(body, o_proj.O_SIG_ACC, launch_bounds=(256,), fastmath=True)
+    assert_uses(ptx, "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "st.shared.u8",
+                "cvt.rni.s32.f32", "red.relaxed.gpu.global.add.u64")
+    assert count(ptx, "mma.sync.aligned.m16n8k32") == 4 * tpw
+    assert count(ptx, "mma.sync.aligned.m16n8k16") == 0
+    assert_no_local_memory(ptx)
+    assert o_proj.o_proj_name(n, k, d, hq, ms, 2, tpw, True, True).endswith("_acc1_i81")
+    if not have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptxas_report(ptx)
+    assert spill == 0 and regs <= 128, (regs, spill)
+
+
 def test_o_proj_refusals():
     with pytest.raises(ValueError, match="num_heads \\* head_dim"):
         o_proj.check_o_proj(3584, 3584, 128, 27, 2)

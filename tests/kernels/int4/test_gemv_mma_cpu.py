@@ -144,6 +144,27 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     assert spill == 0 and regs <= 128
 
 
+@pytest.mark.parametrize("kind,n,k,tiling", [
+    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1)),  # 7B
+    ("down", 5120, 27648, MmaTiling(warps=8, threads=768, early=1, i8=1)),   # 32B: 128 KB
+    ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, i8=1)),
+])
+def test_mma_gemv_i8_ptx_sm90(kind, n, k, tiling):
+    fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
+    ptx = ptx_util.compile_ptx_sm90(fn, sig, launch_bounds=(tiling.threads,))
+    ptx_util.assert_uses(ptx, "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32",
+                         "st.shared.u8", "cvt.rni.s32.f32", "ld.shared.v4.u32")
+    ptx_util.assert_no_local_memory(ptx)
+    assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 0
+    assert ptx_util.count(ptx, "fma.rn.f16x2") == 0      # no fp16 dequant left
+    # the digits, 3 bytes a value, in dynamic shared memory past 48 KB (with early's after)
+    assert gemv_mma.dynamic_smem(k, tiling) == (3 * k if 3 * k > 48 * 1024 else 0)
+    if not ptx_util.have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptx_util.ptxas_report(ptx)
+    assert spill == 0 and regs <= 65536 // tiling.threads, (regs, spill)
+
+
 SIM_SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
