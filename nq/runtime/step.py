@@ -138,6 +138,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     from nq.kernels import attention, embed, feed, lm_head, rope_kv
     from nq.kernels import sampling as argmax
     from nq.kernels.int4 import make_qkv_rope_gemv
+    from nq.kernels.int4 import tiling as tiling_mod
     from nq.kernels.int4.launch import gemv_tiling
     from nq.runtime.weights import gemvs
 
@@ -157,7 +158,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")
     o_tpw = int(opts.pop("o_tpw", 0) or o_tiles_per_warp(c))
-    o_i8 = bool(opts.pop("o_i8", 0))
+    o_i8 = bool(opts.pop("o_i8", tiling_mod.I8))   # NQ_I8=1: on by default
     ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."

@@ -28,6 +28,12 @@ reads at ~fp32 precision.  It brings the decode tier within its 5e-4 target at t
 +0.042 ms a decode step at 512 / 8K (qkv on the tensor cores +0.053 / +0.022, qkv's hilo
 +0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default; at 357deef
 qkv on the tensor cores measured +0.083 / +0.046 alone, at 76 registers (docs/PERF.md 0.9).
+
+NQ_I8=1 (`I8`, read once at import; not yet measured on a GPU, docs/PERF.md 0.27): every
+tensor-core tiling default_tiling gives stages its activations as signed-byte digits on the
+int8 tensor cores (`MmaTiling.i8`, in place of hilo), and the step's attn_o_proj too
+(`attn.o_i8`); the weights' layout does not change.  So `NQ_I8=1 nq bench` measures the whole
+step, and with NQ_MMA_QKV=1 the fp32-accurate step without hilo.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
 MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # the fp32-accurate step (module doc)
+I8 = os.environ.get("NQ_I8", "0") == "1"                      # i8 in the defaults (module doc)
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 TILE = 16                        # rows of an mma tile (m16)
 
@@ -260,6 +267,24 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
+    """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); with NQ_I8=1
+    a tensor-core tiling stages its activations as digits (`with_i8`)."""
+    t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
+    return with_i8(kind, k, t) if I8 else t
+
+
+def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
+    """t with i8 in place of hilo where the tensor-core kernel can take it (a CUDA-core
+    tiling, and a kind that stages rmsnorm(x) whose 3 bytes a value outgrow static shared
+    memory, unchanged)."""
+    if not isinstance(t, MmaTiling) or (kind in ("gate_up", "qkv", "qkv_rope")
+                                        and 3 * k > STATIC_SMEM_LIMIT):
+        return t
+    return dataclasses.replace(t, i8=1, hilo=0)
+
+
+def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
+                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest; sms is
     the device's SM count (`common.sm_count`, 132 offline) unless given: the one-wave rules
     (`one_wave_tiles`, down's tiles a block, qkv's threads) and the 7B's t576 gate_up read it.

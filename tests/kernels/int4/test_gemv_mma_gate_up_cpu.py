@@ -276,3 +276,25 @@ def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch
     on = float(switch == "1")
     assert vals == {"mma_launcher": on, "rows_launcher": 1 - on, "mma_layout": on,
                     "prefill_mma": on, "mismatches": 0.0, "uploaded_mma": on}, out
+
+
+def test_the_i8_switch_moves_the_defaults_not_the_layouts():
+    """NQ_I8=1 (read at import): every tensor-core default takes i8 (in hilo's place with
+    NQ_MMA_QKV=1), the CUDA-core ones and the upload's layouts stay; off, nothing has i8."""
+    script = ("from nq.kernels.int4 import tiling as T\n"
+              "for kind, n, k in [('gate_up', 18944, 3584), ('down', 3584, 18944), "
+              "('o_proj', 3584, 3584), ('qkv_rope', 4608, 3584), ('down', 5120, 27648)]:\n"
+              "    t = T.default_tiling(kind, n, k, sms=132, head_dim=128)\n"
+              "    print(kind, n, getattr(t, 'i8', '-'), getattr(t, 'hilo', '-'), t.layout())\n")
+    outs = {}
+    for env in ({}, {"NQ_I8": "1"}, {"NQ_I8": "1", "NQ_MMA_QKV": "1"}):
+        e = {k: v for k, v in os.environ.items() if k not in ("NQ_I8", "NQ_MMA_QKV")}
+        e.update(env)
+        res = subprocess.run([sys.executable, "-c", script], env=e, cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        outs[tuple(env)] = [line.split(maxsplit=4) for line in res.stdout.splitlines()]
+    off, on, fp32 = outs[()], outs[("NQ_I8",)], outs[("NQ_I8", "NQ_MMA_QKV")]
+    assert [r[2] for r in off] == ["0", "0", "0", "-", "0"]
+    assert [r[2] for r in on] == ["1", "1", "1", "-", "1"]        # qkv_rope: the CUDA cores
+    assert [r[4] for r in on] == [r[4] for r in off]              # the same uploaded layouts
+    assert [r[2:4] for r in fp32] == [["1", "0"]] * 5             # i8, not hilo
