@@ -122,7 +122,9 @@ def cvt_rni_s32_f32(f):
     f = float(np.float32(f))
     if f != f:
         return np.int32(0)
-    return np.int32(min(max(round(f), -2**31), 2**31 - 1))   # round(): ties to even
+    if abs(f) >= 2.0**31:
+        return np.int32(-2**31 if f < 0 else 2**31 - 1)
+    return np.int32(round(f))   # round(): ties to even
 
 
 @ptx("cvt.rn.f16x2.f32 %0, %2, %1;", out="u32", args=("f32", "f32"))

@@ -97,8 +97,9 @@ def test_mma_s8_warp_model_is_an_exact_matmul():
 
 def test_cvt_rni_twin_rounds_ties_to_even():
     got = [int(P.cvt_rni_s32_f32.twin(np.float32(v))) for v in
-           (2.5, 3.5, -2.5, -0.5, 1e10, -1e10, float("nan"), 4194303.75)]
-    assert got == [2, 4, -2, 0, 2**31 - 1, -2**31, 0, 4194304]
+           (2.5, 3.5, -2.5, -0.5, 1e10, -1e10, float("nan"), 4194303.75, float("inf"),
+            float("-inf"))]
+    assert got == [2, 4, -2, 0, 2**31 - 1, -2**31, 0, 4194304, 2**31 - 1, -2**31]
 
 
 def rows_for(tile, lane_rc):

@@ -139,7 +139,8 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     w = weight_path(shape)
     tile_bases, load_group, group_dot, group_dot_i8 = (w.tile_bases, w.load_group, w.group_dot,
                                                        w.group_dot_i8)
-    put_digits = act_path(shape).put_digits
+    ap = act_path(shape)
+    put_digits, finite_or_nan = ap.put_digits, ap.finite_or_nan
     ACT_W = 96 if I8 else 64            # a group staged: 384 bytes of digits, or 128 fp16
     FULL = 0xFFFFFFFF
 
@@ -150,6 +151,7 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         o0, o1 = unpack_f16x2_to_f32(pack_f16x2_from_f32(u0, u1))
         o2, o3 = unpack_f16x2_to_f32(pack_f16x2_from_f32(u2, u3))
         f, fi = pow2_scale(wmax(max(max(abs(o0), abs(o1)), max(abs(o2), abs(o3)))))
+        fi = finite_or_nan(fi, o0, o1, o2, o3)
         put_digits(act, 0, q, o0 * f, o1 * f, o2 * f, o3 * f)
         if q == 0:
             fi_s[0] = fi

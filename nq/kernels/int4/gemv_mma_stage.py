@@ -6,6 +6,7 @@ writes rmsnorm(x) * norm_w there (gate_up, qkv: each group times a power of two,
 as device functions for gemv_mma.build_kernel."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 from numba import cuda, float32, uint16, uint32  # module globals: the simulator swaps cuda
@@ -78,6 +79,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
                     ss += sq
                     if I8:
                         put_digits(act, grp, lane, v0, v1, v2, v3)
+                        fi = finite_or_nan(fi, v0, v1, v2, v3)
                     else:
                         act[w] = pack_f16x2_from_f32(v0, v1)
                         act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
@@ -159,6 +161,13 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         put_digit(o + uint32(32), v2)
         put_digit(o + uint32(34), v3)
 
+    def finite_or_nan(fi, v0, v1, v2, v3):
+        """i8 (the whole warp): 1/f_g, or NaN where a value of the warp's group is not finite
+        -- cvt.rni would take a NaN to 0 and saturate an inf, so the group's 1/f_g carries it
+        to every row, as the fp16 staging's NaN would.  A sum, not a max: max drops a NaN."""
+        s_ = wsum(abs(v0) + abs(v1) + abs(v2) + abs(v3))
+        return fi if s_ <= float32(3.4028234663852886e38) else float32(math.nan)
+
     def load_group_a(a, grp, lane):
         # the lane's four fp16 of group grp of `a` (past the last group: the last one's)
         return ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
@@ -168,6 +177,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         p0, p1 = unpack_f16x2_to_f32(w01)
         p2, p3 = unpack_f16x2_to_f32(w23)
         f, fi = pow2_scale(wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))))
+        fi = finite_or_nan(fi, p0, p1, p2, p3)
         if grp < GROUPS:
             put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
             if lane == 0:
@@ -215,11 +225,13 @@ def act_path(s: MmaShape) -> SimpleNamespace:
             if NORM_ITERS > 7:
                 digit_group(act, invf, g0 + 7 * WARPS, lane, a7[0], a7[1])
 
-    put_digit, put_digits, load_group_a, digit_group, stage_digits = (
-        dev(f) for f in (put_digit, put_digits, load_group_a, digit_group, stage_digits))
+    put_digit, put_digits, finite_or_nan, load_group_a, digit_group, stage_digits = (
+        dev(f) for f in (put_digit, put_digits, finite_or_nan, load_group_a, digit_group,
+                         stage_digits))
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(dev(fixed_to_f32)))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
     return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group,
-                           stage_digits=stage_digits, put_digits=put_digits)
+                           stage_digits=stage_digits, put_digits=put_digits,
+                           finite_or_nan=finite_or_nan)
