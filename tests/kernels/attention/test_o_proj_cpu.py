@@ -208,6 +208,9 @@ XACC_SCRIPT = textwrap.dedent('''
     outs = []
     for t, xx, extra in [(MmaTiling(warps=2, threads=128), xe, {}),
                          (MmaTiling(warps=2, threads=128, xacc=1), x,
+                          {"xacc": cuda.to_device(words)}),
+                         (MmaTiling(warps=2, threads=128, i8=1), xe, {}),
+                         (MmaTiling(warps=2, threads=128, xacc=1, i8=1), x,
                           {"xacc": cuda.to_device(words)})]:
         g = GateUpMmaGemv(ecfg, n, k, t)
         gq, gs = g.prepare([(qw[:n], sc[:n]), (qw[n:], sc[n:])])
@@ -216,6 +219,7 @@ XACC_SCRIPT = textwrap.dedent('''
           **extra)
         outs.append(out.copy_to_host())
     print("gate_up_xacc", float(np.abs(outs[0].astype(np.float64) - outs[1]).max()))
+    print("gate_up_xacc_i8", float(np.abs(outs[2].astype(np.float64) - outs[3]).max()))
     k2, n2 = 384, 64
     a = (rng.standard_normal(k2) * 3).astype(np.float16)
     words2 = (rng.integers(-2**40, 2**40, n2) * 4).astype(np.int64).view(np.uint32)
@@ -225,7 +229,9 @@ XACC_SCRIPT = textwrap.dedent('''
     res = []
     for t, xx in [(MmaTiling(warps=2, threads=128), x2 + fixed(words2)),
                   (MmaTiling(warps=2, threads=128, xacc=1), x2),
-                  (MmaTiling(warps=2, threads=128, early=1, xacc=1), x2)]:
+                  (MmaTiling(warps=2, threads=128, early=1, xacc=1), x2),
+                  (MmaTiling(warps=2, threads=128, i8=1), x2 + fixed(words2)),
+                  (MmaTiling(warps=2, threads=128, early=1, xacc=1, i8=1), x2)]:
         g = ResidualMmaGemv("down", n2, k2, t)
         q_, s_ = g.prepare([(dq, dsc)])
         xdev = cuda.to_device(xx)
@@ -234,18 +240,22 @@ XACC_SCRIPT = textwrap.dedent('''
           **({"xacc": wa} if t.xacc else {}))
         res.append(xdev.copy_to_host())
         if t.xacc:
-            print("down_xacc_zeroed_" + str(t.early), float(np.abs(wa.copy_to_host()).max()))
+            print("down_xacc_zeroed_" + str(t.early) + ("_i8" if t.i8 else ""),
+                  float(np.abs(wa.copy_to_host()).max()))
     print("down_xacc", float(np.abs(res[0].astype(np.float64) - res[1]).max()))
     print("down_xacc_early", float(np.abs(res[0].astype(np.float64) - res[2]).max()))
+    print("down_xacc_i8", float(np.abs(res[3].astype(np.float64) - res[4]).max()))
 ''')
 
 
 @pytest.mark.slow
 def test_xacc_forms_under_the_simulator():
     """attn_o_proj's acc form within 2e-5 of float64 in xacc (x untouched); gate_up and down
-    with xacc bit for bit the kernels without it given x + xacc * 2^-32; down zeroes xacc."""
+    with xacc bit for bit the kernels without it given x + xacc * 2^-32 (with i8 too); down
+    zeroes xacc."""
     errs, stdout = run_under_simulator(XACC_SCRIPT, timeout=900)
     assert errs.get("acc", 1.0) < 2e-5 and errs.get("acc_x") == 0.0, stdout
     for name in ("gate_up_xacc", "down_xacc", "down_xacc_early", "down_xacc_zeroed_0",
-                 "down_xacc_zeroed_1"):
+                 "down_xacc_zeroed_1", "gate_up_xacc_i8", "down_xacc_i8",
+                 "down_xacc_zeroed_1_i8"):
         assert errs.get(name) == 0.0, (name, stdout)
