@@ -103,7 +103,7 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     reads x + xacc and down folds it into x (gemv_mma.py "xacc"); the kernel is then
     O_SIG_ACC's.  i8: o (rounded to fp16 as ever) staged as gemv_mma's digits and multiplied
     on the int8 tensor cores (gemv_mma.py "i8")."""
-    from nq.kernels.common import warp_max
+    from nq.kernels.common import FULL, warp_max
     from nq.kernels.int4.dequant import pow2_scale_f32
     from nq.kernels.int4.gemv_mma_shape import shape_of
     from nq.kernels.int4.gemv_mma_stage import act_path
@@ -137,12 +137,11 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
     I8 = bool(i8)
     shape = shape_of("o_proj", n_out, k, MmaTiling(warps=1, threads=32 * WARPS, i8=int(I8)), None)
     w = weight_path(shape)
-    tile_bases, load_group, group_dot, group_dot_i8 = (w.tile_bases, w.load_group, w.group_dot,
-                                                       w.group_dot_i8)
+    tile_bases, load_group, group_dot, group_dot_i8, b_lane = (
+        w.tile_bases, w.load_group, w.group_dot, w.group_dot_i8, w.b_lane)
     ap = act_path(shape)
     put_digits, finite_or_nan = ap.put_digits, ap.finite_or_nan
     ACT_W = 96 if I8 else 64            # a group staged: 384 bytes of digits, or 128 fp16
-    FULL = 0xFFFFFFFF
 
     def stage_o_i8(act, fi_s, q, u0, u1, u2, u3):
         """Warp 0 with i8: o's dims 4q..4q+3 of the block's group, rounded to fp16 as
@@ -156,16 +155,21 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         if q == 0:
             fi_s[0] = fi
 
-    def tile_dot_i8(c, abase, t4, fi):
-        # rows g and g + 8 of one tile times the digits: lanes t = 0 and 1 together, their
-        # sums joined, times 1/f
-        v = group_dot_i8(c, c, abase, 0, t4)
-        v0 = v[0] * fi
-        v1 = v[1] * fi
-        return (v0 + cuda.shfl_xor_sync(FULL, v0, 1), v1 + cuda.shfl_xor_sync(FULL, v1, 1))
+    if I8:
+        def tile_dot(c, abase, t4, fi):
+            # rows g and g + 8 of one tile times the digits: lanes t = 0 and 1 together, their
+            # sums joined, times 1/f
+            v = group_dot_i8(c, c, abase, 0, t4)
+            v0 = v[0] * fi
+            v1 = v[1] * fi
+            return (v0 + cuda.shfl_xor_sync(FULL, v0, 1), v1 + cuda.shfl_xor_sync(FULL, v1, 1))
+    else:
+        def tile_dot(c, abase, t4, fi):
+            # rows g and g + 8 of one tile times the staged fp16 o (fi: 1, unused)
+            return group_dot(c, c, abase, 0, t4)
 
     pow2_scale, wmax = dev(pow2_scale_f32), dev(warp_max)
-    stage_o_i8, tile_dot_i8 = dev(stage_o_i8), dev(tile_dot_i8)
+    stage_o_i8, tile_dot = dev(stage_o_i8), dev(tile_dot)
 
     def warp_tile(rc, warp, j):
         # tile j of the warp in chunk rc, clamped into the matrix (a spare tile loads words
@@ -191,7 +195,6 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
         # counters (chunks,) u32, zero between launches; xa: xacc's words (ACC; else any
         # stand-in, as x, part_o and counters are with ACC)
         act = cuda.shared.array(ACT_W, uint32, alignment=None if SIMULATOR else 16)
-
         red = cuda.shared.array(RED, float32)
         gm = cuda.shared.array(GH, float32)
         gl = cuda.shared.array(GH, float32)
@@ -300,32 +303,20 @@ def o_proj_body(n_out: int, k: int, head_dim: int, num_heads: int, max_splits: i
                 act[wd] = pack_f16x2_from_f32(u0 / den, u1 / den)
                 act[wd + 2] = pack_f16x2_from_f32(u2 / den, u3 / den)
         cuda.syncthreads()
-        abase = uint64(cvta_to_shared_u32(act))
-        if I8:     # lane (g, t) reads digit plane min(g, 2), lane t's run (gemv_mma "i8")
-            abase += uint64((min(g, 2) * 4 + t4) * 32)
+        abase = b_lane(uint64(cvta_to_shared_u32(act)), g, t4)
+        fi = float32(1.0)
+        if I8:
             fi = fi_s[0]
-            store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4, tile_dot_i8(c0, abase, t4, fi))
-            if TPW > 1:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
-                           tile_dot_i8(c1, abase, t4, fi))
-            if TPW > 2:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
-                           tile_dot_i8(c2, abase, t4, fi))
-            if TPW > 3:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
-                           tile_dot_i8(c3, abase, t4, fi))
-        else:
-            store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4,
-                       group_dot(c0, c0, abase, 0, t4))
-            if TPW > 1:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
-                           group_dot(c1, c1, abase, 0, t4))
-            if TPW > 2:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
-                           group_dot(c2, c2, abase, 0, t4))
-            if TPW > 3:
-                store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
-                           group_dot(c3, c3, abase, 0, t4))
+        store_rows(part_o, xa, gk, rc * TPB + warp * TPW, g, t4, tile_dot(c0, abase, t4, fi))
+        if TPW > 1:
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 1, g, t4,
+                       tile_dot(c1, abase, t4, fi))
+        if TPW > 2:
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 2, g, t4,
+                       tile_dot(c2, abase, t4, fi))
+        if TPW > 3:
+            store_rows(part_o, xa, gk, rc * TPB + warp * TPW + 3, g, t4,
+                       tile_dot(c3, abase, t4, fi))
         # the fold (module doc): the last block of the chunk adds the GROUPS shares to x.  The
         # barrier makes the block's stores thread 0's to release (PTX's release is cumulative),
         # its acquire and the second barrier the other blocks' shares the readers'

@@ -141,7 +141,7 @@ import math
 from numba import cuda, float32, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import dev
+from nq.kernels.common import FULL, dev
 from nq.kernels.int4.dequant import fixed_to_f32
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
 from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
@@ -154,8 +154,6 @@ from nq.paged import PAGE, STATE_POS
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, cp_async_wait_group, cvt_rn_f16_f32,
                     cvta_to_shared_u32, griddepcontrol_launch_dependents, griddepcontrol_wait,
                     st_global_u16)
-
-FULL = 0xFFFFFFFF
 
 __all__ = ["NORM_KINDS", "build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem",
            "gemv_mma_name", "launch_smem"]
@@ -209,8 +207,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
                              f"rope ({t.rope})")
     s = shape_of(kind, n_out, k, t, eps)   # the constants (gemv_mma_shape.py says what each is)
     TILE_WARPS, WARPS, TILES, GROUPS, N_TILES = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS, s.N_TILES
-    MATS, ACT_WORDS, PARTIALS, ACT_ALLOC = s.MATS, s.ACT_WORDS, s.PARTIALS, s.ACT_ALLOC
-    ROPE, D, HALF, TPH, HILO, LO_WORDS = s.ROPE, s.D, s.HALF, s.TPH, s.HILO, s.LO_WORDS
+    MATS, PARTIALS, ACT_ALLOC = s.MATS, s.PARTIALS, s.ACT_ALLOC
+    ROPE, D, HALF, TPH = s.ROPE, s.D, s.HALF, s.TPH
     EARLY, L2AHEAD, XACC = s.EARLY, s.L2AHEAD, s.XACC
     I8 = s.I8
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
@@ -219,6 +217,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
     roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
                                                         w.load_both, w.mainloop)
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop
+    b_lane = w.b_lane
     stage, stage_norm, stage_digits = a_.stage, a_.stage_norm, a_.stage_digits
 
     def out_row():
@@ -300,9 +299,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         cuda.syncthreads()
         # widened here, once: the chunk offsets added to it are 64-bit sums anyway (kept as a
         # 32-bit value the PTX comes out in another order)
-        abase = uint64(cvta_to_shared_u32(act))
-        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
-            abase += uint64((min(g, 2) * 4 + t4) * 32)
+        abase = b_lane(uint64(cvta_to_shared_u32(act)), g, t4)
         if EARLY:
             a0, a1, a2, a3 = early_loop(dyn, abase, t4, invf)
             b0, b1, b2, b3 = mainloop(qw, sc, abase, bases, kr, t4, first, invf)
@@ -345,11 +342,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         page = 0
         if ROPE:
             page = table[pos // PAGE]
-        abase = uint64(cvta_to_shared_u32(act))
-        if HILO:   # lanes of odd g hold B's odd columns: lo
-            abase += uint64((g & 1) * LO_WORDS * 4)
-        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
-            abase += uint64((min(g, 2) * 4 + t4) * 32)
+        abase = b_lane(uint64(cvta_to_shared_u32(act)), g, t4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
             acc = lo_to_t0(acc)
@@ -392,11 +385,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
         rstd = stage_norm(x, xa, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        abase = uint64(cvta_to_shared_u32(act))
-        if HILO:   # lanes of odd g hold B's odd columns: lo
-            abase += uint64((g & 1) * LO_WORDS * 4)
-        if I8:     # lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), lane t's run
-            abase += uint64((min(g, 2) * 4 + t4) * 32)
+        abase = b_lane(uint64(cvta_to_shared_u32(act)), g, t4)
         acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
         if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
             acc = lo_to_t0(acc)

@@ -73,19 +73,19 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.early and early_smem(k, t) + staged_bytes(k, t) * (not dynamic_smem(k, t)) \
             + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: tiling {t.tag()} needs {early_smem(k, t)} bytes of "
-                         f"early groups and scales beside {k * 2} of activations, over the "
-                         f"{SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller early "
-                         f"or fewer threads")
+                         f"early groups and scales beside {staged_bytes(k, t)} of activations, "
+                         f"over the {SMEM_OPTIN_LIMIT}-byte shared memory of a block: a smaller "
+                         f"early or fewer threads")
     if t.xacc and kind not in ("gate_up", "down"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
                          f"is read by gate_up and folded by down; {kind} takes x alone")
     if t.i8 and t.hilo:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: i8 (the activations as signed-byte "
                          f"digits) replaces hilo (use one of the two)")
-    if t.i8 and kind in NORM_KINDS and 3 * k > STATIC_SMEM_LIMIT:
+    if t.i8 and kind in NORM_KINDS and dynamic_smem(k, t):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as three bytes a value "
-                         f"needs {3 * k} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
-                         f"shared memory; use i8=0")
+                         f"needs {staged_bytes(k, t)} bytes, over the {STATIC_SMEM_LIMIT} bytes "
+                         f"of static shared memory; use i8=0")
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, int32, uint32  # module globals: the simulator swaps cuda
+from numba import cuda, float32, int32, uint32, uint64  # module globals: the simulator swaps cuda
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import dev
@@ -36,7 +36,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     NORM, D, TPH, PARTNER, HILO, EARLY = s.NORM, s.D, s.TPH, s.PARTNER, s.HILO, s.EARLY
     PAIRS_MAIN, SLOTS_B, SC_W, SC_CHUNKS = s.PAIRS_MAIN, s.SLOTS_B, s.SC_W, s.SC_CHUNKS
     SC_ITERS, BAR_B, SLOT_TX, L2AHEAD = s.SC_ITERS, s.BAR_B, s.SLOT_TX, s.L2AHEAD
-    I8 = s.I8
+    I8, LO_WORDS = s.I8, s.LO_WORDS
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -99,6 +99,16 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
                     (db[0] + db[1]) * cvt_f32_f16(cb[8]), (db[2] + db[3]) * cvt_f32_f16(cb[9]))
         return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
                 db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
+
+    def b_lane(abase, g, t4):
+        """Where lane (g, t)'s B fragments start in the staged activations at abase: with hilo
+        lanes of odd g read lo (B's odd columns); with i8 lane (g, t) reads digit plane
+        min(g, 2) (hi, mid, lo), its run of lane t."""
+        if HILO:
+            abase += uint64((g & 1) * LO_WORDS * 4)
+        if I8:
+            abase += uint64((min(g, 2) * 4 + t4) * 32)
+        return abase
 
     def kstep(q0, q1, b0, b1, d):
         """i8: one k32 step, chunks 2s (word q0) and 2s + 1 (q1): each nibble n moved to the
@@ -306,7 +316,8 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
 
 
     dequant = dev(dequant_word)
-    kstep, digits_dot, group_dot_i8 = dev(kstep), dev(digits_dot), dev(group_dot_i8)
+    b_lane, kstep, digits_dot, group_dot_i8 = (dev(f) for f in (b_lane, kstep, digits_dot,
+                                                                group_dot_i8))
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, add_group, \
         mainloop, to_l2, ahead_prologue, early_issue, early_prologue, early_scale, early_read, \
         early_loop, roles, file_row, tile_bases = (
@@ -317,7 +328,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     return SimpleNamespace(
         load_words=load_words, load_scales=load_scales, load_group=load_group,
         load_both=load_both, dequant_mma=dequant_mma, chunk=chunk, group_dot=group_dot,
-        group_dot_i8=group_dot_i8,
+        group_dot_i8=group_dot_i8, b_lane=b_lane,
         add_group=add_group, mainloop=mainloop, to_l2=to_l2, ahead_prologue=ahead_prologue,
         early_issue=early_issue, early_prologue=early_prologue, early_scale=early_scale,
         early_read=early_read, early_loop=early_loop, roles=roles, file_row=file_row,

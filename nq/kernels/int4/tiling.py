@@ -104,9 +104,9 @@ class MmaTiling:
     xacc: int = 0        # gate_up / down: x is x + xacc * 2^-32, xacc the int64 sums attn_o_proj
     #                      adds its heads' shares into (gate_up reads it, down folds it into x
     #                      and zeroes it; gemv_mma.py "xacc")
-    i8: int = 0          # gate_up, qkv: the staged activations as three signed-byte digits (22
-    #                      bits a group) on the int8 tensor cores, 3 instructions a word of
-    #                      weights instead of 9 (gemv_mma.py "i8")
+    i8: int = 0          # the staged activations as three signed-byte digits (22 bits of a
+    #                      group's absmax) on the int8 tensor cores, 3 instructions a word of
+    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -270,17 +270,21 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); with NQ_I8=1
     a tensor-core tiling stages its activations as digits (`with_i8`)."""
     t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
-    return with_i8(kind, k, t) if I8 else t
+    return with_i8(kind, n_out, k, t) if I8 else t
 
 
-def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
-    """t with i8 in place of hilo where the tensor-core kernel can take it (a CUDA-core
-    tiling, and a kind that stages rmsnorm(x) whose 3 bytes a value outgrow static shared
-    memory, unchanged)."""
-    if not isinstance(t, MmaTiling) or (kind in ("gate_up", "qkv", "qkv_rope")
-                                        and 3 * k > STATIC_SMEM_LIMIT):
+def with_i8(kind: str, n_out: int, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
+    """t with i8 in place of hilo where the tensor-core kernel takes it (its check_tiling);
+    else (a CUDA-core tiling; gate_up's or qkv's 3 bytes a value past static shared memory) t."""
+    if not isinstance(t, MmaTiling):
         return t
-    return dataclasses.replace(t, i8=1, hilo=0)
+    from nq.kernels.int4.gemv_mma_shape import check_tiling   # (it imports this module)
+    i8 = dataclasses.replace(t, i8=1, hilo=0)
+    try:
+        check_tiling(kind, n_out, k, i8)    # t passes it: what it refuses is i8's
+    except ValueError:
+        return t
+    return i8
 
 
 def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
