@@ -57,7 +57,7 @@ from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
                                      _SH8, _SIXTEENTH, pow2_scale_f32)
 from nq.kernels.int4.rope_epilogue import put_rope_body
-from nq.kernels.int4.tiling import Tiling, check_tiling
+from nq.kernels.int4.tiling import NORM_KINDS, Tiling, check_tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fma_rn_f16x2,
                     griddepcontrol_launch_dependents,
@@ -66,7 +66,6 @@ from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch
                     pack_f16x2_from_f32, st_global_u16, unpack_f16x2_to_f32)
 
 _ALIGN = None if SIMULATOR else 16   # the simulator refuses alignment=; numba honours it
-NORM_KINDS = ("qkv", "gate_up", "qkv_rope")   # RMSNorm in the prologue
 
 # Retired, each after it lost in the 7B step graph on the H200 (docs/PERF.md, 0.4 rows):
 # block_major (a block's step one contiguous run): down +0.027 ms a step (8K +0.033); code at 13c221c

@@ -13,14 +13,9 @@ import numpy as np
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 from nq.kernels.int4.layout import CHUNK
-from nq.kernels.int4.tiling import MMA_KINDS, ROPE_KINDS, TILE, MmaTiling, hilo_bytes
+from nq.kernels.int4.tiling import (MMA_KINDS, NORM_KINDS, ROPE_KINDS, TILE, MmaTiling,
+                                    hilo_bytes, staged_bytes)
 
-NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (stage_norm)
-
-
-def staged_bytes(k: int, t: MmaTiling | None = None) -> int:
-    """Bytes of the staged activations: 2 a value (fp16), 3 with i8 (the digits)."""
-    return k * (3 if t is not None and t.i8 else 2)
 
 
 def dynamic_smem(k: int, t: MmaTiling | None = None) -> int:

@@ -49,6 +49,7 @@ MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (mo
 MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # the fp32-accurate step (module doc)
 I8 = os.environ.get("NQ_I8", "0") == "1"                      # i8 in the defaults (module doc)
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
+NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (they stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -169,6 +170,12 @@ def hilo_bytes(k: int) -> int:
     return 4 * k + 32
 
 
+def staged_bytes(k: int, t: MmaTiling | None = None) -> int:
+    """Bytes of a tensor-core GEMV's staged activations: 2 a value (fp16), 3 with i8 (the
+    digits)."""
+    return k * (3 if t is not None and t.i8 else 2)
+
+
 def one_wave_tiles(n_tiles: int, sms: int, most: int) -> int:
     """Tiles a block, 1..most: the fewest waves of blocks (ceil(blocks / sms)), then the fewest
     tiles for the busiest SM (waves x tiles a block), then the fewest blocks.  Under
@@ -270,20 +277,16 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); with NQ_I8=1
     a tensor-core tiling stages its activations as digits (`with_i8`)."""
     t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
-    return with_i8(kind, n_out, k, t) if I8 else t
+    return with_i8(kind, k, t) if I8 else t
 
 
-def with_i8(kind: str, n_out: int, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
-    """t with i8 in place of hilo where the tensor-core kernel takes it (its check_tiling);
-    else (a CUDA-core tiling; gate_up's or qkv's 3 bytes a value past static shared memory) t."""
-    if not isinstance(t, MmaTiling):
-        return t
-    from nq.kernels.int4.gemv_mma_shape import check_tiling   # (it imports this module)
-    i8 = dataclasses.replace(t, i8=1, hilo=0)
-    try:
-        check_tiling(kind, n_out, k, i8)    # t passes it: what it refuses is i8's
-    except ValueError:
-        return t
+def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
+    """t with i8 in place of hilo where the tensor-core kernel takes it; else (a CUDA-core
+    tiling; gate_up's or qkv's 3 bytes a value past static shared memory, which they stage
+    in) t."""
+    i8 = dataclasses.replace(t, i8=1, hilo=0) if isinstance(t, MmaTiling) else t
+    if i8 is t or (kind in NORM_KINDS and staged_bytes(k, i8) > STATIC_SMEM_LIMIT):
+        return t    # (gemv_mma_shape.check_tiling's refusal of that i8)
     return i8
 
 
