@@ -48,8 +48,9 @@ FUSE_ROPE = True
 # 2 **-0.059 / -0.053 / -0.062** (the 14B -0.073 / -0.031 at 4 tiles a warp), 1 -0.011 / -0.003
 # / -0.006, 1 without the early trigger +0.046 / +0.048 / +0.056.  Where o_proj, gate_up or
 # down run on the CUDA cores (the 0.5B's widths) the step keeps 0.  Experiments: "attn.fuse_o=0",
-# "attn.o_tpw=2" (tiles a warp), "attn.trigger=0", "attn.o_i8=1" (attn_o_proj's o as digits on
-# the int8 tensor cores, gemv_mma.py "i8").
+# "attn.o_tpw=2" (tiles a warp), "attn.trigger=0", "attn.o_i8=0" (attn_o_proj's o in fp16; by
+# default its digits on the int8 tensor cores, gemv_mma.py "i8": -0.012 / -0.005 / -0.008 ms a
+# step, H100, 2026-12-07; off by default with NQ_I8=0).
 FUSE_O = 2
 
 
@@ -158,7 +159,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")
     o_tpw = int(opts.pop("o_tpw", 0) or o_tiles_per_warp(c))
-    o_i8 = bool(opts.pop("o_i8", tiling_mod.I8))   # NQ_I8=1: on by default
+    o_i8 = bool(opts.pop("o_i8", tiling_mod.O_I8))   # on unless NQ_I8=0
     ms = int(opts.pop("max_splits", None) or split_width(c, opts))
     if not 1 <= ms <= eng.part_acc.shape[0]:
         raise ValueError(f"attn max_splits={ms}: the engine's partials hold 1.."

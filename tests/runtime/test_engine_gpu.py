@@ -530,7 +530,8 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
 
 
 def test_i8_projections_in_the_step(model, capsys):
-    """The step with gate_up's and down's activations as signed-byte digits (i8, opt-in), then
+    """The step with gate_up's and down's activations as signed-byte digits (i8; gate_up's by
+    default, down's opt-in), then
     attn_o_proj's too: the default step's greedy ids and logits (step_variants_agree), and nq
     verify's decode tier passes with all three."""
     import dataclasses

@@ -327,7 +327,7 @@ def test_ncu_gemv_parses_tilings():
     ng = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ng)
     assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512, early=1)  # the default, new fields
-    assert ng.parse_tiling("gate_up", "2,256") == MmaTiling(warps=2, threads=256, l2ahead=1)
+    assert ng.parse_tiling("gate_up", "2,256") == MmaTiling(warps=2, threads=256, l2ahead=1, i8=1)
     qkv = default_tiling("qkv", 4608, 3584)                       # a CUDA-core default
     t = ng.parse_tiling("qkv", "7,128,prefetch=0")
     assert (t.ks, t.threads, t.prefetch) == (7, 128, 0) and t.span == qkv.span

@@ -106,7 +106,8 @@ model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the log
 qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
 at ~40 %, the KV cache's fp16 at ~30 %, the attention output's and SwiGLU's at the rest).
 
-i8 (`MmaTiling.i8`, every kind; opt-in, docs/PERF.md 0.27): the fp16 dequant is 9 of a
+i8 (`MmaTiling.i8`, every kind; gate_up's default, docs/PERF.md 0.27-0.28, tiling.py's
+NQ_I8 for the rest): the fp16 dequant is 9 of a
 word's ~12 instructions, and the tensor cores multiply signed bytes too.  A nibble n moved to
 the top of its byte is the signed byte 16 n, so `(q << 4) & 0xF0F0F0F0` and `q & 0xF0F0F0F0`
 are rows g and g + 8 of one k16 chunk's weights -- each byte in the column order (2t, 2t + 8,

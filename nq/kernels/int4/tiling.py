@@ -29,11 +29,16 @@ reads at ~fp32 precision.  It brings the decode tier within its 5e-4 target at t
 +0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default; at 357deef
 qkv on the tensor cores measured +0.083 / +0.046 alone, at 76 registers (docs/PERF.md 0.9).
 
-NQ_I8=1 (`I8`, read once at import; not yet measured on a GPU, docs/PERF.md 0.27): every
-tensor-core tiling default_tiling gives stages its activations as signed-byte digits on the
-int8 tensor cores (`MmaTiling.i8`, in place of hilo), and the step's attn_o_proj too
-(`attn.o_i8`); the weights' layout does not change.  So `NQ_I8=1 nq bench` measures the whole
-step, and with NQ_MMA_QKV=1 the fp32-accurate step without hilo.
+i8 (`MmaTiling.i8`, gemv_mma.py "i8"): gate_up's and attn_o_proj's activations are staged as
+signed-byte digits on the int8 tensor cores, 22 bits of each group's absmax (hilo's accuracy) at
+fewer instructions a weight word than the fp16 staging; the weights' layout does not change.
+Measured in the 7B step (H100, 2026-12-07, scripts/step_variants.py, ms a step at 512 / 8K /
+32K): gate_up -0.025 / -0.019 / -0.014, attn_o_proj -0.012 / -0.005 / -0.008, the two
+-0.027 / -0.028 / -0.023; down +0.031 / +0.035 / +0.034 and qkv_rope in the fp32-accurate step
++0.016 / +0.018 (against hilo) lost -- their blocks stage all of K for one or two tiles, so the
+digits' longer staging is not paid back -- and stay fp16 (hilo).  `NQ_I8` (`I8`, read once at
+import) picks: "1" (the default) those two, "0" none, "all" every tensor-core tiling (the
+experiment of docs/PERF.md 0.27).
 """
 from __future__ import annotations
 
@@ -47,7 +52,12 @@ KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
 MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
 MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # the fp32-accurate step (module doc)
-I8 = os.environ.get("NQ_I8", "0") == "1"                      # i8 in the defaults (module doc)
+I8 = os.environ.get("NQ_I8", "1")                             # where i8 is default (module doc)
+if I8 not in ("0", "1", "all"):
+    raise ValueError(f"NQ_I8={I8!r}: use 1 (gate_up and attn_o_proj, the default), 0 (no i8) "
+                     f"or all (every tensor-core GEMV)")
+I8_KINDS = {"0": (), "1": ("gate_up",), "all": MMA_KINDS}[I8]  # default_tiling's i8 kinds
+O_I8 = I8 != "0"                                               # attn_o_proj's default
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (they stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
@@ -274,10 +284,10 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
-    """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); with NQ_I8=1
-    a tensor-core tiling stages its activations as digits (`with_i8`)."""
+    """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); a tensor-core
+    tiling of I8_KINDS stages its activations as digits (`with_i8`; NQ_I8, module doc)."""
     t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
-    return with_i8(kind, k, t) if I8 else t
+    return with_i8(kind, k, t) if kind in I8_KINDS else t
 
 
 def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:

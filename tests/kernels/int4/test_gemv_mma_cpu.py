@@ -96,7 +96,7 @@ def test_mma_tiling_rule():
     for k in (13824, 27648):   # the 14B's, the 32B's
         assert default_tiling("down", 5120, k, sms=132) == MmaTiling(8, 768, early=1)
         assert default_tiling("down", 5120, k, sms=114) == mma_tiling("down", 5120, k, sms=114)
-        assert default_tiling("gate_up", k, 5120, sms=132) == MmaTiling(2, 448, l2ahead=1)
+        assert default_tiling("gate_up", k, 5120, sms=132) == MmaTiling(2, 448, l2ahead=1, i8=1)
     assert mma_tiling("down", 2048, 11008) == MmaTiling(warps=16, threads=512)  # 3B: 128 tiles
     # gate_up: 2 warps a tile, one block an SM where the tiles allow (one_wave_tiles)
     assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(warps=2, threads=448)  # 864 tiles

@@ -29,7 +29,8 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
     monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
     hilo_7b = MmaTiling(warps=2, threads=576, hilo=1)        # one_wave_tiles, as without hilo
-    assert mma_tiling("gate_up", i, h) == hilo_7b == default_tiling("gate_up", i, h)
+    assert mma_tiling("gate_up", i, h) == hilo_7b
+    assert default_tiling("gate_up", i, h) == MmaTiling(2, 576, i8=1)   # i8 in hilo's place
     assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(2, 448, hilo=1)   # 14B: 7 a block
     assert mma_tiling("gate_up", 4864, 896) == MmaTiling(2, 256, hilo=1)     # K < 2048: 4
     assert mma_tiling("gate_up", 64, 128 * 100) == MmaTiling(2, 64)   # hi + lo over 48 KB: plain
@@ -41,8 +42,9 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert off == default_tiling("gate_up", i, h, mma=False)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", True)
     on = default_tiling("gate_up", i, h)   # the 7B's measured entry: one block an SM of 132
-    assert on == MmaTiling(warps=2, threads=576, l2ahead=1) and on.layout() == SEVEN_B.layout()
-    assert default_tiling("gate_up", i, h, sms=114) == MmaTiling(2, 384)   # the rule: 6 a block
+    assert on == MmaTiling(warps=2, threads=576, l2ahead=1, i8=1)   # i8: NQ_I8's default
+    assert on.layout() == SEVEN_B.layout()
+    assert default_tiling("gate_up", i, h, sms=114) == MmaTiling(2, 384, i8=1)   # 6 a block
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
     assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=384, span=128)
@@ -279,22 +281,36 @@ def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch
 
 
 def test_the_i8_switch_moves_the_defaults_not_the_layouts():
-    """NQ_I8=1 (read at import): every tensor-core default takes i8 (in hilo's place with
-    NQ_MMA_QKV=1), the CUDA-core ones and the upload's layouts stay; off, nothing has i8."""
+    """NQ_I8 (read at import): by default gate_up alone of the GEMVs takes i8 (in hilo's place
+    with NQ_MMA_QKV=1, where qkv_rope keeps hilo); "all" every tensor-core default; "0" none.
+    The CUDA-core tilings and the upload's layouts stay; a value it does not know is refused."""
     script = ("from nq.kernels.int4 import tiling as T\n"
               "for kind, n, k in [('gate_up', 18944, 3584), ('down', 3584, 18944), "
               "('o_proj', 3584, 3584), ('qkv_rope', 4608, 3584), ('down', 5120, 27648)]:\n"
               "    t = T.default_tiling(kind, n, k, sms=132, head_dim=128)\n"
-              "    print(kind, n, getattr(t, 'i8', '-'), getattr(t, 'hilo', '-'), t.layout())\n")
+              "    print(kind, n, getattr(t, 'i8', '-'), getattr(t, 'hilo', '-'), t.layout())\n"
+              "print('o_i8', int(T.O_I8))\n")
     outs = {}
-    for env in ({}, {"NQ_I8": "1"}, {"NQ_I8": "1", "NQ_MMA_QKV": "1"}):
+    for env in ({}, {"NQ_I8": "0"}, {"NQ_I8": "all"}, {"NQ_MMA_QKV": "1"},
+                {"NQ_I8": "all", "NQ_MMA_QKV": "1"}, {"NQ_I8": "yes"}):
         e = {k: v for k, v in os.environ.items() if k not in ("NQ_I8", "NQ_MMA_QKV")}
         e.update(env)
         res = subprocess.run([sys.executable, "-c", script], env=e, cwd=ROOT,
-                             capture_output=True, text=True, check=True)
-        outs[tuple(env)] = [line.split(maxsplit=4) for line in res.stdout.splitlines()]
-    off, on, fp32 = outs[()], outs[("NQ_I8",)], outs[("NQ_I8", "NQ_MMA_QKV")]
-    assert [r[2] for r in off] == ["0", "0", "0", "-", "0"]
-    assert [r[2] for r in on] == ["1", "1", "1", "-", "1"]        # qkv_rope: the CUDA cores
-    assert [r[4] for r in on] == [r[4] for r in off]              # the same uploaded layouts
-    assert [r[2:4] for r in fp32] == [["1", "0"]] * 5             # i8, not hilo
+                             capture_output=True, text=True)
+        outs[tuple(env.items())] = [line.split(maxsplit=4) for line in res.stdout.splitlines()]
+        if env.get("NQ_I8") == "yes":
+            assert res.returncode != 0 and "NQ_I8='yes': use 1" in res.stderr, res.stderr
+        else:
+            assert res.returncode == 0, res.stderr
+    default, off, every = outs[()], outs[(("NQ_I8", "0"),)], outs[(("NQ_I8", "all"),)]
+    fp32 = outs[(("NQ_MMA_QKV", "1"),)]
+    fp32_all = outs[(("NQ_I8", "all"), ("NQ_MMA_QKV", "1"))]
+    assert [r[2] for r in default[:5]] == ["1", "0", "0", "-", "0"]   # gate_up alone
+    assert [r[2] for r in off[:5]] == ["0", "0", "0", "-", "0"]
+    assert [r[2] for r in every[:5]] == ["1", "1", "1", "-", "1"]     # qkv_rope: CUDA cores
+    assert default[5] == every[5] == ["o_i8", "1"] and off[5] == ["o_i8", "0"]
+    for out, same in ((off, default), (every, default), (fp32_all, fp32)):
+        assert [r[4] for r in out[:5]] == [r[4] for r in same[:5]]     # the same layouts
+    assert [r[2:4] for r in fp32[:5]] == [["1", "0"], ["0", "0"], ["0", "0"], ["0", "1"],
+                                          ["0", "0"]]               # gate_up i8, qkv_rope hilo
+    assert [r[2:4] for r in fp32_all[:5]] == [["1", "0"]] * 5         # i8, not hilo
