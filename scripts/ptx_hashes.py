@@ -146,6 +146,7 @@ def build_step_kernels(cfg) -> None:
     from nq.kernels import embed, feed, fill, lm_head, rmsnorm, rope_kv, sampling
     from nq.kernels.attention import combine, launch, plan
     from nq.kernels.int4 import make_qkv_rope_gemv, retile
+    from nq.kernels.int4.tiling import O_I8   # the step's attn.o_i8 default
     from nq.kernels.attention.o_proj import o_proj_kernel
     from nq.runtime.step import ATTN_OPTIONS, FUSE_O, fused_o, o_tiles_per_warp, split_width
     from nq.runtime.weights import gemvs
@@ -164,7 +165,7 @@ def build_step_kernels(cfg) -> None:
                         tma_from=o.get("tma_from", 0), trigger=bool(fuse))
     if fuse:
         o_proj_kernel(cfg.hidden_size, cfg.q_size, cfg.head_dim, cfg.num_heads, ms,
-                      o["min_pps"], o_tiles_per_warp(cfg), fuse == 2)
+                      o["min_pps"], o_tiles_per_warp(cfg), fuse == 2, O_I8)
     else:
         combine.combine_kernel(cfg.head_dim, ms, o["min_pps"])
     sampling.argmax_kernel(cfg.vocab_size)

@@ -9,12 +9,11 @@ weights it spends 9 instructions turning nibbles into fp16 pairs and 4 fma.f16x2
 them with activations it read from shared memory (one 16-byte load a word).  Here the same 9
 dequant instructions build the A fragment of one `mma.sync.m16n8k16` (fp16 in, fp32 out),
 which replaces the 4 fmas, and one 8-byte B fragment of activations serves the 16 rows of the
-tile: ~10 instructions per 8 weights instead of ~14.  The default for o_proj and down
-(`tiling.mma_tiling`; the 7B step -0.14 ms, docs/KERNELS_GEMV.md).
+tile: ~10 instructions per 8 weights instead of ~14 (o_proj's and down's default: -0.14 ms).
 
-gate_up here costs +0.036 ms a decode step against the CUDA-core kernel, and is the default
-since d292fd2 (NQ_MMA_GATE_UP=0 turns it off) because the prefill GEMMs read its layout ~1.3x
-faster (a 512-token prompt 22.0 -> 18.9 ms on the H200, 2026-12-01); its sums are fp32.
+gate_up here is the default since d292fd2 (NQ_MMA_GATE_UP=0 turns it off): the prefill GEMMs
+read its layout ~1.3x faster (a 512-token prompt 22.0 -> 18.9 ms on the H200, 2026-12-01), its
+sums are fp32, and with i8 (below) its decode step beats the CUDA-core kernel's.
 
 qkv and qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step with hilo below; +0.053 ms a decode
 step at 512 on the H200, 2026-12-02, so not the default; tiling.py has the figures): gemv.py's
@@ -36,31 +35,27 @@ of shared memory counted off an mbarrier a slot, and the tile's warps copy its s
 (cp.async); after the wait the warp takes those groups from its slots, then the rest through
 the register loop, whose first loads are issued before the wait as without.  It is what is
 left of the ring (below): a persistent step's essence -- weights in flight before the inputs
-are -- inside the kernel as it is.  In the step on the H200 (2026-12-02) down P = 1 -0.016 /
--0.018 / -0.016 ms at 512 / 8K / 32K, P = 2 about the same, P = 3 +0.017, P = 4 +0.051; o_proj
-P = 1 +0.009, P = 2 +0.026 (docs/PERF.md).
+are -- inside the kernel as it is.  H200, 2026-12-02, ms a step at 512 / 8K / 32K: down P = 1
+-0.016 / -0.018 / -0.016, P = 3 +0.017; o_proj P = 1 +0.009 (docs/PERF.md).
 
 l2ahead (`MmaTiling.l2ahead=P`; the 7B's gate_up P = 1, o_proj P = 2): when a warp issues the
 loads of its group g, lane 0 (lane 1: gate_up's up tile) asks L2 for the same tile's group
 g + P * warps (`to_l2`, one cp.async.bulk.prefetch.L2 of its contiguous 1 KB), and the
-prologue for the first P after `first`, before the wait.  In the step on the H200 (2026-12-03)
-both together -0.010 / -0.018 / -0.018 ms at 512 / 8K / 32K; down lost at every P, and P > 2
-loses everywhere (docs/PERF.md 0.16).
+prologue for the first P after `first`, before the wait.  H200, 2026-12-03: both -0.010 /
+-0.018 / -0.018 ms; down lost at every P, P > 2 everywhere (docs/PERF.md 0.16).
 
 xacc (`MmaTiling.xacc`, gate_up and down; opt-in with attn_o_proj's acc form, the step's
 `attn.fuse_o=2`): x's value is x + xacc * 2^-32, xacc (N,) int64 as 2N uint32 words into which
 attn_o_proj added its heads' shares of o_proj (red.add.u64: integer sums in any order give the
-same bits, so no block has to wait for the others to sum them).  gate_up stages
-rmsnorm(x + xacc * 2^-32) (its loads beside x's, gemv_mma_stage.scaled_group); down reads xacc
-beside x right after the wait, writes x + xacc * 2^-32 + its sums and zeroes xacc for the next
-layer: one writer an element, as ever.  Each int64 is rounded once to fp32, then scaled
-exactly (dequant.fixed_to_f32).  Measured: docs/PERF.md 0.23.
+same bits, so no block waits for the others).  gate_up stages rmsnorm(x + xacc * 2^-32) (its
+loads beside x's, gemv_mma_stage.scaled_group); down reads xacc beside x after the wait, writes
+x + xacc * 2^-32 + its sums and zeroes xacc for the next layer: one writer an element.  Each
+int64 is rounded once to fp32, then scaled exactly (dequant.fixed_to_f32); docs/PERF.md 0.23.
 
-Retired, each after it lost in the 7B step graph (docs/KERNELS_GEMV.md, "Retired variants",
-has what each did and cost): prefetch=2 and splits (13c221c), preload=2 (c936f73), ring
-(805e084, 6362a1e; early keeps its prologue), a down block resident beside gate_up's
-(0f4633d), gate_up's sets=3 and apart (a8a7e72), gate_up and down as one kernel (bc19524),
-the copy engine as gate_up's feed (3ba57e0), stream-K down (c922c89).
+Retired, each after it lost in the 7B step (docs/KERNELS_GEMV.md, "Retired variants"):
+prefetch=2 and splits (13c221c), preload=2 (c936f73), ring (805e084, 6362a1e), a down block
+beside gate_up's (0f4633d), gate_up's sets=3 and apart (a8a7e72), gate_up and down as one
+kernel (bc19524), the copy-engine feed (3ba57e0), stream-K down (c922c89).
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -101,32 +96,18 @@ fp16(v), lanes of odd g load lo = fp16(v - hi) (staged 8 words past hi, other ba
 lane's d0 + d1 (d2 + d3) is row g's (g+8's) dot product with v to ~2^-22 of each value
 instead of 2^-11: the fp32 activations at no extra mma.  Only gate_up and qkv can: they stage
 rmsnorm(x) from the fp32 residual themselves, while o_proj and down read fp16 that earlier
-kernels wrote.  On a 2-layer
-model of the 7B width the decode tier's error went 1.19e-3 -> 4.82e-4 of the logit spread with
-qkv on the tensor cores (H200, 2026-12-02; a NumPy model of the roundings had put h's share
-at ~40 %, the KV cache's fp16 at ~30 %, the attention output's and SwiGLU's at the rest).
+kernels wrote.  On a 2-layer model of the 7B width the decode tier's error went 1.19e-3 ->
+4.82e-4 of the logit spread with qkv on the tensor cores (H200, 2026-12-02; docs/PERF.md 0.9).
 
-i8 (`MmaTiling.i8`, every kind; gate_up's default, docs/PERF.md 0.27-0.28, tiling.py's
-NQ_I8 for the rest): the fp16 dequant is 9 of a
-word's ~12 instructions, and the tensor cores multiply signed bytes too.  A nibble n moved to
-the top of its byte is the signed byte 16 n, so `(q << 4) & 0xF0F0F0F0` and `q & 0xF0F0F0F0`
-are rows g and g + 8 of one k16 chunk's weights -- each byte in the column order (2t, 2t + 8,
-2t + 1, 2t + 9) -- and two words (chunks 2s, 2s + 1) are the A fragment of one
-`mma.sync.m16n8k32.s8`: 3 instructions a word.  The activations become integers: each staged
-value v (gate_up, qkv: x * norm_w * f_g; o_proj, down: a * f_g, stage_digits), |v| < 256,
-is x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes hi, mid, lo (x = 65536 hi +
-256 mid + lo; `(x + 0x808080) ^ 0x808080` holds them as bytes 2, 1, 0) in three planes of
-shared memory, each byte where the B fragment of its column order wants it.  B has 8 columns
-and a GEMV needs one, so (as hilo does with two) lane (g, t) loads plane min(g, 2): D's
-columns 0, 1, 2 are the weights' dot products with hi, mid and lo, exact in int32
-(|D| <= 128 * 128 * 128), lane t = 0 holds columns 0 and 1, lane t = 1 column 2.  Each lane
-weighs its columns (2^-2 and 2^-10 at t = 0, 2^-18 at t = 1, zero elsewhere: 1/16 for the
-16 n, 2^-14 for the fixed point, 65536 / 256 / 1 for the digits), times the row's scale and
-1/f_g; after the loop lane t = 1's sums join lane t = 0's (one shuffle a sum).  So the
-activations carry 22 bits of their group's absmax (fp16: 11 of each value), the sums are
-exact, and a group is 4 k32 mmas a tile instead of 8 k16.  A group of digits is 3 planes x 4
-lanes t x 32 bytes = 384 bytes (3 a value: the 7B's down stages 57 KB, in dynamic shared
-memory).
+i8 (`MmaTiling.i8`, every kind; gate_up's default, tiling.py's NQ_I8 for the rest): the
+weights' nibbles moved to the top of their bytes (16 n as a signed byte, 3 instructions a word
+against the fp16 dequant's 9) times the activations as integers, x = rni(v * 2^14) staged as
+three signed-byte digits in three planes (stage_digits), on `mma.sync.m16n8k32.s8`: lane (g, t)
+reads plane min(g, 2), so D's columns 0-2 are the exact int32 dot products with hi, mid and lo,
+which lanes t = 0 and 1 weigh and join after the loop (`lo_to_t0`).  22 bits of each group's
+absmax, hilo's accuracy, a third fewer instructions a group; a group is 384 bytes of digits (the
+7B's down stages 57 KB, in dynamic shared memory).  gemv_mma_weights.kstep / group_dot_i8 have
+the arithmetic, docs/KERNELS_GEMV.md "i8" the measurements (gate_up won, down lost).
 
 Where the body lives: build_kernel (here) checks the shape, takes its constants from
 gemv_mma_shape.py, a warp's weights (tile, loads, dequant-mma, the loop, early, l2ahead) from
