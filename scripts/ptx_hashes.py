@@ -58,6 +58,11 @@ docs/figures/ptx_hashes_394c6b2.json at 394c6b2: the step with attn_o_proj into 
 32B: attn_combine gone, attn_o_proj new, the split kernel with its early trigger, gate_up and
 down with xacc, by intent; 34 of b234f6d's 45 unchanged, the 0.5B's all: its o_proj stays on
 the CUDA cores, so its step keeps attn_combine).
+docs/figures/ptx_hashes_2412016.json is the default step of the 0.5B, 7B, 14B and 32B at 2412016,
+with i8 the default for gate_up and attn_o_proj: against 68040ca, 36 of 43 kernels are the same;
+the four gate_ups (886 -> 778, 1108 -> 887, 1234 -> 879 instructions) and the 7B's and 14B's
+attn_o_proj (686 -> 758, 905 -> 885) by intent, and the 14B qkv_rope's other form (1998 both).
+This script had built attn_o_proj without the step's o_i8 until 2412016.
 """
 from __future__ import annotations
 
