@@ -7,7 +7,7 @@ See nq/ptx/_asm.py for how a wrapper is built and what its operand kinds mean.
               mov_b32_u32_from_f32, mov_b32_f32_from_u32
     memory    ld_global_nc_v4_u32 (+ _na_ and _hint_ variants, createpolicy_evict_first_b64),
               ld_global_nc_v2_u32, ld_global_nc_v2_f32, ld_global_nc_v4_f32, ld_global_nc_u16,
-              st_global_v4_u32,
+              ld_global_nc_u32, st_global_v4_u32,
               st_global_u16, ld_shared_v4_u32, ld_shared_v4_u32_at, ld_shared_v2_u32_at,
               st_shared_u8_at,
               ld_shared_v4_f32, cvta_to_shared_u32,
@@ -59,7 +59,8 @@ from nq.ptx.mbarrier import (mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrie
                              mbarrier_try_wait_parity, mbarrier_wait_parity)
 from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            cvta_to_shared_u32_at, ld_global_nc_hint_v4_u32, ld_global_nc_na_v4_u32,
-                           ld_global_nc_u16, ld_global_nc_v2_f32, ld_global_nc_v2_u32,
+                           ld_global_nc_u16, ld_global_nc_u32, ld_global_nc_v2_f32,
+                           ld_global_nc_v2_u32,
                            ld_global_nc_v4_f32,
                            ld_global_nc_v4_u32, ld_shared_v4_f32, ld_shared_v4_u32,
                            ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
@@ -77,7 +78,7 @@ __all__ = [
     "ld_global_nc_v4_u32", "ld_global_nc_na_v4_u32", "ld_global_nc_hint_v4_u32",
     "createpolicy_evict_first_b64", "ld_global_nc_v2_u32", "ld_global_nc_v2_f32",
     "ld_global_nc_v4_f32",
-    "ld_global_nc_u16", "st_global_v4_u32", "st_global_u16", "ld_shared_v4_u32",
+    "ld_global_nc_u16", "ld_global_nc_u32", "st_global_v4_u32", "st_global_u16", "ld_shared_v4_u32",
     "ld_shared_v4_u32_at", "ld_shared_v2_u32_at", "st_shared_u8_at",
     "ld_shared_v4_f32",
     "cvta_to_shared_u32", "cvta_to_shared_u32_at",

@@ -251,6 +251,7 @@ def extras_set(w, h, f, out, o16):
     a += e2 - f2
     a += P.mul_hi_u32(a, f2)
     e, g = P.ld_global_nc_v2_u32(w, 2 * i)
+    e += P.ld_global_nc_u32(w, i)
     x0, x1, x2, x3 = P.ld_global_nc_v4_f32(f, 4 * i)
     y0, y1, y2, y3 = P.ld_shared_v4_f32(ftile, 4 * (i % 2))
     x0 += y0 + y1 + y2 + y3
@@ -275,7 +276,7 @@ def extras_ptx():
 
 @pytest.mark.parametrize("instruction", [
     "ld.shared.v4.u32", "ld.shared.v4.f32", "ld.global.nc.v2.u32", "ld.global.nc.v2.f32",
-    "ld.global.nc.v4.f32", "ld.global.nc.u16",
+    "ld.global.nc.v4.f32", "ld.global.nc.u16", "ld.global.nc.u32",
     "st.global.u16", "mov.b32", "cvta.to.shared.u64", "griddepcontrol.wait",
     "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2.global", "mul.hi.u32",
     "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group", "%clock64",
@@ -363,7 +364,7 @@ def test_every_exported_wrapper_is_covered(gemv_ptx, pipeline_ptx, extras_ptx, c
     from test_async_copy import async_copy_ptx
     from test_tensormap_cpu import tensor_copy_ptx
     names = [n for n in P.__all__ if callable(getattr(P, n))]
-    assert len(names) == 66
+    assert len(names) == 67
     sets = (gemv_ptx, pipeline_ptx, extras_ptx, async_copy_ptx(), cluster_ptx, tensor_copy_ptx(),
             gridsync_ptx)
     for n in names:

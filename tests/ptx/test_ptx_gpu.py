@@ -390,7 +390,8 @@ def k_extras(w, h, f, out, o16, addr, same, pair):
     # the 32-bit-address twins of the load above: the same 16 (and last 8) bytes, bit for bit
     e, f_, g, h_ = P.ld_shared_v4_u32_at(P.cvta_to_shared_u32(tile) + 16 * (2 * (i // 4) + i % 2))
     u, v = P.ld_shared_v2_u32_at(P.cvta_to_shared_u32(tile) + 16 * (2 * (i // 4) + i % 2) + 8)
-    same[i] = (e == a) and (f_ == b) and (g == c) and (h_ == d) and (u == c) and (v == d)
+    same[i] = ((e == a) and (f_ == b) and (g == c) and (h_ == d) and (u == c) and (v == d)
+               and P.ld_global_nc_u32(w, 2 * i + 1) == w[2 * i + 1])
 
 
 def test_extras():

@@ -291,6 +291,11 @@ def test_narrow_and_float_loads_and_u16_store_twins():
     assert P.ld_global_nc_v2_u32.twin(a, 6) == (13, 14)
     with pytest.raises(AssertionError, match="8-byte access"):
         P.ld_global_nc_v2_u32.twin(a, 5)
+    assert P.ld_global_nc_u32.twin(a, 5) == 12
+    h2 = np.array([1.0, -2.0, 0.5, 3.0], dtype=np.float16)
+    assert P.ld_global_nc_u32.twin(h2, 2) == int(h2[2:].view(np.uint32)[0])   # a pair
+    with pytest.raises(AssertionError, match="4-byte access"):
+        P.ld_global_nc_u32.twin(h2, 1)
     f = np.linspace(-1, 1, 8).astype(np.float32)
     assert P.ld_global_nc_v4_f32.twin(f, 4) == tuple(f[4:])
     assert P.ld_global_nc_v2_f32.twin(f, 6) == tuple(f[6:])

@@ -531,7 +531,7 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
 
 def test_i8_projections_in_the_step(model, capsys):
     """The step with gate_up's and down's activations as signed-byte digits (i8; gate_up's by
-    default, down's opt-in), then
+    default, down's opt-in), the same stored as whole words (i8=2), then
     attn_o_proj's too: the default step's greedy ids and logits (step_variants_agree), and nq
     verify's decode tier passes with all three."""
     import dataclasses
@@ -553,5 +553,6 @@ def test_i8_projections_in_the_step(model, capsys):
             print(f"\n{name} i8 {sorted(tilings)}: decode tier {row.detail}")
         assert row.passed, row
 
+    words = {kind: dataclasses.replace(t, i8=2) for kind, t in tilings.items()}
     attn = {"o_i8": 1} if "down" in tilings else {}   # attn_o_proj goes with the mma down
-    step_variants_agree(eng, ((tilings, {}), (tilings, attn)), decode_tier)
+    step_variants_agree(eng, ((tilings, {}), (words, {}), (tilings, attn)), decode_tier)

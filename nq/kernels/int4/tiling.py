@@ -117,7 +117,9 @@ class MmaTiling:
     #                      and zeroes it; gemv_mma.py "xacc")
     i8: int = 0          # the staged activations as three signed-byte digits (22 bits of a
     #                      group's absmax) on the int8 tensor cores, 3 instructions a word of
-    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo
+    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo.  1: stored
+    #                      a byte a value and plane; 2: a lane's four values' digits as three
+    #                      32-bit words (gemv_mma_stage.put_digit_words; the same bytes)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -133,7 +135,8 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else ""))
+                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else "")
+                + ("w" if self.i8 == 2 else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
