@@ -141,6 +141,17 @@ def ptxas_report(ptx: str) -> tuple[int, int]:
     return max(regs), sum(spills)
 
 
+def assert_one_block_an_sm(ptx: str, threads: int) -> int:
+    """ptxas: no spill, and registers for a block of `threads` on one SM (65,536 of them); the
+    registers used.  Skips the test where ptxas cannot run (the PTX checks before it stand)."""
+    import pytest
+    if not have_ptxas():
+        pytest.skip("no nvJitLink or ptxas here: the PTX checks above stand")
+    regs, spill = ptxas_report(ptx)
+    assert spill == 0 and regs <= 65536 // threads, (regs, spill)
+    return regs
+
+
 def run_under_simulator(script: str, timeout: int) -> tuple[dict, str]:
     """Run `script` in a fresh Python under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1 must be
     set before numba is imported, hence the subprocess), from the repository root.  The script

@@ -6,6 +6,9 @@ activations in fp16 between kernels and accumulates in fp32, the reference is fp
 Weights come from nq.ref.random_weights (projections ~ N(0, 1/K)), which gives logits a spread
 of order one, so a greedy choice is decided by the model and not by rounding noise.
 """
+import fcntl
+import hashlib
+import os
 import shutil
 
 import numpy as np
@@ -34,16 +37,29 @@ CONFIGS = {
 
 
 def packed_model(tmp_path_factory, cfg, seed=0):
-    w = random_weights(cfg, seed)
-    if cfg.tie_word_embeddings:
-        w.pop("lm_head", None)
-    snap = make_hf_snapshot(tmp_path_factory.mktemp("hf"), cfg,
-                            weights={hf_name(k): v for k, v in w.items()})
-    out = pack(snap, tmp_path_factory.mktemp("nq") / "m.nanoqwen", progress=False)
-    # the snapshot is only the pack's input: ~3 GB at the 7B width, and under xdist every
-    # worker that runs one of a module's tests builds the module's models, which filled a
-    # 64 GiB disk at -n 6 (H200, 2026-12-03)
-    shutil.rmtree(snap, ignore_errors=True)
+    """The packed file of nq.ref.random_weights(cfg, seed): one file for each (cfg, seed) in
+    the whole run, shared by the modules and the xdist workers (the first to ask packs it
+    under a lock, the others wait and map it).  A 7B-width 2-layer model is ~2.4 GB packed and
+    its HF snapshot ~3 GB more while it packs: a copy a worker and a module filled the 64 GiB
+    disk at -n 6 (H200, 2026-12-03) and at -n 12 (H100, 2026-12-07, 17 tests stopped)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent          # the run's folder, above the workers' own
+    cache = root / "packed-models"
+    cache.mkdir(exist_ok=True)
+    key = hashlib.sha256(f"{cfg!r} seed={seed}".encode()).hexdigest()[:16]
+    out = cache / f"{cfg.name}-{key}.nanoqwen"
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # released when the file closes
+        if not out.exists():
+            w = random_weights(cfg, seed)
+            if cfg.tie_word_embeddings:
+                w.pop("lm_head", None)
+            snap = make_hf_snapshot(tmp_path_factory.mktemp("hf"), cfg,
+                                    weights={hf_name(k): v for k, v in w.items()})
+            del w
+            pack(snap, out, progress=False)  # written beside, renamed into place when whole
+            shutil.rmtree(snap, ignore_errors=True)   # the snapshot is only the pack's input
     return NanoqwenFile(out)
 
 
