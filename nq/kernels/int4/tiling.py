@@ -35,10 +35,11 @@ fewer instructions a weight word than the fp16 staging; the weights' layout does
 Measured in the 7B step (H100, 2026-12-07, scripts/step_variants.py, ms a step at 512 / 8K /
 32K): gate_up -0.025 / -0.019 / -0.014, attn_o_proj -0.012 / -0.005 / -0.008, the two
 -0.027 / -0.028 / -0.023; down +0.031 / +0.035 / +0.034 and qkv_rope in the fp32-accurate step
-+0.016 / +0.018 (against hilo) lost -- their blocks stage all of K for one or two tiles, so the
-digits' longer staging is not paid back -- and stay fp16 (hilo).  `NQ_I8` (`I8`, read once at
-import) picks: "1" (the default) those two, "0" none, "all" every tensor-core tiling (the
-experiment of docs/PERF.md 0.27).
++0.016 / +0.018 (against hilo) lost and stay fp16 (hilo): their blocks stage all of K for one
+or two tiles, and the staging stored the digits a byte at a time (down: 60 shared stores a
+lane; i8=2 stores whole words, docs/PERF.md 0.29, opt-in until measured).  `NQ_I8` (`I8`, read
+once at import) picks: "1" (the default) those two, "0" none, "all" every tensor-core tiling
+(the experiment of docs/PERF.md 0.27).
 """
 from __future__ import annotations
 
