@@ -76,6 +76,9 @@ class BuildStats:
     # each batch compiled in child processes: (kernels, processes, wall s, s until the first
     # child began compiling, (slowest kernel's name, its s), sum of the children's s)
     batches: list = dataclasses.field(default_factory=list)
+    # every kernel asked for, by name, in order (compiled, loaded or left to a batch): nq bench
+    # writes them into its JSON, so a figure names the exact kernels that made it
+    names: list = dataclasses.field(default_factory=list)
 
 
 STATS = BuildStats()
@@ -217,6 +220,7 @@ def compile_kernel(body, sig: str, name: str, **options):
     if bad:
         raise TypeError(f"compile_kernel: unknown options {sorted(bad)}; allowed {OPTIONS}")
     body.__name__ = body.__qualname__ = name
+    STATS.names.append(name)
     if SIMULATOR:
         return cuda.jit(body)
     from numba.core import sigutils

@@ -4,7 +4,8 @@ ITL broken down by region, the copy ceiling and torch peers measured in the same
     nq bench --random 7b -p 512 -n 128 -r 5 --ctx 512,2048,8192,32768 --json out/7b.json
 
 Why one command: a figure is only comparable with the ceiling, clocks and peers of the same
-run, so all of them are measured here, side by side, and written to one JSON file.
+run, so all of them are measured here, side by side, and written to one JSON file, with the
+name of every kernel the run built ("kernels": each name spells its tiling and variants).
 
 What is timed (all on eng.stream, CUDA events, clocks never locked):
   pp<p>        a p-token prompt from ids on the host to the first token's logits on the host
@@ -221,6 +222,14 @@ def footnotes(args, ceiling_gbs: float) -> str:
 
 
 # ---- measurements (GPU) ---------------------------------------------------------------------
+def kernels_built() -> list[str]:
+    """The names of the kernels this process built (compiled or loaded), sorted: each spells
+    every constant baked in (nq/kernels/build.kernel_name), so a figure in the JSON says which
+    tilings and variants made it."""
+    from nq.kernels.build import STATS
+    return sorted(set(STATS.names))
+
+
 def copy_ceiling_gbs(nbytes: int = 1 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth (read + write bytes / s), numba only."""
     from numba import cuda
@@ -475,7 +484,7 @@ def run(args) -> int:
                "env": env, "build_s": build_s, "load_s": eng.w.load_s,
                "weights_bytes_per_token": eng.w.nbytes_per_token, "copy_ceiling_GBs": ceiling,
                "tests": rows, "breakdown": bds, "peers": peers, "itl_no_pdl_ms": no_pdl,
-               "gemm": gemms}
+               "gemm": gemms, "kernels": kernels_built()}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         from nq.tools.plots import write_plots

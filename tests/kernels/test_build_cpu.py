@@ -31,6 +31,19 @@ def _factory(n, eps):
     return body
 
 
+def test_stats_name_every_kernel_asked_for(env, monkeypatch):
+    """STATS.names: each kernel compile_kernel is asked for, by name (nq bench's JSON lists
+    them), also one left to a compile batch."""
+    from nq.tools.bench import kernels_built
+    monkeypatch.setattr(build, "_BATCH", [])       # collected, not compiled: no GPU here
+    monkeypatch.setattr(build.STATS, "names", [])
+    build.compile_kernel(_factory(3, 1e-6), "void(float32[::1])", "k_b_n3")
+    build.compile_kernel(_factory(2, 1e-6), "void(float32[::1])", "k_a_n2")
+    build.compile_kernel(_factory(3, 1e-6), "void(float32[::1])", "k_b_n3")
+    assert build.STATS.names == ["k_b_n3", "k_a_n2", "k_b_n3"]
+    assert kernels_built() == ["k_a_n2", "k_b_n3"]
+
+
 def test_cache_key_changes_with_every_input(env, monkeypatch):
     sig = "void(float32[::1])"
     base, inputs = build.cache_key(_factory(4, 1e-6), sig, "k", {"fastmath": True})
