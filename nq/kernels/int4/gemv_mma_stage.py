@@ -103,7 +103,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         Past the last group the loads read the last one (a spare load beats a branch) and the
         caller stores nothing."""
         if I8_WORDS:   # positions 2t, 2t + 1, 2t + 8, 2t + 9 of chunk c (put_digit_words)
-            base = min(grp, GROUPS - 1) * GROUP_SIZE + (lane >> 2) * CHUNK + (lane & 3) * 2
+            base = word_pairs_at(grp, lane)
             x0, x1 = ld_global_nc_v2_f32(x, base)
             x2, x3 = ld_global_nc_v2_f32(x, base + 8)
             if XACC:
@@ -149,12 +149,21 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
+    def word_pairs_at(grp, lane):
+        # I8_WORDS: the index of lane (c, t)'s first value of group grp, position 2t of chunk
+        # c (its second pair is 8 on); past the last group the last one's
+        return min(grp, GROUPS - 1) * GROUP_SIZE + (lane >> 2) * CHUNK + (lane & 3) * 2
+
+    def digit_bits(v):
+        """i8: v (|v| < 256) as x = rni(v * 2^14), |x| <= 2^22, its three signed-byte digits
+        hi, mid, lo in bytes 2, 1, 0: (x + 0x808080) ^ 0x808080 -- each byte of x + 0x808080
+        is a digit + 128."""
+        return uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
+
     def put_digit(o, v):
-        """i8: v (|v| < 256) as x = rni(v * 2^14) in three signed bytes, hi at shared address
-        o (plane 0), mid 128 bytes on (plane 1), lo 256 on (plane 2): (x + 0x808080) ^
-        0x808080 holds them as bytes 2, 1, 0 -- each byte of x + 0x808080 is a digit + 128,
-        |x| <= 2^22."""
-        d = uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
+        """i8: v's digits (digit_bits), hi at shared address o (plane 0), mid 128 bytes on
+        (plane 1), lo 256 on (plane 2)."""
+        d = digit_bits(v)
         st_shared_u8_at(o, uint16(d >> uint32(16)))
         st_shared_u8_at(o + uint32(128), uint16(d >> uint32(8)))
         st_shared_u8_at(o + uint32(256), uint16(d))
@@ -180,14 +189,10 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         (v2) and 2t + 9 (v3) of chunk c, are the four bytes of lane t's B word of chunk c in
         each plane -- in the column order (2t, 2t + 8, 2t + 1, 2t + 9), so bytes v0, v2, v1,
         v3 -- which put_digits stores a byte at a time from four lanes.  Here the lane gathers
-        each plane's four digits with prmt (put_digit's x + 0x808080 trick: hi, mid, lo in
-        bytes 2, 1, 0) and stores the three words whole, at grp * 96 + plane * 32 + t * 8 + c:
-        3 shared stores where put_digits makes 12, whose cost in down's staging (about 1,800
+        each plane's four digits with prmt (digit_bits: hi, mid, lo in bytes 2, 1, 0) and
+        stores the three words whole, at grp * 96 + plane * 32 + t * 8 + c: 3 shared stores where put_digits makes 12, whose cost in down's staging (about 1,800
         store instructions an SM a layer) is what lost there (docs/PERF.md 0.29)."""
-        a = uint32(cvt_rni_s32_f32(v0 * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
-        b = uint32(cvt_rni_s32_f32(v1 * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
-        c = uint32(cvt_rni_s32_f32(v2 * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
-        d = uint32(cvt_rni_s32_f32(v3 * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
+        a, b, c, d = digit_bits(v0), digit_bits(v1), digit_bits(v2), digit_bits(v3)
         hm_ac = prmt_b32(a, c, 0x5162)          # a.hi c.hi a.mid c.mid
         hm_bd = prmt_b32(b, d, 0x5162)          # b.hi d.hi b.mid d.mid
         lo_ac = prmt_b32(a, c, 0x5140)          # a.lo c.lo (then a.mid c.mid, unused)
@@ -207,11 +212,10 @@ def act_path(s: MmaShape) -> SimpleNamespace:
     def load_group_a(a, grp, lane):
         # the lane's four fp16 of group grp of `a` (past the last group: the last one's): with
         # I8_WORDS the pairs at 2t and 2t + 8 of chunk c (put_digit_words), else 4 lane ..
-        base = min(grp, GROUPS - 1) * GROUP_SIZE
         if I8_WORDS:
-            base += (lane >> 2) * CHUNK + (lane & 3) * 2
+            base = word_pairs_at(grp, lane)
             return ld_global_nc_u32(a, base), ld_global_nc_u32(a, base + 8)
-        return ld_global_nc_v2_u32(a, base + lane * 4)
+        return ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
 
     def digit_group(act, invf, grp, lane, w01, w23):
         # group grp's four values of the lane as digits, times f_g (none past the last group)
@@ -269,9 +273,10 @@ def act_path(s: MmaShape) -> SimpleNamespace:
             if NORM_ITERS > 7:
                 digit_group(act, invf, g0 + 7 * WARPS, lane, a7[0], a7[1])
 
-    put_digit, put_digits, put_digit_words, finite_or_nan, load_group_a, digit_group, \
-        stage_digits = (dev(f) for f in (put_digit, put_digits, put_digit_words, finite_or_nan,
-                                         load_group_a, digit_group, stage_digits))
+    word_pairs_at, digit_bits, put_digit, put_digits, put_digit_words, finite_or_nan, \
+        load_group_a, digit_group, stage_digits = (
+            dev(f) for f in (word_pairs_at, digit_bits, put_digit, put_digits, put_digit_words,
+                             finite_or_nan, load_group_a, digit_group, stage_digits))
     fixed_f32 = dev(fixed_to_f32)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(fixed_f32))
     plus_xacc_8 = dev(plus_xacc_body(fixed_f32, 8))   # I8_WORDS: pairs 8 apart
