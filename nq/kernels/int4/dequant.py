@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, int64, uint32, uint64
 
-from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, fma_rn_f16x2, ld_global_nc_v4_u32, lop3_b32,
-                    mov_b32_f32_from_u32, mov_b32_u32_from_f32)
+from nq.ptx import (LUT_AND_XOR, add_rn_f16x2, cvt_rni_s32_f32, fma_rn_f16x2,
+                    ld_global_nc_v4_u32, lop3_b32, mov_b32_f32_from_u32, mov_b32_u32_from_f32)
 
 FIXED_ONE = 2.0 ** 32   # xacc's fixed point: one unit of x is 2^32
 
@@ -70,6 +70,13 @@ def dequant_word(q):
     hi1 = lop3_b32(q8, _MASK_HI, _MAGIC_HI, LUT_AND_XOR)
     return (add_rn_f16x2(lo0, _NEG1032), fma_rn_f16x2(hi0, _SIXTEENTH, _NEG72),
             add_rn_f16x2(lo1, _NEG1032), fma_rn_f16x2(hi1, _SIXTEENTH, _NEG72))
+
+
+def digit_bits(v):
+    """v (|v| < 256) as x = rni(v * 2^14), |x| <= 2^22, its three signed-byte digits hi, mid,
+    lo in bytes 2, 1, 0: (x + 0x808080) ^ 0x808080 -- each byte of x + 0x808080 is a digit +
+    128.  A device function body: the i8 stagings of both GEMVs (gemv_mma_stage, gemv_digits)."""
+    return uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
 
 
 def pow2_scale_f32(m):

@@ -56,6 +56,7 @@ from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
                                      _SH8, _SIXTEENTH, pow2_scale_f32)
+from nq.kernels.int4.gemv_digits import digits_body
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import NORM_KINDS, Tiling, check_tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
@@ -77,8 +78,9 @@ def gemv_name(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None) 
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
     extra = {} if heads is None else dict(zip(("heads", "kv_heads", "head_dim"), heads))
     fields = dataclasses.asdict(t)
-    if not fields["early"]:
-        del fields["early"]              # the names of the kernels before it stand
+    for f in ("early", "i8"):
+        if not fields[f]:
+            del fields[f]                # the names of the kernels before them stand
     return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **fields, eps=eps, **extra)
 
 
@@ -123,7 +125,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     NORM = kind in NORM_KINDS
     PREFETCH = int(t.prefetch) >= 1
     SPAN32 = t.span == 32
-    ACT_WORDS = STEPS * 16 * KS * 4
+    I8 = bool(t.i8)        # activations as digits, summed by dp4a (gemv_digits.py)
+    STEP_UNITS = (24 if I8 else 16) * KS   # 16-byte units of staged activations a step
+    ACT_WORDS = STEPS * STEP_UNITS * 4
     AT_ONCE = 4 if NORM else 8
     STAGE_ITERS = -(-GROUPS // (WARPS * AT_ONCE))
     EPS = np.float32(eps)
@@ -297,25 +301,25 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         ss = float32(0.0)
         for it in range(STAGE_ITERS):
             g0 = it * AT_ONCE * WARPS + warp
-            c0 = piece_load(xin, norm_w, g0, lane)
-            c1 = piece_load(xin, norm_w, g0 + WARPS, lane)
-            c2 = piece_load(xin, norm_w, g0 + 2 * WARPS, lane)
-            c3 = piece_load(xin, norm_w, g0 + 3 * WARPS, lane)
+            c0 = p_load(xin, norm_w, g0, lane)
+            c1 = p_load(xin, norm_w, g0 + WARPS, lane)
+            c2 = p_load(xin, norm_w, g0 + 2 * WARPS, lane)
+            c3 = p_load(xin, norm_w, g0 + 3 * WARPS, lane)
             c4 = c5 = c6 = c7 = c0
             if AT_ONCE == 8:
-                c4 = piece_load(xin, norm_w, g0 + 4 * WARPS, lane)
-                c5 = piece_load(xin, norm_w, g0 + 5 * WARPS, lane)
-                c6 = piece_load(xin, norm_w, g0 + 6 * WARPS, lane)
-                c7 = piece_load(xin, norm_w, g0 + 7 * WARPS, lane)
-            ss += piece_put(c0, g0, lane, act, invf)
-            ss += piece_put(c1, g0 + WARPS, lane, act, invf)
-            ss += piece_put(c2, g0 + 2 * WARPS, lane, act, invf)
-            ss += piece_put(c3, g0 + 3 * WARPS, lane, act, invf)
+                c4 = p_load(xin, norm_w, g0 + 4 * WARPS, lane)
+                c5 = p_load(xin, norm_w, g0 + 5 * WARPS, lane)
+                c6 = p_load(xin, norm_w, g0 + 6 * WARPS, lane)
+                c7 = p_load(xin, norm_w, g0 + 7 * WARPS, lane)
+            ss += p_put(c0, g0, lane, act, invf)
+            ss += p_put(c1, g0 + WARPS, lane, act, invf)
+            ss += p_put(c2, g0 + 2 * WARPS, lane, act, invf)
+            ss += p_put(c3, g0 + 3 * WARPS, lane, act, invf)
             if AT_ONCE == 8:
-                ss += piece_put(c4, g0 + 4 * WARPS, lane, act, invf)
-                ss += piece_put(c5, g0 + 5 * WARPS, lane, act, invf)
-                ss += piece_put(c6, g0 + 6 * WARPS, lane, act, invf)
-                ss += piece_put(c7, g0 + 7 * WARPS, lane, act, invf)
+                ss += p_put(c4, g0 + 4 * WARPS, lane, act, invf)
+                ss += p_put(c5, g0 + 5 * WARPS, lane, act, invf)
+                ss += p_put(c6, g0 + 6 * WARPS, lane, act, invf)
+                ss += p_put(c7, g0 + 7 * WARPS, lane, act, invf)
         rstd = float32(1.0)
         if NORM:
             ss = wsum(ss)
@@ -352,7 +356,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     nxt = load_step(qw, sc, row0, s + 1, j)
             g = s * KS + j
             if g < GROUPS and j < KS:
-                d0, d1, d2, d3 = dot_step(cur, abase, s * 16 * KS + j, invf[g])
+                d0, d1, d2, d3 = dot(cur, abase, s * STEP_UNITS + j, invf[g])
                 acc0 += d0
                 acc1 += d1
                 acc2 += d2
@@ -417,6 +421,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
                              put_residual))
     first_loads = dev(first_loads)   # (after load_step's dev)
+    # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)
+    p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM) if I8
+                          else (piece_load, piece_put, dot_step))
     # (after weight_row's dev)
     put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)
     put_rope, rope_setup = dev(put_rope), dev(rope_setup)

@@ -13,10 +13,11 @@ from numba import cuda, float32, uint16, uint32  # module globals: the simulator
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
+from nq.kernels.int4.dequant import digit_bits as digit_bits_body
 from nq.kernels.int4.dequant import fixed_to_f32, plus_xacc_body, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
-from nq.ptx import (cvt_rni_s32_f32, cvta_to_shared_u32, ld_global_nc_u32, ld_global_nc_v2_f32,
+from nq.ptx import (cvta_to_shared_u32, ld_global_nc_u32, ld_global_nc_v2_f32,
                     ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
                     pack_f16x2_from_f32, prmt_b32, st_shared_u8_at, unpack_f16x2_to_f32)
 
@@ -154,12 +155,6 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         # c (its second pair is 8 on); past the last group the last one's
         return min(grp, GROUPS - 1) * GROUP_SIZE + (lane >> 2) * CHUNK + (lane & 3) * 2
 
-    def digit_bits(v):
-        """i8: v (|v| < 256) as x = rni(v * 2^14), |x| <= 2^22, its three signed-byte digits
-        hi, mid, lo in bytes 2, 1, 0: (x + 0x808080) ^ 0x808080 -- each byte of x + 0x808080
-        is a digit + 128."""
-        return uint32(cvt_rni_s32_f32(v * float32(16384.0)) + 0x808080) ^ uint32(0x808080)
-
     def put_digit(o, v):
         """i8: v's digits (digit_bits), hi at shared address o (plane 0), mid 128 bytes on
         (plane 1), lo 256 on (plane 2)."""
@@ -273,9 +268,10 @@ def act_path(s: MmaShape) -> SimpleNamespace:
             if NORM_ITERS > 7:
                 digit_group(act, invf, g0 + 7 * WARPS, lane, a7[0], a7[1])
 
-    word_pairs_at, digit_bits, put_digit, put_digits, put_digit_words, finite_or_nan, \
+    digit_bits = dev(digit_bits_body)
+    word_pairs_at, put_digit, put_digits, put_digit_words, finite_or_nan, \
         load_group_a, digit_group, stage_digits = (
-            dev(f) for f in (word_pairs_at, digit_bits, put_digit, put_digits, put_digit_words,
+            dev(f) for f in (word_pairs_at, put_digit, put_digits, put_digit_words,
                              finite_or_nan, load_group_a, digit_group, stage_digits))
     fixed_f32 = dev(fixed_to_f32)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(fixed_f32))

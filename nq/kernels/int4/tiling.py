@@ -59,6 +59,7 @@ if I8 not in ("0", "1", "all"):
                      f"or all (every tensor-core GEMV)")
 I8_KINDS = {"0": (), "1": ("gate_up",), "all": MMA_KINDS}[I8]  # default_tiling's i8 kinds
 O_I8 = I8 != "0"                                               # attn_o_proj's default
+CORE_I8_KINDS = ("qkv", "qkv_rope") if I8 != "0" else ()       # CUDA-core tilings with i8
 ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (they stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
@@ -78,6 +79,8 @@ class Tiling:
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
     early: int = 0       # 1: step 1's loads go out before griddepcontrol.wait beside step 0's
     #                      (needs prefetch and two steps or more); 0: at the main loop's start
+    i8: int = 0          # 1: the activations staged as three signed-byte digits and summed
+    #                      exactly by dp4a (gemv_digits.py: fp32-accurate); 0: fp16 partials
 
     @property
     def lanes(self) -> int:
@@ -95,7 +98,7 @@ class Tiling:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + ("_e1" if self.early else ""))
+                + ("_e1" if self.early else "") + ("_i8" if self.i8 else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,10 +175,21 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
         raise ValueError(f"{kind}: tiling {t.tag()}: early=1 loads step 1 before the wait beside "
                          f"step 0, so it needs prefetch=1 and two steps or more (K={k} gives "
                          f"{steps} at ks={t.ks}); use early=0")
-    staged = steps * 16 * t.ks * 4 * 4 + (k // GROUP_SIZE) * 4 + (t.threads // 32) * 4
+    if int(t.i8) not in (0, 1):
+        raise ValueError(f"{kind}: tiling {t.tag()}: i8 is 0 (fp16) or 1 (digits; span, the "
+                         f"fp16 partials' length, then means nothing)")
+    staged = core_staged_bytes(k, t)
     if staged > STATIC_SMEM_LIMIT:
         raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
                          f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
+
+
+def core_staged_bytes(k: int, t: Tiling) -> int:
+    """Static shared memory of the CUDA-core GEMV: its staged activations (16-byte units, 16
+    a step and lane as fp16, 24 as digits), 1/f_g a group and a word a warp."""
+    steps = -(-(k // GROUP_SIZE) // t.ks)
+    return (steps * (24 if t.i8 else 16) * t.ks * 16 + (k // GROUP_SIZE) * 4
+            + (t.threads // 32) * 4)
 
 
 def hilo_bytes(k: int) -> int:
@@ -291,7 +305,17 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); a tensor-core
     tiling of I8_KINDS stages its activations as digits (`with_i8`; NQ_I8, module doc)."""
     t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
+    if isinstance(t, Tiling):
+        return with_core_i8(k, t) if kind in CORE_I8_KINDS else t
     return with_i8(kind, k, t) if kind in I8_KINDS else t
+
+
+def with_core_i8(k: int, t: Tiling) -> Tiling:
+    """A CUDA-core tiling with its activations as digits (gemv_digits.py), where they fit
+    static shared memory; min_blocks 1 bounds its registers by one block an SM (the 7B's
+    qkv_rope: 384 threads, at most 168 registers)."""
+    i8 = dataclasses.replace(t, i8=1, min_blocks=t.min_blocks or 1)
+    return i8 if core_staged_bytes(k, i8) <= STATIC_SMEM_LIMIT else t
 
 
 def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:

@@ -94,7 +94,8 @@ HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
                             ("qkv_rope", Tiling(ks=14, rows=2, threads=384, span=128, early=1))])
 def test_gemv_ptx_sm90(kind, tiling):
     n, k = SEVEN_B[kind]
-    t = tiling or default_tiling(kind, n, k, mma=False)   # the CUDA-core kernel's
+    # the CUDA-core kernel's fp16 form (qkv's default digits: test_gemv_digits_cpu.py)
+    t = tiling or dataclasses.replace(default_tiling(kind, n, k, mma=False), i8=0)
     fn, sig = gemv.build_kernel(kind, n, k, t, 1e-6, HEADS_7B if kind == "qkv_rope" else None)
     # a min_blocks register cap is part of the tiling (gate_up's), so compile with it
     bounds = {"launch_bounds": (t.threads, t.min_blocks)} if t.min_blocks else {}
@@ -182,7 +183,7 @@ def test_qkv_rope_refusals_and_tiling():
                                         early=r.early), (n, k)
         assert r.layout() == q.layout()
     # the 7B's two steps load both before the wait (docs/PERF.md 0.26); no other shape does
-    assert default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t384_pf_s128_e1"
+    assert default_tiling("qkv_rope", 4608, 3584).tag() == "ks14_r2_t384_pf_s128_mb1_e1_i8"
     assert not any(default_tiling("qkv_rope", n, k).early
                    for n, k in [(1152, 896), (512, 256), (2560, 2048), (7168, 5120)])
 

@@ -29,6 +29,7 @@ from numba import cuda  # noqa: E402  (the marker deselects this module on CPU-o
 from nq.config import PRESETS, tiny_config  # noqa: E402
 from nq.kernels.int4 import launch  # noqa: E402
 from nq.kernels.int4.reference import ref_gate_up, ref_o_proj, ref_qkv, ref_qkv_rope  # noqa: E402
+from nq.kernels.int4 import tiling as tiling_mod  # noqa: E402
 from nq.kernels.int4.tiling import Tiling  # noqa: E402
 from nq.kernels import lm_head as L  # noqa: E402
 from nq.kernels import rope_kv as R  # noqa: E402
@@ -104,6 +105,7 @@ def test_default_kernels_do_not_spill_on_the_device(kind):
             "qkv_rope": launch.make_qkv_rope_gemv}[kind]
     kern = make(cfg).kernel
     local = kern.get_local_mem_per_thread()
+    print(kind, make(cfg).tiling.tag(), "registers", kern.get_regs_per_thread(), "local", local)
     # qkv_rope: libdevice sinf/cosf keep 28 B for the Payne-Hanek reduction (rope_kv's too)
     assert local <= (32 if kind == "qkv_rope" else 0), (kind, local, kern.get_regs_per_thread())
 
@@ -120,6 +122,25 @@ def test_int4_gemv_default_tiling(kind, n, k):
 def test_int4_gemv_tilings(kind, n, k, tiling):
     got, ref = run_case(kind, n, k, tiling, seed=7)
     assert rel(got, ref) < TOL_INT4
+
+
+TOL_I8 = 2e-5   # digits: exact int32 sums of 2^-22-of-absmax activations, fp32 group sums
+
+
+@pytest.mark.parametrize("kind,n,k,tiling", [
+    ("qkv", 4608, 3584, None),                                   # the 7B's default (i8)
+    ("qkv", 1000, 896, Tiling(ks=3, rows=2, threads=64, i8=1)),
+    ("o_proj", 3584, 3584, Tiling(ks=14, threads=256, i8=1)),
+    ("gate_up", 600, 640, Tiling(ks=3, threads=64, prefetch=0, i8=1)),
+    ("down", 896, 4864, Tiling(ks=8, threads=128, span=128, i8=1))],
+    ids=lambda v: v.tag() if isinstance(v, Tiling) else str(v))
+def test_int4_gemv_i8_is_fp32_accurate(kind, n, k, tiling):
+    """Tiling.i8 (gemv_digits.py) within TOL_I8 of the fp32 reference, where the fp16 kernel is
+    held to TOL_INT4; gate_up's output is fp16 (2^-11)."""
+    if tiling is None and not tiling_mod.MMA_QKV:
+        assert launch.gemv_tiling("qkv", PRESETS["7b"]).i8 == (tiling_mod.I8 != "0")
+    got, ref = run_case(kind, n, k, tiling, seed=17)
+    assert rel(got, ref) < (6e-4 if kind == "gate_up" else TOL_I8)
 
 
 @pytest.mark.parametrize("kind,n,k,tiling", [

@@ -47,7 +47,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert default_tiling("gate_up", i, h, sms=114) == MmaTiling(2, 384, i8=1)   # 6 a block
     assert default_tiling("gate_up", i, h, mma=False) == off
     # the other kinds do not move with it
-    assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=384, span=128)
+    assert default_tiling("qkv", 4608, h) == Tiling(ks=14, threads=384, span=128, min_blocks=1, i8=1)
     assert default_tiling("down", h, i) == MmaTiling(warps=16, threads=1024, early=1)
 
 
@@ -278,9 +278,10 @@ def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch
 
 
 def test_the_i8_switch_moves_the_defaults_not_the_layouts():
-    """NQ_I8 (read at import): by default gate_up alone of the GEMVs takes i8 (in hilo's place
-    with NQ_MMA_QKV=1, where qkv_rope keeps hilo); "all" every tensor-core default; "0" none.
-    The CUDA-core tilings and the upload's layouts stay; a value it does not know is refused."""
+    """NQ_I8 (read at import): by default gate_up of the tensor-core GEMVs takes i8 (in hilo's
+    place with NQ_MMA_QKV=1, where qkv_rope keeps hilo), and the CUDA-core qkv_rope its digits;
+    "all" every tensor-core default too; "0" none.  The upload's layouts stay; a value it does
+    not know is refused."""
     script = ("from nq.kernels.int4 import tiling as T\n"
               "for kind, n, k in [('gate_up', 18944, 3584), ('down', 3584, 18944), "
               "('o_proj', 3584, 3584), ('qkv_rope', 4608, 3584), ('down', 5120, 27648)]:\n"
@@ -302,9 +303,10 @@ def test_the_i8_switch_moves_the_defaults_not_the_layouts():
     default, off, every = outs[()], outs[(("NQ_I8", "0"),)], outs[(("NQ_I8", "all"),)]
     fp32 = outs[(("NQ_MMA_QKV", "1"),)]
     fp32_all = outs[(("NQ_I8", "all"), ("NQ_MMA_QKV", "1"))]
-    assert [r[2] for r in default[:5]] == ["1", "0", "0", "-", "0"]   # gate_up alone
-    assert [r[2] for r in off[:5]] == ["0", "0", "0", "-", "0"]
-    assert [r[2] for r in every[:5]] == ["1", "1", "1", "-", "1"]     # qkv_rope: CUDA cores
+    # gate_up's and (on the CUDA cores: gemv_digits.py) qkv_rope's
+    assert [r[2] for r in default[:5]] == ["1", "0", "0", "1", "0"]
+    assert [r[2] for r in off[:5]] == ["0", "0", "0", "0", "0"]
+    assert [r[2] for r in every[:5]] == ["1", "1", "1", "1", "1"]
     assert default[5] == every[5] == ["o_i8", "1"] and off[5] == ["o_i8", "0"]
     for out, same in ((off, default), (every, default), (fp32_all, fp32)):
         assert [r[4] for r in out[:5]] == [r[4] for r in same[:5]]     # the same layouts

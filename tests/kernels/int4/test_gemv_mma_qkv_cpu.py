@@ -58,7 +58,7 @@ def test_qkv_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("qkv", 1152, 896, 64) == MmaTiling(warps=3, threads=96, rope=64, hilo=1)  # 0.5B
     monkeypatch.setattr(tiling, "MMA_QKV", False)
     off = default_tiling("qkv", n, h, head_dim=128)
-    assert off == Tiling(ks=14, threads=384, span=128)           # the measured entry
+    assert off == Tiling(ks=14, threads=384, span=128, min_blocks=1, i8=1)   # measured, digits
     assert default_tiling("qkv_rope", n, h, head_dim=128) == dataclasses.replace(off, rows=2, early=1)
     monkeypatch.setattr(tiling, "MMA_QKV", True)
     assert default_tiling("qkv", n, h, head_dim=128) == SEVEN_B
