@@ -547,9 +547,9 @@ def test_greedy_ids_equal_between_the_head_and_the_replay(long_model, n):
 
 def test_i8_projections_in_the_step(model, capsys):
     """The step with gate_up's and down's activations as signed-byte digits (i8; gate_up's by
-    default, down's opt-in), the same stored as whole words (i8=2), then
+    default, down's opt-in), then qkv_rope's on the CUDA cores off (its fp16 form), then
     attn_o_proj's too: the default step's greedy ids and logits (step_variants_agree), and nq
-    verify's decode tier passes with all three."""
+    verify's decode tier passes with each."""
     import dataclasses
 
     from nq.kernels.int4.launch import gemv_tiling
@@ -569,6 +569,8 @@ def test_i8_projections_in_the_step(model, capsys):
             print(f"\n{name} i8 {sorted(tilings)}: decode tier {row.detail}")
         assert row.passed, row
 
-    words = {kind: dataclasses.replace(t, i8=2) for kind, t in tilings.items()}
+    core = gemv_tiling("qkv_rope", c)
+    fp16_qkv = dict(tilings, **({"qkv_rope": dataclasses.replace(core, i8=0)}
+                                if not isinstance(core, MmaTiling) else {}))
     attn = {"o_i8": 1} if "down" in tilings else {}   # attn_o_proj goes with the mma down
-    step_variants_agree(eng, ((tilings, {}), (words, {}), (tilings, attn)), decode_tier)
+    step_variants_agree(eng, ((tilings, {}), (fp16_qkv, {}), (tilings, attn)), decode_tier)

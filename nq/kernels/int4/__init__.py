@@ -4,6 +4,7 @@
     layout.py     the prepared weight layouts as NumPy models (row chunks, mma fragments)
     dequant.py    the shared 9-instruction dequant and the activations' power-of-two scaling
     gemv.py       the CUDA-core kernel factory: qkv, qkv_rope, o_proj, gate_up, down
+    gemv_digits.py  its activations as signed-byte digits summed by dp4a (qkv's default)
     rope_epilogue.py  qkv_rope's epilogue (rope_kv's arithmetic, bit for bit)
     gemv_mma.py   the tensor-core kernel factory: o_proj, down, gate_up (their default); qkv,
                   qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step)

@@ -30,15 +30,13 @@ def fixed_to_f32(lo, hi):
     return float32(int64((uint64(hi) << uint64(32)) | uint64(lo))) * float32(1.0 / FIXED_ONE)
 
 
-def plus_xacc_body(fixed_f32, gap: int = 2):
-    """The body of plus_xacc(xa, base, x0, x1, x2, x3): x[base], x[base + 1], x[base + gap],
-    x[base + gap + 1] (gap 2: x[base .. base + 3]) + xacc's int64s there (two 16-byte loads of
-    its words), each as fixed_f32 converts it; fixed_f32 is the kernel's device function of
-    fixed_to_f32."""
-    second = 2 * gap      # the second pair's first word
+def plus_xacc_body(fixed_f32):
+    """The body of plus_xacc(xa, base, x0, x1, x2, x3): x[base .. base + 3] + xacc's four int64s
+    there (two 16-byte loads of its words), each as fixed_f32 converts it; fixed_f32 is the
+    kernel's device function of fixed_to_f32."""
     def plus_xacc(xa, base, x0, x1, x2, x3):
         l0, h0, l1, h1 = ld_global_nc_v4_u32(xa, 2 * base)
-        l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + second)
+        l2, h2, l3, h3 = ld_global_nc_v4_u32(xa, 2 * base + 4)
         return (x0 + fixed_f32(l0, h0), x1 + fixed_f32(l1, h1), x2 + fixed_f32(l2, h2),
                 x3 + fixed_f32(l3, h3))
     return plus_xacc

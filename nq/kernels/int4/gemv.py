@@ -38,6 +38,11 @@ How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
     chunks: |out - ref_fp64| / |ref| ~ 1e-3 (tests allow 5e-3 relative to the row norm).
   * The segment reduces its lanes with shuffles; lane 0 writes (one writer per element).
 
+With `Tiling.i8` (qkv's and qkv_rope's default under NQ_I8=1) the staging and the dot are
+gemv_digits.py's instead: the activations as three signed-byte digits, the products summed
+exactly by dp4a (1e-6 of the output's norm, against ~1e-3 above), at the same speed in the 7B
+step and faster at the 14B's and 32B's widths (docs/PERF.md 0.30).
+
 qkv_rope is qkv with rope_kv's job as its epilogue (rope_epilogue.py says how it stays bit
 for bit qkv + rope_kv): a thread owns one RoPE pair, its rows=2 slots the pair's two rows
 (`weight_row`), so it reads qkv's uploaded weights as they are.

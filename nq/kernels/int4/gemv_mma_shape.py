@@ -74,9 +74,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.xacc and kind not in ("gate_up", "down"):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: xacc (attn_o_proj's int64 sums beside x) "
                          f"is read by gate_up and folded by down; {kind} takes x alone")
-    if t.i8 not in (0, 1, 2):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: i8={t.i8}: 0 (fp16 activations), 1 (digits "
-                         f"stored a byte at a time) or 2 (a lane's digits as 32-bit words)")
+    if t.i8 not in (0, 1):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: i8={t.i8}: 0 (fp16 activations) or 1 "
+                         f"(digits; the words form, 2, lost and is retired: docs/PERF.md 0.29)")
     if t.i8 and t.hilo:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: i8 (the activations as signed-byte "
                          f"digits) replaces hilo (use one of the two)")
@@ -152,7 +152,6 @@ class MmaShape:
     L2AHEAD: int
     XACC: bool
     I8: bool
-    I8_WORDS: bool
 
 
 def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> MmaShape:
@@ -207,11 +206,10 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # plane min(g, 2), so D's columns 0, 1, 2 are the weights' dot products with hi, mid and
     # lo, exact in int32, and lanes t = 0 (columns 0, 1) and t = 1 (column 2) hold them.
     # A group is 3 planes x 4 lanes t x 8 words (4 k32 steps x b0, b1): 384 bytes
-    # With i8=2 (I8_WORDS) lane (c, t) of a staging warp takes a group's positions 2t, 2t + 1,
-    # 2t + 8, 2t + 9 of chunk c -- the four bytes of one B word -- and stores each plane's
-    # word whole (gemv_mma_stage.put_digit_words): 3 shared stores a lane, not 12 byte stores
+    # i8=2, the digits stored as whole words (3 shared stores a lane, not 12 byte stores), lost
+    # (docs/PERF.md 0.29: down +0.045 ms a step against fp16, gate_up +0.007 against i8=1);
+    # code at 2c215a2
     I8 = bool(t.i8)
-    I8_WORDS = t.i8 == 2
     if I8:
         ACT_ALLOC = GROUPS * 96
     # early (t.early > 0, o_proj and down; "early" in the module doc), in the dynamic shared

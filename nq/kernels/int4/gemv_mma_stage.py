@@ -17,16 +17,16 @@ from nq.kernels.int4.dequant import digit_bits as digit_bits_body
 from nq.kernels.int4.dequant import fixed_to_f32, plus_xacc_body, pow2_scale_f32
 from nq.kernels.int4.gemv_mma_shape import MmaShape
 from nq.kernels.int4.layout import CHUNK
-from nq.ptx import (cvta_to_shared_u32, ld_global_nc_u32, ld_global_nc_v2_f32,
-                    ld_global_nc_v2_u32, ld_global_nc_v4_f32, ld_global_nc_v4_u32,
-                    pack_f16x2_from_f32, prmt_b32, st_shared_u8_at, unpack_f16x2_to_f32)
+from nq.ptx import (cvta_to_shared_u32, ld_global_nc_v2_u32, ld_global_nc_v4_f32,
+                    ld_global_nc_v4_u32, pack_f16x2_from_f32, st_shared_u8_at,
+                    unpack_f16x2_to_f32)
 
 
 def act_path(s: MmaShape) -> SimpleNamespace:
     """The activation side of one kernel's body, as device functions."""
     THREADS, WARPS, GROUPS, CHUNKS = s.THREADS, s.WARPS, s.GROUPS, s.CHUNKS
     STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
-    LO_WORDS, XACC, I8, I8_WORDS = s.LO_WORDS, s.XACC, s.I8, s.I8_WORDS
+    LO_WORDS, XACC, I8 = s.LO_WORDS, s.XACC, s.I8
 
     def stage(a, act):
         # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
@@ -78,10 +78,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
                 v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
                 if grp < GROUPS:
                     ss += sq
-                    if I8_WORDS:
-                        put_digit_words(act, grp, lane, v0, v1, v2, v3)
-                        fi = finite_or_nan(fi, v0, v1, v2, v3)
-                    elif I8:
+                    if I8:
                         put_digits(act, grp, lane, v0, v1, v2, v3)
                         fi = finite_or_nan(fi, v0, v1, v2, v3)
                     else:
@@ -99,24 +96,13 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         """Group grp's values of a lane as stage_norm stages them: v = x * norm_w * f_g for
         x[128 grp + 4 lane ..] (four), 1/f_g, the lane's sum of squares of x, and the word of
         its first pair in stage's order (lane l holds pairs 2(l%4) and 2(l%4)+1 of chunk l//4,
-        which land at words 2j (j < 4) or 2(j-4)+1 of the chunk).  With I8_WORDS the four are
-        positions 2t, 2t + 1, 2t + 8, 2t + 9 of chunk c, lane (c, t) (put_digit_words; w unused).
-        Past the last group the loads read the last one (a spare load beats a branch) and the
+        which land at words 2j (j < 4) or 2(j-4)+1 of the chunk).  Past the last group the loads read the last one (a spare load beats a branch) and the
         caller stores nothing."""
-        if I8_WORDS:   # positions 2t, 2t + 1, 2t + 8, 2t + 9 of chunk c (put_digit_words)
-            base = word_pairs_at(grp, lane)
-            x0, x1 = ld_global_nc_v2_f32(x, base)
-            x2, x3 = ld_global_nc_v2_f32(x, base + 8)
-            if XACC:
-                x0, x1, x2, x3 = plus_xacc_8(xa, base, x0, x1, x2, x3)
-            w01 = ld_global_nc_u32(norm_w, base)
-            w23 = ld_global_nc_u32(norm_w, base + 8)
-        else:
-            base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
-            x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
-            if XACC:   # x + xacc * 2^-32 (the int64 words of base .. base + 3)
-                x0, x1, x2, x3 = plus_xacc(xa, base, x0, x1, x2, x3)
-            w01, w23 = ld_global_nc_v2_u32(norm_w, base)
+        base = min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4
+        x0, x1, x2, x3 = ld_global_nc_v4_f32(x, base)
+        if XACC:   # x + xacc * 2^-32 (the int64 words of base .. base + 3)
+            x0, x1, x2, x3 = plus_xacc(xa, base, x0, x1, x2, x3)
+        w01, w23 = ld_global_nc_v2_u32(norm_w, base)
         n0, n1 = unpack_f16x2_to_f32(w01)
         n2, n3 = unpack_f16x2_to_f32(w23)
         p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
@@ -150,11 +136,6 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return ss
 
 
-    def word_pairs_at(grp, lane):
-        # I8_WORDS: the index of lane (c, t)'s first value of group grp, position 2t of chunk
-        # c (its second pair is 8 on); past the last group the last one's
-        return min(grp, GROUPS - 1) * GROUP_SIZE + (lane >> 2) * CHUNK + (lane & 3) * 2
-
     def put_digit(o, v):
         """i8: v's digits (digit_bits), hi at shared address o (plane 0), mid 128 bytes on
         (plane 1), lo 256 on (plane 2)."""
@@ -179,24 +160,6 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         put_digit(o + uint32(32), v2)
         put_digit(o + uint32(34), v3)
 
-    def put_digit_words(act, grp, lane, v0, v1, v2, v3):
-        """i8=2: lane (c, t)'s four values of group grp, positions 2t (v0), 2t + 1 (v1), 2t + 8
-        (v2) and 2t + 9 (v3) of chunk c, are the four bytes of lane t's B word of chunk c in
-        each plane -- in the column order (2t, 2t + 8, 2t + 1, 2t + 9), so bytes v0, v2, v1,
-        v3 -- which put_digits stores a byte at a time from four lanes.  Here the lane gathers
-        each plane's four digits with prmt (digit_bits: hi, mid, lo in bytes 2, 1, 0) and
-        stores the three words whole, at grp * 96 + plane * 32 + t * 8 + c: 3 shared stores where put_digits makes 12, whose cost in down's staging (about 1,800
-        store instructions an SM a layer) is what lost there (docs/PERF.md 0.29)."""
-        a, b, c, d = digit_bits(v0), digit_bits(v1), digit_bits(v2), digit_bits(v3)
-        hm_ac = prmt_b32(a, c, 0x5162)          # a.hi c.hi a.mid c.mid
-        hm_bd = prmt_b32(b, d, 0x5162)          # b.hi d.hi b.mid d.mid
-        lo_ac = prmt_b32(a, c, 0x5140)          # a.lo c.lo (then a.mid c.mid, unused)
-        lo_bd = prmt_b32(b, d, 0x5140)
-        w = grp * 96 + (lane & 3) * 8 + (lane >> 2)
-        act[w] = prmt_b32(hm_ac, hm_bd, 0x5410)            # hi:  a c b d
-        act[w + 32] = prmt_b32(hm_ac, hm_bd, 0x7632)       # mid
-        act[w + 64] = prmt_b32(lo_ac, lo_bd, 0x5410)       # lo
-
     def finite_or_nan(fi, v0, v1, v2, v3):
         """i8 (the whole warp): 1/f_g, or NaN where a value of the warp's group is not finite
         -- cvt.rni would take a NaN to 0 and saturate an inf, so the group's 1/f_g carries it
@@ -205,11 +168,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         return fi if s_ <= float32(3.4028234663852886e38) else float32(math.nan)
 
     def load_group_a(a, grp, lane):
-        # the lane's four fp16 of group grp of `a` (past the last group: the last one's): with
-        # I8_WORDS the pairs at 2t and 2t + 8 of chunk c (put_digit_words), else 4 lane ..
-        if I8_WORDS:
-            base = word_pairs_at(grp, lane)
-            return ld_global_nc_u32(a, base), ld_global_nc_u32(a, base + 8)
+        # the lane's four fp16 of group grp of `a` (past the last group: the last one's)
         return ld_global_nc_v2_u32(a, min(grp, GROUPS - 1) * GROUP_SIZE + lane * 4)
 
     def digit_group(act, invf, grp, lane, w01, w23):
@@ -219,10 +178,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         f, fi = pow2_scale(wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3)))))
         fi = finite_or_nan(fi, p0, p1, p2, p3)
         if grp < GROUPS:
-            if I8_WORDS:
-                put_digit_words(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
-            else:
-                put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
+            put_digits(act, grp, lane, p0 * f, p1 * f, p2 * f, p3 * f)
             if lane == 0:
                 invf[grp] = fi
 
@@ -269,13 +225,11 @@ def act_path(s: MmaShape) -> SimpleNamespace:
                 digit_group(act, invf, g0 + 7 * WARPS, lane, a7[0], a7[1])
 
     digit_bits = dev(digit_bits_body)
-    word_pairs_at, put_digit, put_digits, put_digit_words, finite_or_nan, \
-        load_group_a, digit_group, stage_digits = (
-            dev(f) for f in (word_pairs_at, put_digit, put_digits, put_digit_words,
-                             finite_or_nan, load_group_a, digit_group, stage_digits))
+    put_digit, put_digits, finite_or_nan, load_group_a, digit_group, stage_digits = (
+        dev(f) for f in (put_digit, put_digits, finite_or_nan, load_group_a, digit_group,
+                         stage_digits))
     fixed_f32 = dev(fixed_to_f32)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(fixed_f32))
-    plus_xacc_8 = dev(plus_xacc_body(fixed_f32, 8))   # I8_WORDS: pairs 8 apart
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
     scaled_group, stage, stage_norm, stage_group = (
         dev(f) for f in (scaled_group, stage, stage_norm, stage_group))

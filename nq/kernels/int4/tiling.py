@@ -36,10 +36,15 @@ Measured in the 7B step (H100, 2026-12-07, scripts/step_variants.py, ms a step a
 32K): gate_up -0.025 / -0.019 / -0.014, attn_o_proj -0.012 / -0.005 / -0.008, the two
 -0.027 / -0.028 / -0.023; down +0.031 / +0.035 / +0.034 and qkv_rope in the fp32-accurate step
 +0.016 / +0.018 (against hilo) lost and stay fp16 (hilo): their blocks stage all of K for one
-or two tiles, and the staging stored the digits a byte at a time (down: 60 shared stores a
-lane; i8=2 stores whole words, docs/PERF.md 0.29, opt-in until measured).  `NQ_I8` (`I8`, read
-once at import) picks: "1" (the default) those two, "0" none, "all" every tensor-core tiling
-(the experiment of docs/PERF.md 0.27).
+or two tiles (storing the digits as whole words, i8=2, lost too: docs/PERF.md 0.29).
+
+The CUDA-core qkv and qkv_rope stage digits too (`Tiling.i8`, gemv_digits.py: dp4a sums them
+exactly), which makes the default step fp32-accurate: the decode tier at the 7B width 3.56e-4 /
+4.78e-4 of the spread (median / max; target 5e-4) against 8.8e-4 / 1.1e-3 with fp16, for
++0.000 ms a step in the 7B (H100, 2026-12-07: `qkv_rope.i8=0` -0.000 / +0.001 / +0.000 at 512 /
+8K / 32K) and -0.038 / -0.028 at the 14B's width (docs/PERF.md 0.30).  `NQ_I8` (`I8`, read once
+at import) picks: "1" (the default) gate_up, attn_o_proj and the CUDA-core qkv, "0" none, "all"
+every tensor-core tiling too (the experiment of docs/PERF.md 0.27).
 """
 from __future__ import annotations
 
@@ -121,9 +126,8 @@ class MmaTiling:
     #                      and zeroes it; gemv_mma.py "xacc")
     i8: int = 0          # the staged activations as three signed-byte digits (22 bits of a
     #                      group's absmax) on the int8 tensor cores, 3 instructions a word of
-    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo.  1: stored
-    #                      a byte a value and plane; 2: a lane's four values' digits as three
-    #                      32-bit words (gemv_mma_stage.put_digit_words; the same bytes)
+    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo.  (i8=2, the
+    #                      digits stored as words, lost: docs/PERF.md 0.29, code at 2c215a2)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -139,8 +143,7 @@ class MmaTiling:
                 + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else "")
-                + ("w" if self.i8 == 2 else ""))
+                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:

@@ -222,12 +222,11 @@ SIM_SCRIPT = textwrap.dedent('''
         ref = ref_down(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
         delta = got - x            # the dot products alone, against the reference's
         print(name, float(np.linalg.norm(delta - (ref - x)) / np.linalg.norm(ref - x)), flush=True)
-    # i8 (both forms): a NaN or an inf in `a` reaches every row (cvt.rni alone would hide it),
-    # as in fp16
+    # i8: a NaN or an inf in `a` reaches every row (cvt.rni alone would hide it), as in fp16
     finite = 0
-    for bad, form in ((np.nan, 1), (np.inf, 1), (np.nan, 2), (np.inf, 2)):
+    for bad in (np.nan, np.inf):
         n, k = 32, 384
-        g = ResidualMmaGemv("down", n, k, MmaTiling(warps=2, threads=128, i8=form))
+        g = ResidualMmaGemv("down", n, k, MmaTiling(warps=2, threads=128, i8=1))
         pq, ps = g.prepare([(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
                              rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16))])
         a = (rng.standard_normal(k) * 3).astype(np.float16)

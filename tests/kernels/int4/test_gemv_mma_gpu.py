@@ -66,9 +66,6 @@ def run(kind, n, k, tiling, seed):
     ("down", 5120, 13824, T(warps=8, threads=768, early=1, i8=1)),   # the 14B's grid
     ("down", 5120, 27648, T(warps=8, threads=768, early=1, i8=1)),   # the 32B's: 81 KB of digits
     ("down", 896, 4864, T(warps=4, threads=384, i8=1)),
-    ("down", 3584, 18944, T(warps=16, threads=1024, early=1, i8=2)),   # digits as words
-    ("o_proj", 3584, 3584, T(warps=14, threads=448, i8=2)),
-    ("down", 5120, 27648, T(warps=8, threads=768, early=1, i8=2)),
     ("down", 3584, 18944, T(warps=16, threads=1024, early=5)),
     ("down", 3584, 18944, T(warps=16, threads=512, early=4)),
     ("o_proj", 3584, 3584, T(warps=14, threads=448, early=2)),

@@ -68,7 +68,6 @@ def run(cfg, tiling, seed, pos=4097):
     ("7b", T(warps=7, threads=448, rope=128, i8=1)),
     ("0.5b", T(warps=3, threads=96, rope=64, i8=1)),
     ("14b", T(warps=10, threads=320, rope=128, i8=1)),
-    ("7b", T(warps=14, threads=448, rope=128, i8=2)),      # the digits stored as words
 ])
 def test_qkv_rope_against_the_reference(model, tiling):
     cfg = PRESETS[model]
