@@ -383,8 +383,11 @@ def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         ("qkv", 4608, 3584): Tiling(ks=14, threads=384, span=128),
         # the 14B's and 32B's: 512 threads, qkv_rope's 56 blocks (-0.062 / -0.073 ms at 512 /
         # 8K against the rule's 256, 112 blocks, which beat 128's 224 by 0.05; H200,
-        # 2026-12-03): one block, not three, beside down on each SM its 107 blocks leave free
-        ("qkv", 7168, 5120): Tiling(ks=8, threads=512),
+        # 2026-12-03): one block, not three, beside down on each SM its 107 blocks leave free.
+        # With the digits (CORE_I8_KINDS) 384, qkv_rope's 75 blocks: -0.046 / -0.033 against
+        # 512, whose 128-register cap the digits' loop fills (H100, 2026-12-07, 14B step;
+        # 256 -0.046 / -0.014, 1024 +1.5: docs/PERF.md 0.31)
+        ("qkv", 7168, 5120): Tiling(ks=8, threads=384 if CORE_I8_KINDS else 512),
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
         # for t128 capped at 5 blocks; t64 +0.12, t256 -0.04; then prefetch -0.02 (95 regs).
