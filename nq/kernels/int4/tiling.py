@@ -386,7 +386,7 @@ def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # 2026-12-03): one block, not three, beside down on each SM its 107 blocks leave free.
         # With the digits (CORE_I8_KINDS) 384, qkv_rope's 75 blocks: -0.046 / -0.033 against
         # 512, whose 128-register cap the digits' loop fills (H100, 2026-12-07, 14B step;
-        # 256 -0.046 / -0.014, 1024 +1.5: docs/PERF.md 0.31)
+        # 256 -0.046 / -0.014, 1024 +1.5; at the 32B 512 +0.054 / +0.040: docs/PERF.md 0.31)
         ("qkv", 7168, 5120): Tiling(ks=8, threads=384 if CORE_I8_KINDS else 512),
         ("o_proj", 3584, 3584): Tiling(ks=14, threads=256),  # 6.8 us alone; (both, in the step)
         # 3 blocks of 192 an SM: -0.08 ms a step against t128 (80 registers, 6 blocks), -0.06
