@@ -270,17 +270,19 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         z = float32(0.0)
         return z, z, z, z, a01, a23
 
-    def piece_put(pc, g, lane, act, invf):
-        # scale group g by its power of two, store it permuted; returns the lane's sum of x^2
+    def four_values(pc):
+        # a lane's four loaded inputs as the values to stage (x * norm_w, or a) and its sum of x^2
         x0, x1, x2, x3, w01, w23 = pc
         n0, n1 = unpack_f16x2_to_f32(w01)
         n2, n3 = unpack_f16x2_to_f32(w23)
-        ss = float32(0.0)
         if NORM:
             ss = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
-            p0, p1, p2, p3 = x0 * n0, x1 * n1, x2 * n2, x3 * n3
-        else:
-            p0, p1, p2, p3 = n0, n1, n2, n3
+            return x0 * n0, x1 * n1, x2 * n2, x3 * n3, ss
+        return n0, n1, n2, n3, float32(0.0)
+
+    def piece_put(pc, g, lane, act, invf):
+        # scale group g by its power of two, store it permuted; returns the lane's sum of x^2
+        p0, p1, p2, p3, ss = four_values(pc)
         m = wmax(max(max(abs(p0), abs(p1)), max(abs(p2), abs(p3))))
         f, fi = pow2_scale(m)
         if g >= GROUPS:
@@ -418,6 +420,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
 
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
+    four_values = dev(four_values)
     load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
         load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, norm_to_l2, start, \
         put_qkv, put_swiglu, put_residual = (
@@ -427,7 +430,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              put_residual))
     first_loads = dev(first_loads)   # (after load_step's dev)
     # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)
-    p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM) if I8
+    p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM, four_values) if I8
                           else (piece_load, piece_put, dot_step))
     # (after weight_row's dev)
     put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)

@@ -34,18 +34,20 @@ from nq.config import GROUP_SIZE
 from nq.kernels.common import dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import digit_bits, pow2_scale_f32
 from nq.ptx import (cvt_f32_f16, dp4a_s32, ld_global_nc_u32, ld_global_nc_v2_f32,
-                    ld_shared_v4_u32_at, prmt_b32, unpack_f16x2_to_f32)
+                    ld_shared_v4_u32_at, prmt_b32)
 
 _HIGH = uint32(0xF0F0F0F0)      # the top nibble of each byte
 _SH4 = uint32(4)
 _DOWN = float32(2.0 ** -18)     # 1 / (16 * 2^14): the weights' bytes are 16 w, digits v * 2^14
 
 
-def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool):
+def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool, four_values):
     """Device functions for a gemv.py kernel with i8: (piece_load_i8, piece_put_i8,
     dot_step_i8), with the signatures of gemv.py's piece_load, piece_put and dot_step (u the
     unit of the step's chunk 0 for lane j: step * 24 * KS + j); GROUPS = K / 128, KS and
-    SLOTS as gemv.py's, NORM whether the values are rmsnorm(x) * norm_w (else fp16 a)."""
+    SLOTS as gemv.py's, NORM whether the values are rmsnorm(x) * norm_w (else fp16 a);
+    four_values is gemv.py's device function (a lane's loaded inputs -> its four values and
+    their sum of squares), here for positions (0, 1, 4, 5) of piece_load_i8."""
     UNIT = KS * 16              # bytes between a chunk's (plane, half) units
     PLANE = 2 * KS * 4          # words between a plane's units
 
@@ -62,15 +64,7 @@ def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool):
 
     def piece_put_i8(pc, g, lane, act, invf):
         # group g's four values of the lane as digits, times f_g; returns the lane's sum of x^2
-        x0, x1, x4, x5, w01, w45 = pc
-        n0, n1 = unpack_f16x2_to_f32(w01)
-        n4, n5 = unpack_f16x2_to_f32(w45)
-        ss = float32(0.0)
-        if NORM:
-            ss = x0 * x0 + x1 * x1 + x4 * x4 + x5 * x5
-            p0, p1, p4, p5 = x0 * n0, x1 * n1, x4 * n4, x5 * n5
-        else:
-            p0, p1, p4, p5 = n0, n1, n4, n5
+        p0, p1, p4, p5, ss = four_values(pc)
         a0, a1, a4, a5 = abs(p0), abs(p1), abs(p4), abs(p5)
         f, fi = pow2_scale(wmax(max(max(a0, a1), max(a4, a5))))
         # cvt.rni takes NaN to 0 and saturates inf: a non-finite value of the group makes its
