@@ -63,6 +63,11 @@ with i8 the default for gate_up and attn_o_proj: against 68040ca, 36 of 43 kerne
 the four gate_ups (886 -> 778, 1108 -> 887, 1234 -> 879 instructions) and the 7B's and 14B's
 attn_o_proj (686 -> 758, 905 -> 885) by intent, and the 14B qkv_rope's other form (1998 both).
 This script had built attn_o_proj without the step's o_i8 until 2412016.
+docs/figures/ptx_hashes_dp4a.json is the default step at 07511c8 (docs/PERF.md 0.30-0.31: qkv and
+qkv_rope on the CUDA cores with their activations as digits summed by dp4a, the 14B's and 32B's
+at 384 threads): against 2412016 the six CUDA-core qkv kernels changed by intent, the other 37
+are the same (so the retirement of i8=2 and the move of digit_bits into dequant.py left the
+tensor-core kernels as they were).
 """
 from __future__ import annotations
 
