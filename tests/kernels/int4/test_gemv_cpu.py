@@ -353,9 +353,12 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
              # the 7B's grid shape (ks 14, 384 threads: 12 warps, 48 rows a block) and the
              # 14B's (ks 8, 512 threads: 128 rows a block), here 8 and 3 blocks
              (128, 1792, dict(threads=384, ks=14, span=128), (17,)),
-             (128, 1024, dict(threads=512, ks=8), (33,))]
+             (128, 1024, dict(threads=512, ks=8), (33,)),
+             # the activations as digits (Tiling.i8, gemv_digits.py: both kernels sum by dp4a)
+             (64, 256, dict(threads=64, ks=2, i8=1), (16,))]
     for d, k, tk, positions in cases:
-        if not any(f"d{d}_pos{p}" in PICK for p in positions):
+        tag = f"d{d}" + ("i8" if tk.get("i8") else "")
+        if not any(f"{tag}_pos{p}" in PICK for p in positions):
             continue
         cfg = Cfg(d, k)
         n, hq, hkv = cfg.qkv_size, 1, 1
@@ -377,7 +380,7 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
         table = rng.permutation(n_pages).astype(np.int32)
         rope = rope_kv_sim(cfg)
         for pos in positions:
-            if f"d{d}_pos{pos}" not in PICK:
+            if f"{tag}_pos{pos}" not in PICK:
                 continue
             state = make_state(pos=pos)
             # a finite sentinel everywhere (the slot is rewritten, nothing else may be)
@@ -394,16 +397,16 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
             got = np.concatenate([q, kv[page, :, 0, slot].ravel(), kv[page, :, 1, slot].ravel()])
             ref = np.concatenate([q_ref.ravel(), k_ref.ravel(), v_ref.ravel()])
             kv[page, :, :, slot] = 7.0
-            print(f"d{d}_pos{pos}_err", rel(got.astype(np.float32), ref.astype(np.float32)))
-            print(f"d{d}_pos{pos}_same", float(same))
-            print(f"d{d}_pos{pos}_elsewhere", float((kv != 7.0).sum()))
+            print(f"{tag}_pos{pos}_err", rel(got.astype(np.float32), ref.astype(np.float32)))
+            print(f"{tag}_pos{pos}_same", float(same))
+            print(f"{tag}_pos{pos}_elsewhere", float((kv != 7.0).sum()))
 ''')
 
 
 # ~35 s a position on 2 cores: CI's tier takes d64's first slot of page 1 and d128's position
-# 1000 through the permuted table; the long tier (`pytest -m long`) the other two and the
+# 1000 through the permuted table, and the digits' d64 case (qkv's default form); the long tier (`pytest -m long`) the other two and the
 # 7B's and 14B's grid shapes (8 blocks of 384 threads, 3 of 512: ~4 min; passed 2026-12-03)
-ROPE_PICK = ("d64_pos16", "d128_pos1000")
+ROPE_PICK = ("d64_pos16", "d128_pos1000", "d64i8_pos16")
 ROPE_PICK_LONG = ("d64_pos15", "d128_pos0", "d128_pos17", "d128_pos33")
 
 
