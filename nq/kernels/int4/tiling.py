@@ -262,8 +262,9 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
     prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K.  Other tilings, hilo, against the
     CUDA-core qkv_rope (ms a step at 512 / 8K): 14 warps t448 +0.050 / +0.023 (hilo=0 +0.046 /
     +0.013), 7 warps t448 +0.034 / +0.046, 7 t224 +0.091 / +0.090, 4 t512 +0.142 / +0.104,
-    14 t896 +0.090 / +0.064.  The CUDA-core kernel's fp16 partials are half the decode tier's
-    error at the 7B width (module doc).
+    14 t896 +0.090 / +0.064.  The CUDA-core kernel's fp16 partials were half the decode tier's
+    error at the 7B width; its digits (`Tiling.i8`, the default since docs/PERF.md 0.30) took
+    that error away at no cost in the step (module doc).
 
     hilo (gate_up, qkv): with NQ_MMA_QKV=1, h staged as fp16 hi + lo where it fits static
     shared memory."""
