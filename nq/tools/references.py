@@ -6,6 +6,7 @@ with the top-2 gap and the spread at every step (what the graph tier's near-tie 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -126,7 +127,9 @@ def dequantize_packed_torch(torch, packed, scales, device):
     fp16 scales (N, K/128) -> fp32 (N, K).  On the GPU a 7B dequantises in about a second;
     NumPy on the host took ~100 s of `nq verify`'s 142 s."""
     from nq.loader.quant import SHUFFLE
-    q = torch.from_numpy(np.ascontiguousarray(packed).view(np.int32)).to(device)  # (N, K/8)
+    with warnings.catch_warnings():   # an mmap'd file's read-only pages: torch only reads them
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        q = torch.from_numpy(np.ascontiguousarray(packed).view(np.int32)).to(device)  # (N, K/8)
     n, k8 = q.shape
     shifts = torch.arange(0, 32, 4, device=device, dtype=torch.int32)
     nib = (q[:, :, None] >> shifts) & 0xF                 # (N, K/8, 8 slots)
