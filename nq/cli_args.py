@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from nq.loader.resolve import DEFAULT_REPO
 
@@ -11,9 +12,9 @@ from nq.loader.resolve import DEFAULT_REPO
 def precision_arg(s) -> None:
     s.add_argument("--fp32-accurate", action="store_true",
                    help="qkv on the tensor cores too (NQ_MMA_QKV=1 does the same).  The "
-                        "default step is as accurate since 0.30 (a 7B-width model's "
-                        "teacher-forced logits within 5e-4 of their spread from fp32) and "
-                        "faster by ~0.07 ms a token; kept to compare the two")
+                        "default step is as accurate (since 2026-12-07, docs/PERF.md 0.30: a "
+                        "7B-width model's teacher-forced logits within 5e-4 of their spread "
+                        "from fp32) and ~0.07 ms a token faster; kept to compare the two")
 
 
 def apply_precision(args) -> None:
@@ -21,6 +22,8 @@ def apply_precision(args) -> None:
     tiling reads it once, at import; nq.cli imports no kernel module before this)."""
     if getattr(args, "fp32_accurate", False):
         os.environ["NQ_MMA_QKV"] = "1"
+        print("nq: --fp32-accurate puts qkv on the tensor cores; the default step is as "
+              "accurate and ~0.07 ms a token faster (docs/PERF.md 0.30)", file=sys.stderr)
 
 
 def model_args(s) -> None:
