@@ -343,6 +343,133 @@ if cuda.is_available():
 ]
 
 
+DIGITS = [
+    md("""
+# qkv's activations as digits: exact sums with dp4a
+
+`nq/kernels/int4/gemv_digits.py` is how the CUDA-core qkv GEMV sums in fp32 or better.  Its
+fp16 form (`gemv.py`) multiplied fp16 activations into fp16 partial sums: ~1e-3 of the output,
+the largest error left in the decode step once gate_up and o_proj moved to the int8 tensor
+cores.  Here each staged activation becomes three signed bytes ("digits"), each weight word's
+eight nibbles become two words of signed bytes, and `dp4a` adds four products at a time
+exactly in int32.  Measured: the same speed in the 7B step, and the step's teacher-forced
+logits within 4.8e-4 of their spread from fp32 (`docs/PERF.md` 0.30).  This notebook checks
+the arithmetic on a CPU with the Python twins of the PTX instructions the kernel executes.
+"""),
+    code("""
+import os, sys
+sys.path.insert(0, os.getcwd())  # run from the repository root
+import numpy as np
+from nq import ptx as P
+
+rng = np.random.default_rng(3)
+v = (rng.standard_normal(128) * 2).astype(np.float32)    # one group of x * norm_w
+v[17] = 300.0                                            # a "massive activation"
+e = int(np.frexp(np.abs(v).max())[1])                    # f: a power of two putting the absmax
+f = np.float32(2.0 ** (8 - e))                           # in [128, 256), exactly
+print("absmax", np.abs(v).max(), "-> f =", f, "-> scaled absmax", np.abs(v * f).max())
+"""),
+    md("""
+The digits: x = rni(v f 2^14) fits 23 bits, written as hi 2^16 + mid 2^8 + lo with each a
+signed byte (`dequant.digit_bits`: add 0x808080, then xor it back, makes each byte a digit +
+128).  Rounding is the only loss: 2^-15 of a unit of v f, 2^-22 of the group's absmax.
+"""),
+    code("""
+def digits(value):                # nq/kernels/int4/dequant.digit_bits, with its PTX's twin
+    x = int(P.cvt_rni_s32_f32.twin(np.float32(value) * np.float32(16384.0)))
+    u = ((x + 0x808080) & 0xFFFFFFFF) ^ 0x808080
+    s8 = lambda b: b - 256 if b & 0x80 else b
+    return s8((u >> 16) & 0xFF), s8((u >> 8) & 0xFF), s8(u & 0xFF)   # hi, mid, lo
+
+d = np.array([digits(x) for x in v * f])                              # (128, 3)
+x_back = d[:, 0] * 65536 + d[:, 1] * 256 + d[:, 2]
+print("digit ranges", d.min(0), d.max(0))
+print("worst rounding, in units of the absmax:",
+      np.abs(x_back / 16384.0 - v * f).max() / np.abs(v * f).max())
+"""),
+    md("""
+The weights: a word holds eight signed nibbles in the ValueShuffle order (notebook 01):
+nibbles 0..7 are w0 w2 w4 w6 w1 w3 w5 w7.  Moving each byte's low nibble to its top,
+`(q << 4) & 0xF0F0F0F0`, gives the signed bytes 16 w0, 16 w4, 16 w1, 16 w5; `q & 0xF0F0F0F0`
+gives 16 w2, 16 w6, 16 w3, 16 w7.  So a staging lane packs each plane's digits of positions
+(0, 4, 1, 5) or (2, 6, 3, 7) of the word into one register, and six `dp4a` a word sum the
+products of each plane exactly:
+"""),
+    code("""
+from nq.loader.quant import pack_value_shuffle
+
+w = rng.integers(-8, 8, size=(1, 128)).astype(np.int8)     # one row of one group
+words = pack_value_shuffle(w)[0]                            # 16 uint32
+def pack(b):                                                # four signed bytes -> a word
+    return int.from_bytes(bytes(int(x) & 0xFF for x in b), "little")
+
+acc = [0, 0, 0]                                             # hi, mid, lo: int32 sums
+for j, q in enumerate(int(u) for u in words):
+    A, B = (q << 4) & 0xF0F0F0F0, q & 0xF0F0F0F0
+    for plane in range(3):
+        da = pack(d[8 * j + np.array([0, 4, 1, 5]), plane])
+        db = pack(d[8 * j + np.array([2, 6, 3, 7]), plane])
+        acc[plane] = int(P.dp4a_s32.twin(B, db, P.dp4a_s32.twin(A, da, acc[plane])))
+dot = (acc[0] * 65536 + acc[1] * 256 + acc[2]) / 16 / 16384 / f   # 16 w, 2^14, f
+exact = float(w[0].astype(np.float64) @ x_back.astype(np.float64)) / 16384 / f
+print("dp4a sums == the integer dot product:", dot == exact)
+ref = float(w[0] @ v.astype(np.float64))
+print("relative error against the fp64 dot of v:", abs(dot - ref) / abs(ref))
+"""),
+    md("""
+## The kernel
+
+With `Tiling.i8` the CUDA-core GEMV keeps its grid and its weight loads; only the staging and
+the dot change (`gemv_digits.digits_body`).  Its PTX for sm_90, no GPU needed:
+"""),
+    code("""
+from tests.ptx_util import compile_ptx_sm90, count
+from nq.config import PRESETS
+from nq.kernels.int4 import gemv
+from nq.kernels.int4.launch import gemv_tiling
+
+cfg = PRESETS["7b"]
+t = gemv_tiling("qkv_rope", cfg)            # the default: digits unless NQ_I8=0
+heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+pyfunc, sig = gemv.build_kernel("qkv_rope", cfg.qkv_size, cfg.hidden_size, t, cfg.rms_norm_eps, heads)
+ptx = compile_ptx_sm90(pyfunc, sig)
+print(t.tag())
+for ins in ("dp4a.s32.s32", "prmt.b32", "fma.rn.f16x2", "ld.shared.v4.u32", "ld.global.nc.v4.u32"):
+    print(f"{ins:22s}", count(ptx, ins))
+"""),
+    md("""
+A step of the loop is 16 weight words x 2 rows x 6 `dp4a`: 192, and no fp16 math.  To compare
+the two forms inside the whole step on a GPU:
+
+    python3 scripts/step_variants.py --ctx 512,8192,32768 "qkv_rope.i8=0"
+
+(on an H100, 2026-12-07: -0.000 / +0.001 / +0.000 ms a step, a tie; at the 14B's width the
+fp16 form is 0.04 ms slower).
+"""),
+    code("""
+from numba import cuda
+
+if cuda.is_available():
+    from nq.kernels.int4 import make_qkv_gemv
+    from nq.kernels.int4.reference import ref_qkv
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    g = make_qkv_gemv(cfg)
+    parts = [quantize_pack(rng.standard_normal((m, cfg.hidden_size)).astype(np.float32) / 20)
+             for m in (cfg.q_size, cfg.kv_size, cfg.kv_size)]
+    pq, ps = g.prepare(parts)
+    x = rng.standard_normal(cfg.hidden_size).astype(np.float32); x[5] = 400.0
+    nw = np.ones(cfg.hidden_size, np.float16); b = np.zeros(cfg.qkv_size, np.float16)
+    out = cuda.to_device(np.zeros(cfg.qkv_size, np.float32))
+    D = cuda.to_device
+    g(D(x), D(nw), D(pq), D(ps), D(b), out)
+    wd = np.concatenate([dequantize_packed(q, s) for q, s in parts]).astype(np.float64)
+    ref = wd @ (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_norm_eps))
+    got = out.copy_to_host()
+    print("relative error against fp64:", np.linalg.norm(got - ref) / np.linalg.norm(ref))
+""", "gpu"),
+]
+
+
 def write(name, cells, out_dir=HERE):
     nb = {"nbformat": 4, "nbformat_minor": 5,
           "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -354,7 +481,7 @@ def write(name, cells, out_dir=HERE):
 
 
 NOTEBOOKS = {"01_int4_valueshuffle.ipynb": INT4, "02_decode_step_floor.ipynb": FLOOR,
-             "03_tensor_core_gemv.ipynb": MMA}
+             "03_tensor_core_gemv.ipynb": MMA, "04_digits_dp4a.ipynb": DIGITS}
 
 
 if __name__ == "__main__":
