@@ -63,6 +63,21 @@ def test_i8_names_and_refusals():
         check_tiling("down", 128, 18944, Tiling(ks=1, threads=64, i8=1))
 
 
+def test_the_default_takes_digits_where_they_fit():
+    """NQ_I8=1 (the default) gives the CUDA-core qkv and qkv_rope their digits with a one-block
+    register bound, unless the digits (1.5x the fp16 staging) pass static shared memory: then
+    the fp16 form, which still fits, and never a tiling check_tiling refuses."""
+    from nq.kernels.int4 import tiling
+    if tiling.I8 == "0":
+        pytest.skip("NQ_I8=0 in this environment: no digits by default")
+    t = default_tiling("qkv_rope", 4608, 3584, mma=False)
+    assert t.i8 == 1 and t.min_blocks == 1
+    wide = default_tiling("qkv", 1024, 20480, mma=False)     # fp16 41.6 KB, digits 62.1 KB
+    assert wide.i8 == 0
+    check_tiling("qkv", 1024, 20480, wide)
+    assert default_tiling("o_proj", 896, 896, mma=False).i8 == 0   # qkv's alone
+
+
 SIM_SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
