@@ -297,7 +297,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         return ss
 
     def stage(xin, norm_w, act, invf, red):
-        """Stage the activations (fp16, pre-scaled by f_g, permuted to the lane order); rstd.
+        """Stage the activations (fp16, or digits with i8: p_load / p_put), pre-scaled by f_g, in
+        the order the dot reads them; rstd.
 
         A warp owns groups warp, warp + WARPS, ...; it issues the loads of AT_ONCE groups
         before using any (one group per iteration made the prologue a chain of L2 latencies:
