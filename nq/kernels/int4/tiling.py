@@ -322,14 +322,12 @@ def with_core_i8(k: int, t: Tiling) -> Tiling:
     return i8 if core_staged_bytes(k, i8) <= STATIC_SMEM_LIMIT else t
 
 
-def with_i8(kind: str, k: int, t: Tiling | MmaTiling) -> Tiling | MmaTiling:
-    """t with i8 in place of hilo where the tensor-core kernel takes it; else (a CUDA-core
-    tiling; gate_up's or qkv's 3 bytes a value past static shared memory, which they stage
-    in) t."""
-    i8 = dataclasses.replace(t, i8=1, hilo=0) if isinstance(t, MmaTiling) else t
-    if i8 is t or (kind in NORM_KINDS and staged_bytes(k, i8) > STATIC_SMEM_LIMIT):
-        return t    # (gemv_mma_shape.check_tiling's refusal of that i8)
-    return i8
+def with_i8(kind: str, k: int, t: MmaTiling) -> MmaTiling:
+    """A tensor-core tiling with i8 in place of hilo, unless gate_up's or qkv's 3 bytes a value
+    pass the static shared memory they stage in (gemv_mma_shape.check_tiling refuses that i8):
+    then t."""
+    i8 = dataclasses.replace(t, i8=1, hilo=0)
+    return t if kind in NORM_KINDS and staged_bytes(k, i8) > STATIC_SMEM_LIMIT else i8
 
 
 def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
