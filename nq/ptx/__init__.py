@@ -60,8 +60,7 @@ from nq.ptx.mbarrier import (mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrie
 from nq.ptx.memory import (createpolicy_evict_first_b64, cvta_to_shared_u32,
                            cvta_to_shared_u32_at, ld_global_nc_hint_v4_u32, ld_global_nc_na_v4_u32,
                            ld_global_nc_u16, ld_global_nc_u32, ld_global_nc_v2_f32,
-                           ld_global_nc_v2_u32,
-                           ld_global_nc_v4_f32,
+                           ld_global_nc_v2_u32, ld_global_nc_v4_f32,
                            ld_global_nc_v4_u32, ld_shared_v4_f32, ld_shared_v4_u32,
                            ld_shared_v2_u32_at, ld_shared_v4_u32_at, st_global_u16,
                            st_global_v4_u32, st_shared_u8_at)

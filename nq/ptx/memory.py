@@ -72,7 +72,8 @@ def ld_global_nc_v2_u32(arr, idx):
 @ptx("ld.global.nc.u32 %0, [%1];", out="u32", args=("arr", "idx"), effect="load")
 def ld_global_nc_u32(arr, idx):
     """`ld.global.nc.u32 d, [&arr[idx]];` -- 4 bytes (two fp16), 4-byte aligned, read-only:
-    a pair where the 8-byte load's neighbours are not wanted (gemv_mma_stage's i8 words)."""
+    a pair where the 8-byte load's neighbours are not wanted (gemv_digits' norm weights and
+    fp16 activations, pairs 4 apart)."""
     return _bytes_at(arr, idx, 4).view(np.uint32)[0]
 
 

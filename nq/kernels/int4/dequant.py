@@ -9,7 +9,8 @@ four.  The CUDA-core GEMV keeps these instructions interleaved with its fmas (ge
 the tensor-core GEMV and the prefill GEMM wrap `dequant_word` with `dev`.
 
 `pow2_scale_f32` is the activations' exact per-group scaling (a power of two that puts a
-group's absmax in [128, 256), so fp16 partial sums cannot overflow).  `fixed_to_f32` reads
+group's absmax in [128, 256), so fp16 partial sums cannot overflow); `digit_bits` turns such a
+value into the three signed-byte digits both i8 stagings store (gemv_mma_stage, gemv_digits).  `fixed_to_f32` reads
 xacc's int64 fixed point (units of 2^-32 of x; attn_o_proj), for the tensor-core kernels that
 read x + xacc (gemv_mma.py "xacc").
 """
