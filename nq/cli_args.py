@@ -3,27 +3,25 @@ and the help formatter that shows each flag's default.  nq/cli.py builds the par
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from nq.loader.resolve import DEFAULT_REPO
 
 
+FP32_ACCURATE = ("the default decode step is already fp32-accurate (qkv's activations as "
+                 "digits summed exactly by dp4a, docs/PERF.md 0.30); --fp32-accurate changes "
+                 "nothing and is kept only so that old command lines still run")
+
+
 def precision_arg(s) -> None:
-    s.add_argument("--fp32-accurate", action="store_true",
-                   help="qkv on the tensor cores too (NQ_MMA_QKV=1 does the same).  The "
-                        "default step is as accurate (since 2026-12-07, docs/PERF.md 0.30: a "
-                        "7B-width model's teacher-forced logits within 5e-4 of their spread "
-                        "from fp32) and ~0.07 ms a token faster; kept to compare the two")
+    s.add_argument("--fp32-accurate", action="store_true", help=FP32_ACCURATE)
 
 
 def apply_precision(args) -> None:
-    """--fp32-accurate: set NQ_MMA_QKV=1 before any kernel module reads it (nq.kernels.int4.
-    tiling reads it once, at import; nq.cli imports no kernel module before this)."""
+    """--fp32-accurate: a no-op since NQ_MMA_QKV=1, the tensor-core qkv it set, was retired
+    (nq/kernels/int4/tiling.py's epitaph); it says so on stderr."""
     if getattr(args, "fp32_accurate", False):
-        os.environ["NQ_MMA_QKV"] = "1"
-        print("nq: --fp32-accurate puts qkv on the tensor cores; the default step is as "
-              "accurate and ~0.07 ms a token faster (docs/PERF.md 0.30)", file=sys.stderr)
+        print(f"nq: {FP32_ACCURATE}", file=sys.stderr)
 
 
 def model_args(s) -> None:

@@ -198,8 +198,7 @@ def main():
     ap.add_argument("--layout", default="",
                     help="KIND=LAYOUT,...: time a kind's weights in another upload layout "
                          "('mma' or rows:KS), e.g. gate_up=mma: what a decode upload change "
-                         "would buy the prefill; qkv=mma is qkv's rope-ordered mma layout, "
-                         "as NQ_MMA_QKV=1 uploads it")
+                         "would buy the prefill")
     ap.add_argument("--quick", action="store_true", help="the default tiles only")
     ap.add_argument("--reps", type=int, default=12, help="timed replays (>= 10)")
     ap.add_argument("--wgmma", action="store_true",
@@ -211,11 +210,8 @@ def main():
     for item in filter(None, args.layout.split(",")):
         kind, lay = item.split("=")
         n, k, _, rows = PROJECTIONS[kind]
-        if lay == "mma":   # qkv's mma layout is the rope-ordered one (NQ_MMA_QKV=1 uploads it)
-            layout = ("mma_rope", CFG.head_dim) if kind == "qkv" else "mma"
-        else:
-            layout = ("rows", int(lay.split(":")[1]))
-        PROJECTIONS[kind] = (n, k, layout, rows)
+        PROJECTIONS[kind] = (n, k, "mma" if lay == "mma" else ("rows", int(lay.split(":")[1])),
+                             rows)
     rng = np.random.default_rng(0)
     dev = cuda.get_current_device()
     name = getattr(dev, "name", b"simulator")

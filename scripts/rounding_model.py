@@ -10,8 +10,8 @@ same INT4 weights on both sides):
     python3 scripts/rounding_model.py -m model.nanoqwen all kv h
 
 Rounding points (combine them with "+", e.g. kv+a+m):
-    h_qkv   rmsnorm(x) * norm_w, qkv's input      (staged fp16 unless hilo)
-    h_mlp   the same before gate_up               (staged fp16 unless hilo)
+    h_qkv   rmsnorm(x) * norm_w, qkv's input      (staged fp16 unless digits/i8)
+    h_mlp   the same before gate_up               (staged fp16 unless digits/i8)
     h       both of the above
     kv      K (after RoPE) and V in the cache     (fp16 pages)
     a       the attention output, o_proj's input  (written fp16 by the combine)
@@ -25,7 +25,8 @@ order differs).
 On 2026-12-02 (2 layers of the 7B width, nq.ref's random init, 2 prompts x 23 steps) this put
 h's share first (2.95e-4 of the spread alone), then kv 2.09e-4, a 1.64e-4, m 1.13e-4; all
 4.15e-4 / 4.89e-4 (median / max), near the H200's 4.36e-4 / 5.81e-4 with qkv on the tensor
-cores: docs/KERNELS_GEMV.md, "The fp32-accurate step".
+cores then: docs/KERNELS_GEMV.md, "The fp32-accurate step".  The default step has staged h as
+digits since docs/PERF.md 0.30 (gate_up's i8, qkv's dp4a), which takes h's share away.
 """
 from __future__ import annotations
 

@@ -13,9 +13,8 @@ A variant is space-separated `kind.field=value` settings: kind is a GEMV (qkv, o
 gate_up, down; fields of its tiling, nq.kernels.int4.tiling: a Tiling's ks, rows, threads,
 prefetch, span, min_blocks, early, an MmaTiling's warps, threads, min_blocks -- a new ks reads the
 weights in the wrong order, which is fine for timing random weights and nothing else;
-`kind.mma=0` / `kind.mma=1` first switches o_proj, down, gate_up, qkv or qkv_rope to the
-shape's CUDA-core / tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what
-NQ_MMA_GATE_UP=1 makes default, qkv_rope.mma=1 what NQ_MMA_QKV=1 does to the step)
+`kind.mma=0` / `kind.mma=1` first switches o_proj, down or gate_up to the shape's CUDA-core /
+tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what NQ_MMA_GATE_UP=1 makes default)
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
 rows_per_copy, min_pps, early, cluster, fresh -- e.g. "attn.cluster=16", the merge in a
 thread block cluster, "attn.fresh=1", the last page copied before the wait too; and max_splits, the split kernel's grid width a kv head, up to the engine's
@@ -161,11 +160,8 @@ def main(argv=None) -> int:
     launchers = gemvs(cfg)
     defaults = {k: g.tiling for k, g in launchers.items()}
     defaults["qkv_rope"] = make_qkv_rope_gemv(cfg).tiling
-    hd = cfg.head_dim   # qkv's and qkv_rope's mma tiling (rope-ordered rows) needs it
-    engines = {k: (default_tiling(k, g.n_out, g.k, mma=False), mma_tiling(k, g.n_out, g.k, hd))
+    engines = {k: (default_tiling(k, g.n_out, g.k, mma=False), mma_tiling(k, g.n_out, g.k))
                for k, g in launchers.items()}
-    engines["qkv_rope"] = (default_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size, mma=False),
-                           mma_tiling("qkv_rope", cfg.qkv_size, cfg.hidden_size, hd))
     results = []
 
     if a.rounds < 1:

@@ -20,10 +20,7 @@ SHAPES = ([("0.5b",) + p for p in projections(PRESETS["0.5b"], 7, 7)]
           + [("7b",) + p for p in projections(PRESETS["7b"], 14, 4)]
           # gate_up as decode uploads it (gemv_mma's fragment layout; the default since d292fd2)
           + [(m, "gate_up", PRESETS[m].intermediate_size, PRESETS[m].hidden_size, "mma")
-             for m in ("0.5b", "7b")]
-          # qkv as decode uploads it with NQ_MMA_QKV=1 (its rows in RoPE-pair order)
-          + [(m, "qkv", PRESETS[m].qkv_size, PRESETS[m].hidden_size,
-              ("mma_rope", PRESETS[m].head_dim)) for m in ("0.5b", "7b")])
+             for m in ("0.5b", "7b")])
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,6 +34,5 @@ def weights(model, kind, n, k, layout):
         qw = rng.integers(0, 2**32, (rows, k // 8), dtype=np.uint32)
         sc = rng.uniform(0.002, 0.02, (rows, k // 128)).astype(np.float16)
     from numba import cuda
-    up = (mma_layout(qw) if layout == "mma" else mma_layout(qw, layout[1])
-          if layout[0] == "mma_rope" else tile_rows(qw, layout[1]))
+    up = mma_layout(qw) if layout == "mma" else tile_rows(qw, layout[1])
     return cuda.to_device(up), cuda.to_device(sc), qw, sc

@@ -16,8 +16,8 @@ model as matrices: per chunk of m <= `chunk` tokens at positions start .. start+
                     x += gemm_down(a)
 
 The INT4 GEMMs (nq/kernels/int4/gemm.py) read the weights exactly as decode uploaded them
-(the mma fragment layout for o_proj/down/gate_up, the row layout for qkv, or its rope-ordered
-mma layout with NQ_MMA_QKV=1, which `layout_of` passes on): no second copy.
+(the mma fragment layout for o_proj/down/gate_up, the row layout for qkv, as `layout_of`
+passes them on): no second copy.
 The whole prompt is prefilled here, its last token included; the engine then copies that
 token's row of `x` (`last_row`) into the decode step's residual buffer and launches only the
 step's tail on it: lm_head (on that one position, the final RMSNorm fused) and argmax or the
@@ -53,11 +53,9 @@ ATTN_BACKENDS = ("mma", "wgmma")
 
 def layout_of(gemv) -> object:
     """The weight layout a decode GEMV's upload wrote, as the prefill GEMM names it: "mma"
-    (the fragment layout), ("mma_rope", head_dim) (qkv's with NQ_MMA_QKV=1: its rows in
-    RoPE-pair order, which the GEMM's epilogue puts back in order) or ("rows", ks) (the row
-    layout of a CUDA-core tiling)."""
-    kind, arg = gemv.tiling.layout()          # ("rows", ks), ("mma", 16) or ("mma_rope", D)
-    return "mma" if kind == "mma" else (kind, int(arg))
+    (the fragment layout) or ("rows", ks) (the row layout of a CUDA-core tiling)."""
+    kind, arg = gemv.tiling.layout()          # ("rows", ks) or ("mma", 16)
+    return "mma" if kind == "mma" else ("rows", int(arg))
 
 
 def workspace_bytes(cfg, chunk: int) -> int:

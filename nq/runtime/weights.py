@@ -152,8 +152,6 @@ def upload(nf, stream=None, background: bool = False, preloaded=None) -> DeviceW
     with parallel_compiles():  # a first start compiles them in parallel processes
         compile_retile_rows()
         compile_retile_mma()
-        for rope in {getattr(gm.tiling, "rope", 0) for gm in g.values()} - {0}:
-            compile_retile_mma(rope)          # qkv's rope-ordered rows (NQ_MMA_QKV=1)
     laps = {"upload kernels": TIMELINE.lap("upload kernels")}
     t0 = time.perf_counter()
     stream = stream if stream is not None else cuda.stream()
@@ -228,10 +226,9 @@ def _allocate(nf, g, stream, preloaded=None):
         layout, ks = gm.tiling.layout()   # ("mma", 16) or ("rows", ks): what the kernel reads
         src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
         # the rows arrived as stored: copied aside, then permuted back into place
-        if layout.startswith("mma"):      # ("mma_rope", head_dim): qkv's rope-ordered rows
-            rope = {"rope": ks} if layout == "mma_rope" else {}
+        if layout == "mma":
             items.append(lambda: (src.copy_to_device(qw, stream=stream),
-                                  retile_mma(src, qw, stream, **rope)))
+                                  retile_mma(src, qw, stream)))
             return
         key = (gm.k, ks)
         if key not in perms:

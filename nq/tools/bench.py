@@ -416,11 +416,9 @@ def run(args) -> int:
     cfg = eng.cfg
     int8_head = hasattr(getattr(eng.w, "lm_head", None), "scales")   # an Int8Rows pair
     from nq.kernels.int4 import tiling
-    env["fp32_accurate"] = bool(tiling.MMA_QKV)   # --fp32-accurate / NQ_MMA_QKV=1
     env["i8"] = tiling.I8                         # NQ_I8: "1" (default), "0" or "all"
     i8 = {"0": ", no i8", "1": "", "all": ", i8 all"}[tiling.I8]   # departures from NQ_I8=1
-    model = (f"{cfg.name} INT4 g128" + (", lm_head int8" if int8_head else "")
-             + (", fp32-accurate" if tiling.MMA_QKV else "") + i8
+    model = (f"{cfg.name} INT4 g128" + (", lm_head int8" if int8_head else "") + i8
              + (" (random)" if args.random else ""))
     ceiling = copy_ceiling_gbs()
     log(f"nq bench: {model}: engine built in {build_s:.1f} s (weights {eng.w.load_s:.1f} s), "

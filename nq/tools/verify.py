@@ -45,11 +45,12 @@ TOL_PREFILL = 1e-2
 # decode tier: the same measure at every teacher-forced decode step.  The target for the fp32-
 # accumulating projections is 5e-4 of the spread at the 7B width.  Measured on the H200
 # (2026-12-02, tests/runtime/test_engine_gpu.py's 2-layer 7B-width model of nq.ref's init):
-# median 8.5e-4, max 1.2e-3 with qkv's fp16 partials; 3.6e-4 / 4.8e-4 with NQ_MMA_QKV=1, the
-# fp32-accurate step (qkv on the tensor cores, qkv's and gate_up's activations staged as fp16
-# hi + lo: docs/KERNELS_GEMV.md), and since docs/PERF.md 0.30 by default (H100, 2026-12-07:
-# 3.56e-4 / 4.78e-4; qkv's digits summed by dp4a, gate_up's and o_proj's on the int8 mma).  The pass line is the prefill tier's, which catches a
-# wrong position or row without failing an engine that is merely short of the target.
+# median 8.5e-4, max 1.2e-3 with qkv's fp16 partials; since docs/PERF.md 0.30 the default step
+# is fp32-accurate (H100, 2026-12-07: 3.56e-4 / 4.78e-4; qkv's digits summed by dp4a, gate_up's
+# and o_proj's on the int8 mma), as NQ_MMA_QKV=1 had been before it was retired (qkv on the
+# tensor cores, h staged as fp16 hi + lo: 3.6e-4 / 4.8e-4).  The pass line is the prefill
+# tier's, which catches a wrong position or row without failing an engine that is merely
+# short of the target.
 TOL_DECODE, DECODE_TARGET = 1e-2, 5e-4
 
 

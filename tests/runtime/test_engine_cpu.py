@@ -58,9 +58,7 @@ def test_retile_reference_is_the_gemv_tiling_and_compiles():
     ptx = compile_ptx_sm90(retile._retile, retile.RETILE_SIG)
     assert_uses(ptx, "ld.global.nc.v4.u32", "st.global.v4.u32")
     assert_no_local_memory(ptx)
-    for rope in (0, 128):          # the plain fragment layout and qkv's rope-ordered one
-        assert_no_local_memory(compile_ptx_sm90(retile.retile_mma_body(rope),
-                                                retile.RETILE_MMA_SIG))
+    assert_no_local_memory(compile_ptx_sm90(retile._retile_mma, retile.RETILE_MMA_SIG))
 
 
 RETILE_SIM = """

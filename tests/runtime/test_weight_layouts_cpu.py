@@ -23,12 +23,10 @@ def no_compiles(monkeypatch):
     return compiled
 
 
-@pytest.mark.parametrize("mma_qkv", [False, True], ids=["qkv-cuda-cores", "qkv-mma"])
 @pytest.mark.parametrize("mma_gate_up", [True, False], ids=["gate_up-mma", "gate_up-cuda-cores"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_upload_writes_the_layout_the_engine_reads(name, mma_qkv, mma_gate_up, monkeypatch,
+def test_the_upload_writes_the_layout_the_engine_reads(name, mma_gate_up, monkeypatch,
                                                        no_compiles):
-    monkeypatch.setattr(tiling, "MMA_QKV", mma_qkv)
     monkeypatch.setattr(tiling, "MMA_GATE_UP", mma_gate_up)
     cfg = CONFIGS[name]
     layouts = weight_layouts(cfg)

@@ -6,8 +6,7 @@
     gemv.py       the CUDA-core kernel factory: qkv, qkv_rope, o_proj, gate_up, down
     gemv_digits.py  its activations as signed-byte digits summed by dp4a (qkv's default)
     rope_epilogue.py  qkv_rope's epilogue (rope_kv's arithmetic, bit for bit)
-    gemv_mma.py   the tensor-core kernel factory: o_proj, down, gate_up (their default); qkv,
-                  qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step)
+    gemv_mma.py   the tensor-core kernel factory: o_proj, down, gate_up (their default)
     launch.py     the launchers and the make_* functions below (the one module above both kernels)
     retile.py     the upload's re-tiling kernels (file layout -> a kernel's layout, on the GPU)
     reference.py  the NumPy references

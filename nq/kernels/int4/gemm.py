@@ -43,11 +43,8 @@ The weights, per uploaded layout (`layout=` "mma" or ("rows", ks)):
     where the fp16 round trip costs a st.shared + ldmatrix a fragment, 4x the shared bytes
     and a second barrier a slice (it would dequantise once per block instead of once per
     warp row of the block: wm = 2 in LARGE, the only saving).
-  * qkv's rope-ordered mma layout (NQ_MMA_QKV=1; ("mma_rope", D), layout.rope_row): the mma
-    layout of rows reordered within each head so that decode's tile rows g, g + 8 are a RoPE
-    pair.  Read as "mma"; a tile row's scale is at its file row, and the epilogue writes output
-    row r to column rope_row(r) (bias likewise): the output is in natural order, nothing
-    downstream changes.  Runs of 8 rows stay runs of 8 columns (whole 32-byte sectors).
+  (qkv's rope-ordered mma layout, ("mma_rope", D), whose output the epilogue put back in
+  order, went with NQ_MMA_QKV=1: tiling.py's epitaph, code at 29184bc.)
 Scales: folded into the dequantised fp16 pairs (`mul.rn.f16x2`, 4 a fragment), so the mma
 accumulates across all of K.  The folded weight q*s is rounded to fp16 once: a relative error
 up to 2^-11 a weight, ~2^-11/sqrt(3) ~ 3e-4 of a dot product's norm over random signs

@@ -70,22 +70,12 @@ class Tiles:
 def layout_tag(layout) -> str:
     if layout == "mma":
         return "mma"
-    if isinstance(layout, tuple) and len(layout) == 2 and layout[0] in ("rows", "mma_rope") \
+    if isinstance(layout, tuple) and len(layout) == 2 and layout[0] == "rows" \
             and isinstance(layout[1], int) and layout[1] >= 1:
-        if layout[0] == "mma_rope" and layout[1] % TILE:
-            raise ValueError(f"gemm: layout {layout!r}: the head_dim must be a multiple of {TILE}")
-        return f"{'rows' if layout[0] == 'rows' else 'mma_rope'}{layout[1]}"
+        return f"rows{layout[1]}"
     raise ValueError(f"gemm: layout {layout!r} must be 'mma' (the fragment layout, o_proj, "
-                     f"down, gate_up), ('mma_rope', head_dim) (qkv's, its rows in RoPE-pair "
-                     f"order: layout.rope_row) or ('rows', ks) (the row layout, ks from the "
-                     f"decode tiling)")
-
-
-def rope_of(layout) -> int:
-    """The head_dim of qkv's rope-ordered mma layout ("mma_rope", D), else 0.  Such a GEMM
-    reads its weight tile row g's scale at file row layout.rope_row (row g + 8's D/2 further)
-    and writes output row r to column rope_row(r): the output comes out in natural order."""
-    return layout[1] if isinstance(layout, tuple) and layout[0] == "mma_rope" else 0
+                     f"down, gate_up) or ('rows', ks) (the row layout, ks from the decode "
+                     f"tiling)")
 
 
 def check(kind: str, n: int, k: int, layout, tiles: Tiles) -> None:
@@ -95,7 +85,6 @@ def check(kind: str, n: int, k: int, layout, tiles: Tiles) -> None:
         raise ValueError(f"gemm: kind {kind!r} is not one of {KINDS}")
     if n % TILE or k % GROUP_SIZE or n <= 0 or k <= 0:
         raise ValueError(f"gemm: N={n} must be a multiple of {TILE} and K={k} of {GROUP_SIZE}")
-    check_rope(kind, n, layout)
     t = tiles
     if min(t.ta, t.tb, t.wn, t.wm, t.wk) < 1 or t.tb % 2 or t.stages < 2 or t.threads > 1024:
         raise ValueError(f"gemm: tiles {t.tag()}: tb must be even (ldmatrix.x4 loads two token "
@@ -111,14 +100,6 @@ def check(kind: str, n: int, k: int, layout, tiles: Tiles) -> None:
                          f"over sm_90's {SMEM_OPTIN_LIMIT}")
     if t.wk > 1 and 4 * (t.wk - 1) * t.wn * t.wm * 32 * 4 * t.ta * t.tb > t.smem_bytes():
         raise ValueError(f"gemm: tiles {t.tag()}: the wk partial sums do not fit the stages")
-
-
-def check_rope(kind: str, n: int, layout) -> None:
-    """The rope-ordered layout is qkv's (or plain's, tests): whole heads of its head_dim."""
-    d = rope_of(layout)
-    if d and (kind not in ("qkv", "plain") or n % d):
-        raise ValueError(f"gemm: layout {layout!r} is qkv's (N a multiple of the head_dim), "
-                         f"not {kind!r} with N={n}")
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -160,10 +141,7 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
     GATE_UP = kind == "gate_up"
     RESIDUAL = kind in ("o_proj", "down")
     BIAS = kind == "qkv"
-    ROPE_D = rope_of(layout)              # qkv's rope-ordered rows: head_dim (rope_of), or 0
-    TPH = max(ROPE_D // TILE, 1)          # .. a head's tiles
-    PARTNER = ROPE_D // 2 if ROPE_D else 8   # file row of a tile's row g + 8, from row g's
-    MMA = layout == "mma" or ROPE_D > 0
+    MMA = layout == "mma"
     KS = 1 if MMA else layout[1]
     NT_OUT = n // TILE                    # output tiles (gate_up: gate tiles; up tiles follow)
     HALF = TA // 2 if GATE_UP else TA     # output tiles of a warp
@@ -267,7 +245,7 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
         # the fp16 scale bits of the warp's rows g, g+8 of each tile, group grp
         for a in range(TA):
             out[2 * a] = uint32(ld_global_nc_u16(sc, rows[a] * G + grp))
-            out[2 * a + 1] = uint32(ld_global_nc_u16(sc, (rows[a] + PARTNER) * G + grp))
+            out[2 * a + 1] = uint32(ld_global_nc_u16(sc, (rows[a] + 8) * G + grp))
 
     def group_mma(acc, wb, xrow, xl16, la, g, shift, scl):
         """acc += this warp's tiles of one group (8 k16 chunks) times its tokens.
@@ -363,8 +341,6 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
         for a in range(TA):
             gt, _ = weight_tile(nb, wn * TA + a)
             rows[a] = gt * TILE + g
-            if ROPE_D:                        # the file row of tile row g (layout.rope_row)
-                rows[a] = gt // TPH * ROPE_D + gt % TPH * 8 + g
         for r in range(NACC):
             acc[r] = float32(0.0)
         nxt = cuda.local.array(N_SC, uint32)
@@ -413,8 +389,6 @@ def build_gemm(kind: str, n: int, k: int, layout, tiles: Tiles):
             if ot < NT_OUT:
                 for hr in range(2):
                     row = ot * TILE + g + 8 * hr
-                    if ROPE_D:                # the output column: rope_row, natural order
-                        row = ot // TPH * ROPE_D + ot % TPH * 8 + g + PARTNER * hr
                     bv = float32(0.0)
                     if BIAS:
                         bv = cvt_f32_f16(ld_global_nc_u16(bias, row))

@@ -78,8 +78,7 @@ from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, in_cache, kernel_name
 from nq.kernels.common import allow_smem, dev
 from nq.kernels.int4.dequant import dequant_word
-from nq.kernels.int4.gemm_kernel import (TILE, gather_fragment, layout_tag, rope_of,
-                                         row_piece_word)
+from nq.kernels.int4.gemm_kernel import TILE, gather_fragment, layout_tag, row_piece_word
 from nq.kernels.int4.gemm_launch import gemm_launch
 from nq.ptx import (cp_async_cg_shared_global_16, cp_async_commit_group, cp_async_wait_group,
                     cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fence_proxy_async_shared,
@@ -104,10 +103,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     GATE_UP = kind == "gate_up"
     RESIDUAL = kind in ("o_proj", "down")
     BIAS = kind == "qkv"
-    ROPE_D = rope_of(layout)               # qkv's rope-ordered rows (gemm_kernel.rope_of)
-    TPH = max(ROPE_D // TILE, 1)
-    PARTNER = ROPE_D // 2 if ROPE_D else 8 # file row of a tile's row g + 8, from row g's
-    MMA = layout == "mma" or ROPE_D > 0
+    MMA = layout == "mma"
     KS = 1 if MMA else layout[1]
     NT_OUT = n // TILE
     GU_SPLIT = GATE_UP and TA == 1         # gate_up: gate in warpgroups 0..WGS/2-1, up after
@@ -209,7 +205,7 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
     def load_scales(sc, rows, grp, out):
         for a in range(TA):
             out[2 * a] = uint32(ld_global_nc_u16(sc, rows[a] * G + grp))
-            out[2 * a + 1] = uint32(ld_global_nc_u16(sc, (rows[a] + PARTNER) * G + grp))
+            out[2 * a + 1] = uint32(ld_global_nc_u16(sc, (rows[a] + 8) * G + grp))
 
     def group_wgmma(acc, wb, dx, la, g, shift, scl):
         """acc += the warpgroup's tiles of one group x the block's tokens.  wb: this warp's
@@ -290,8 +286,6 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
         for a in range(TA):
             gt, _ = weight_tile(nb, (wgi * TA + a) * 4 + w)
             rows[a] = gt * TILE + g
-            if ROPE_D:                          # the file row of tile row g (layout.rope_row)
-                rows[a] = gt // TPH * ROPE_D + gt % TPH * 8 + g
         zero(acc)
         fence(acc)
         nxt = cuda.local.array(N_SC, uint32)
@@ -362,8 +356,6 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
                     elif RESIDUAL:
                         v += out[m0 + tok, row]
                     elif BIAS:
-                        if ROPE_D:
-                            row = rope_col(row)
                         v += cvt_f32_f16(ld_global_nc_u16(bias, row))
                 vals[j] = v
             for j in range(EPI_U):
@@ -373,18 +365,9 @@ def build_gemm_wgmma(kind: str, n: int, k: int, layout, tiles: WgTiles):
                 if row < n and m0 + tok < m and e < BT * OUT_ROWS:
                     if GATE_UP:
                         st_global_u16(out, (m0 + tok, row), cvt_rn_f16_f32(vals[j]))
-                    elif ROPE_D:
-                        out[m0 + tok, rope_col(row)] = vals[j]
                     else:
                         out[m0 + tok, row] = vals[j]
 
-    def rope_col(row):
-        # the rope-ordered layout's output row -> its natural column (layout.rope_row): runs
-        # of 8 rows stay runs of 8 columns (32-byte sectors, as before)
-        rr = row % ROPE_D
-        return row - rr + (rr >> 4) * 8 + (rr & 7) + ((rr >> 3) & 1) * PARTNER
-
-    rope_col = dev(rope_col)
     mainloop, epilogue = dev(mainloop), dev(epilogue)
 
     if BIAS:

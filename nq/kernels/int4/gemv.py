@@ -434,7 +434,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM, four_values) if I8
                           else (piece_load, piece_put, dot_step))
     # (after weight_row's dev)
-    put_rope, rope_setup, _, _ = put_rope_body(n_out, HQ, HKV, D, weight_row)
+    put_rope, rope_setup = put_rope_body(n_out, HQ, HKV, D, weight_row)
     put_rope, rope_setup = dev(put_rope), dev(rope_setup)
 
     if kind == "qkv":

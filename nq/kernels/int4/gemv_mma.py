@@ -1,7 +1,6 @@
 """The INT4 GEMVs on the tensor cores: o_proj and down, x (N,) fp32 += W . a, a fp16; gate_up,
-out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w); and qkv and qkv_rope
-(gemv.py's contracts, fp32 sums).  o_proj, down and gate_up by default (NQ_MMA_GATE_UP=0 moves
-gate_up back to the CUDA cores); qkv with NQ_MMA_QKV=1, the fp32-accurate step.
+out (I,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w) (gemv.py's contracts, fp32
+sums).  All three by default (NQ_MMA_GATE_UP=0 moves gate_up back to the CUDA cores).
 
 Why: ncu read the CUDA-core GEMV (gemv.py) for down as issue-bound, not memory-bound (0.61
 instructions issued a cycle per scheduler, DRAM at 38 % of peak; docs/KERNELS_GEMV.md).  Per 8
@@ -14,20 +13,6 @@ tile: ~10 instructions per 8 weights instead of ~14 (o_proj's and down's default
 gate_up here is the default since d292fd2 (NQ_MMA_GATE_UP=0 turns it off): the prefill GEMMs
 read its layout ~1.3x faster (a 512-token prompt 22.0 -> 18.9 ms on the H200, 2026-12-01), its
 sums are fp32, and with i8 (below) its decode step beats the CUDA-core kernel's.
-
-qkv and qkv_rope (NQ_MMA_QKV=1, the fp32-accurate step with hilo below; +0.053 ms a decode
-step at 512 on the H200, 2026-12-02, so not the default; tiling.py has the figures): gemv.py's
-qkv_rope wants one thread to own a RoPE pair, rows i and i + D/2 of a head, and a lane holds
-tile rows g and g + 8; so qkv's mma layout reorders each head's rows (layout.rope_row: tile j
-of a head holds rows 8j..8j+7 and their partners 8j+D/2..), the tiling carries the head_dim
-(`MmaTiling.rope`), and scales stay in file order (a lane reads rows r0 and r0 + D/2).  The
-activations are staged as gate_up's (stage_norm: x * norm_w * f_g, rstd), the warps' partials
-meet in shared memory as o_proj's, and one thread a pair (threads < 8 * tiles) sums rows g and
-g + 8 and runs rope_epilogue.py's epilogue unchanged: q_out in natural order, the K/V slot, v
-as it is -- qkv_rope's outputs with fp32 sums instead of fp16 partials; kind "qkv" writes the
-pair's two natural rows + bias.  One tile a block is possible (a pair never leaves its tile):
-the 7B's qkv runs o_proj's 14 warps a tile, 288 blocks.  The prefill GEMMs read this layout
-("mma_rope", D) and put their output columns back in order in the epilogue.
 
 early (`MmaTiling.early=P`, o_proj and down; down's 7B default is P = 1): before
 griddepcontrol.wait, lane 0 of each warp bulk-copies its first P groups (1 KB each) into slots
@@ -55,7 +40,11 @@ int64 is rounded once to fp32, then scaled exactly (dequant.fixed_to_f32); docs/
 Retired, each after it lost in the 7B step (docs/KERNELS_GEMV.md, "Retired variants"):
 prefetch=2 and splits (13c221c), preload=2 (c936f73), ring (805e084, 6362a1e), a down block
 beside gate_up's (0f4633d), gate_up's sets=3 and apart (a8a7e72), gate_up and down as one
-kernel (bc19524), the copy-engine feed (3ba57e0), stream-K down (c922c89).
+kernel (bc19524), the copy-engine feed (3ba57e0), stream-K down (c922c89).  And the
+"fp32-accurate step" (NQ_MMA_QKV=1; tiling.py's epitaph), as accurate as the default since
+docs/PERF.md 0.30 and ~0.07 ms a step slower (H100 SXM, 2026-12-07), code at 29184bc:
+qkv / qkv_rope here, rows in RoPE-pair order: +0.043..+0.053 ms a step at 512 (H200, 2026-12-02);
+hilo, gate_up's and qkv's h as fp16 hi + lo in B's even / odd columns: +0.008..+0.025 ms.
 
 The fragment layout decides the weight layout (`layout.mma_layout`, a NumPy model; the
 kernel's loads mirror it).  With g = lane // 4 and t = lane % 4, lane (g, t) of a 16-row tile
@@ -90,22 +79,13 @@ silu(g) * u in fp32 and one fp16 store, as gemv.py's put_swiglu.  rstd is gemv.p
 arithmetic too (a lane's sum of squares over its groups, the warp's butterfly, the warps' sums
 in order), equal to the bit where the two kernels have as many warps.
 
-hilo (`MmaTiling.hilo`, gate_up's and qkv's with NQ_MMA_QKV=1): B has 8 columns and a GEMV
-needs one, so the columns carry the activations twice over: lanes of even g load hi =
-fp16(v), lanes of odd g load lo = fp16(v - hi) (staged 8 words past hi, other banks), and a
-lane's d0 + d1 (d2 + d3) is row g's (g+8's) dot product with v to ~2^-22 of each value
-instead of 2^-11: the fp32 activations at no extra mma.  Only gate_up and qkv can: they stage
-rmsnorm(x) from the fp32 residual themselves, while o_proj and down read fp16 that earlier
-kernels wrote.  On a 2-layer model of the 7B width the decode tier's error went 1.19e-3 ->
-4.82e-4 of the logit spread with qkv on the tensor cores (H200, 2026-12-02; docs/PERF.md 0.9).
-
 i8 (`MmaTiling.i8`, every kind; gate_up's default, tiling.py's NQ_I8 for the rest): the
 weights' nibbles moved to the top of their bytes (16 n as a signed byte, 3 instructions a word
 against the fp16 dequant's 9) times the activations as integers, x = rni(v * 2^14) staged as
 three signed-byte digits in three planes (stage_digits), on `mma.sync.m16n8k32.s8`: lane (g, t)
 reads plane min(g, 2), so D's columns 0-2 are the exact int32 dot products with hi, mid and lo,
 which lanes t = 0 and 1 weigh and join after the loop (`lo_to_t0`).  22 bits of each group's
-absmax, hilo's accuracy, a third fewer instructions a group; a group is 384 bytes of digits (the
+absmax, ~fp32 accuracy, a third fewer instructions a group; a group is 384 bytes of digits (the
 7B's down stages 57 KB, in dynamic shared memory).  gemv_mma_weights.kstep / group_dot_i8 have
 the arithmetic, docs/KERNELS_GEMV.md "i8" the measurements (gate_up won, down lost).
 
@@ -126,78 +106,54 @@ from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import FULL, dev
 from nq.kernels.int4.dequant import fixed_to_f32
 # check_tiling, dynamic_smem and launch_smem are this module's API too (launch.py, the tests)
-from nq.kernels.int4.gemv_mma_shape import (NORM_KINDS, check_tiling, dynamic_smem,
-                                            launch_smem, shape_of)
+from nq.kernels.int4.gemv_mma_shape import check_tiling, dynamic_smem, launch_smem, shape_of
 from nq.kernels.int4.gemv_mma_stage import act_path
 from nq.kernels.int4.gemv_mma_weights import weight_path
-from nq.kernels.int4.rope_epilogue import put_rope_body
-from nq.kernels.int4.tiling import ROPE_KINDS, TILE, MmaTiling
-from nq.paged import PAGE, STATE_POS
+from nq.kernels.int4.tiling import TILE, MmaTiling
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, cp_async_wait_group, cvt_rn_f16_f32,
                     cvta_to_shared_u32, griddepcontrol_launch_dependents, griddepcontrol_wait,
                     st_global_u16)
 
-__all__ = ["NORM_KINDS", "build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem",
-           "gemv_mma_name", "launch_smem"]
+__all__ = ["build_kernel", "check_tiling", "compile_gemv_mma", "dynamic_smem", "gemv_mma_name",
+           "launch_smem"]
 
 
-def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
-                  heads=None) -> str:
+def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None) -> str:
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
-    (gate_up, qkv: RMSNorm's eps too; qkv_rope: the heads)."""
+    (gate_up: RMSNorm's eps too)."""
     fields = dataclasses.asdict(t)
-    for f in ("rope", "hilo", "early", "l2ahead", "xacc", "i8"):
+    for f in ("early", "l2ahead", "xacc", "i8"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
-    if heads is not None:
-        extra.update(zip(("heads", "kv_heads"), heads[:2]))
     return kernel_name(f"gemv_mma_{kind}", n=n_out, k=k, **fields, **extra)
 
 
 @functools.cache
-def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
-                     heads=None):
+def compile_gemv_mma(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
     """The compiled kernel (or the simulator's), once per process for each set of constants."""
-    body, sig = build_kernel(kind, n_out, k, t, eps, heads)
+    body, sig = build_kernel(kind, n_out, k, t, eps)
     bounds = (t.threads, t.min_blocks) if t.min_blocks else (t.threads,)
-    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t, eps, heads),
-                          launch_bounds=bounds)
+    return compile_kernel(body, sig, gemv_mma_name(kind, n_out, k, t, eps), launch_bounds=bounds)
 
 
 @functools.cache
-def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None,
-                 heads=None):
+def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None = None):
     """The kernel body and its signature: o_proj / down, x (N,) fp32 += W . a, a (K,) fp16;
     gate_up (eps: RMSNorm's), out (N,) fp16 = silu(Wg . h) * (Wu . h), h = rmsnorm(x, norm_w),
-    the weights [gate; up] stacked (2N rows); qkv (eps), out (N,) fp32 = W . h + bias;
-    qkv_rope (eps, heads = (num_heads, num_kv_heads, head_dim)): qkv, then gemv.py's RoPE
-    epilogue (q_out, the K/V page slot).  qkv's weights in the rope-ordered layout (t.rope)."""
+    the weights [gate; up] stacked (2N rows)."""
     check_tiling(kind, n_out, k, t)
-    if (kind in NORM_KINDS) != (eps is not None):
-        raise ValueError(f"gemv_mma: eps is RMSNorm's, for {NORM_KINDS} only (kind {kind!r}, "
-                         f"eps {eps})")
-    if (kind == "qkv_rope") != (heads is not None):
-        raise ValueError(f"gemv_mma: heads=(num_heads, num_kv_heads, head_dim) is for qkv_rope "
-                         f"only, which needs it (kind {kind!r}, heads {heads})")
-    HQ = HKV = 1
-    if heads is not None:
-        HQ, HKV, hd = (int(h) for h in heads)
-        if hd != t.rope or n_out != (HQ + 2 * HKV) * hd:
-            raise ValueError(f"gemv_mma: qkv_rope N={n_out}, heads {heads}: N must be "
-                             f"(num_heads + 2*num_kv_heads)*head_dim and head_dim the tiling's "
-                             f"rope ({t.rope})")
+    if (kind == "gate_up") != (eps is not None):
+        raise ValueError(f"gemv_mma: eps is RMSNorm's, for gate_up only (kind {kind!r}, eps {eps})")
     s = shape_of(kind, n_out, k, t, eps)   # the constants (gemv_mma_shape.py says what each is)
-    TILE_WARPS, WARPS, TILES, GROUPS, N_TILES = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS, s.N_TILES
+    TILE_WARPS, WARPS, TILES, GROUPS = s.TILE_WARPS, s.WARPS, s.TILES, s.GROUPS
     MATS, PARTIALS, ACT_ALLOC = s.MATS, s.PARTIALS, s.ACT_ALLOC
-    ROPE, D, HALF, TPH = s.ROPE, s.D, s.HALF, s.TPH
     EARLY, L2AHEAD, XACC = s.EARLY, s.L2AHEAD, s.XACC
     I8 = s.I8
     # the body's two halves: a warp's weights (gemv_mma_weights.py), the staged activations
     # (gemv_mma_stage.py); the names below are the device functions the rest calls
     w, a_ = weight_path(s), act_path(s)
-    roles, file_row, tile_bases, load_both, mainloop = (w.roles, w.file_row, w.tile_bases,
-                                                        w.load_both, w.mainloop)
+    roles, tile_bases, load_both, mainloop = w.roles, w.tile_bases, w.load_both, w.mainloop
     ahead_prologue, early_prologue, early_loop = w.ahead_prologue, w.early_prologue, w.early_loop
     b_lane = w.b_lane
     stage, stage_norm, stage_digits = a_.stage, a_.stage_norm, a_.stage_digits
@@ -210,15 +166,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         r = tid % TILE
         row = (cuda.blockIdx.x * TILES + tl2) * TILE + r
         return tl2, r, row if tid < TILES * TILE and row < n_out else -1
-
-    def pair_row(tid):
-        # qkv's epilogue thread (one a RoPE pair, tid < TILES * 8): (tile in the block, row g
-        # of the tile, the file row of g: its pair is PARTNER rows further; -1 past the matrix)
-        tl2 = tid >> 3
-        g = tid & 7
-        tile = cuda.blockIdx.x * TILES + tl2
-        r0 = file_row(tile, g)
-        return tl2, g, r0 if tid < TILES * 8 and tile < N_TILES else -1
 
     def lo_to_t0(acc):
         # i8: each accumulator plus lane ^ 1's (t = 1's into t = 0; put_partials reads t = 0)
@@ -294,66 +241,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         cuda.syncthreads()
         return row, tl2, r, xr
 
-    def qkv_sums(x, norm_w, qw, sc, bias, act, red, invf, ssum, state, inv_freq, table):
-        """qkv up to the warps' partials in `red`: (rstd, pre), pre put_rope's (biases, cos,
-        sin, position, page; qkv: the biases).  The biases before the wait (weights); the
-        position and frequency right after it, the page after the prologue, cos and sin in
-        the epilogue -- not gemv.py's rope_setup before the wait: held across this kernel's
-        loop they took it from 66 to 76 registers (ptxas, sm_90), one 448-thread block an SM
-        instead of two, and the step +0.035 ms (H200, 2026-12-02)."""
-        lane, g, t4, tl, kw, tile = roles()
-        bases = tile_bases(tile, lane, g)
-        first = load_both(qw, sc, bases, min(kw, GROUPS - 1))
-        if L2AHEAD:
-            ahead_prologue(qw, bases, kw)
-        norm_to_l2(norm_w)
-        _, _, r0 = pair_row(cuda.threadIdx.x)
-        row0 = 2 * (r0 // D * HALF + r0 % D)   # the pair's row0 (weight_row's convention)
-        b0 = float32(0.0)
-        b1 = float32(0.0)
-        if r0 >= 0:
-            b0, b1 = bias_pair(bias, row0)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        pos = 0
-        fr = float32(0.0)
-        if ROPE:
-            pos = state[STATE_POS]
-            fr = inv_freq[pair_i(cuda.threadIdx.x)]
-        rstd = stage_norm(x, x, norm_w, act, invf, ssum)   # ends with a __syncthreads
-        page = 0
-        if ROPE:
-            page = table[pos // PAGE]
-        abase = b_lane(uint64(cvta_to_shared_u32(act)), g, t4)
-        acc = mainloop(qw, sc, abase, bases, kw, t4, first, invf)
-        if I8:     # lane t = 1's lo column to lane t = 0's hi and mid
-            acc = lo_to_t0(acc)
-        put_partials(red, tl, kw, g, t4, acc)
-        cuda.syncthreads()
-        cos_a = float32(1.0)
-        sin_a = float32(0.0)
-        if ROPE:
-            cos_a, sin_a = cos_sin(pos, fr)
-        return rstd, (b0, b1, cos_a, sin_a, pos, page)
-
     def norm_to_l2(norm_w):
         # gemv.py's: the norm's weights into L2 before the wait, so that the staging after it
         # waits on L2, not DRAM
         if cuda.threadIdx.x == 0:
             cp_async_bulk_prefetch_l2(norm_w, 0, 2 * k)
-
-    def pair_i(tid):
-        # the pair's index i in its head (rows i, i + D/2; < D/2 for every thread)
-        return (cuda.blockIdx.x * TILES + (tid >> 3)) % TPH * 8 + (tid & 7)
-
-    def weight_row(row0, m):
-        # rope_epilogue's view of a pair (gemv.py's qkv_rope): row0 = 2p for pair p, rows i and
-        # i + D/2 of head p // (D/2), i = p % (D/2)
-        p = row0 >> 1
-        return (p // HALF) * D + p % HALF + m * HALF
-
-    def put_qkv(out, b, row, v):
-        out[row] = v + b
 
     def gate_up_sums(x, xa, norm_w, qw, sc, act, red, invf, ssum):
         """gate_up up to the warps' partials in `red`: (row, tl2, r, rstd) for
@@ -377,52 +269,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         return row, tl2, r, rstd
 
     lo_to_t0 = dev(lo_to_t0)
-    out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums, norm_to_l2, pair_i, \
-        weight_row, put_qkv, gate_up_sums = (
-            dev(f) for f in (out_row, pair_row, put_partials, row_sum, block_sums, qkv_sums,
-                             norm_to_l2, pair_i, weight_row, put_qkv, gate_up_sums))
+    out_row, put_partials, row_sum, block_sums, norm_to_l2, gate_up_sums = (
+        dev(f) for f in (out_row, put_partials, row_sum, block_sums, norm_to_l2, gate_up_sums))
     fixed_f32 = dev(fixed_to_f32)
-    put_rope, _, cos_sin, bias_pair = put_rope_body(n_out, HQ, HKV, max(D, 2), weight_row)
-    put_rope = dev(put_rope)
-
-    if kind in ROPE_KINDS:
-        def qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
-                     invf, ssum):
-            # a thread a RoPE pair: rows g, g + 8 of a tile = file rows r0, r0 + D/2.
-            # qkv: q_out is its output (N,), state, inv_freq, table and kv stand-ins never read
-            rstd, pre = qkv_sums(x, norm_w, qw, sc, bias, act, red, invf, ssum, state,
-                                 inv_freq, table)
-            tl2, g, r0 = pair_row(cuda.threadIdx.x)
-            if r0 >= 0:
-                v0 = row_sum(red, tl2, g, 0) * rstd
-                v1 = row_sum(red, tl2, g + 8, 0) * rstd
-                if ROPE:   # row0 = 2p, p the pair's index (weight_row's convention)
-                    put_rope(kv, q_out, 2 * (r0 // D * HALF + r0 % D), v0, v1, pre)
-                else:
-                    put_qkv(q_out, pre[0], r0, v0)
-                    put_qkv(q_out, pre[1], r0 + HALF, v1)
-
-        qkv_body = dev(qkv_body)
-        if ROPE:
-            def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
-                act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
-                red = cuda.shared.array(PARTIALS, float32)
-                invf = cuda.shared.array(GROUPS, float32)
-                ssum = cuda.shared.array(WARPS, float32)
-                qkv_body(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out, act, red,
-                         invf, ssum)
-            return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
-                            "float16[::1], int32[::1], float32[::1], int32[::1], "
-                            "float16[:, :, :, :, ::1], float32[::1])")
-
-        def kernel(x, norm_w, qw, sc, bias, out):
-            act = cuda.shared.array(ACT_ALLOC, uint32, alignment=None if SIMULATOR else 16)
-            red = cuda.shared.array(PARTIALS, float32)
-            invf = cuda.shared.array(GROUPS, float32)
-            ssum = cuda.shared.array(WARPS, float32)
-            qkv_body(x, norm_w, qw, sc, bias, out, out, out, out, out, act, red, invf, ssum)
-        return kernel, ("void(float32[::1], float16[::1], uint32[::1], float16[::1], "
-                        "float16[::1], float32[::1])")
 
     if kind == "gate_up":
         def swiglu(x, xa, norm_w, qw, sc, out):

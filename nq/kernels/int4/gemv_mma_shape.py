@@ -13,8 +13,7 @@ import numpy as np
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 from nq.kernels.int4.layout import CHUNK
-from nq.kernels.int4.tiling import (MMA_KINDS, NORM_KINDS, ROPE_KINDS, TILE, MmaTiling,
-                                    hilo_bytes, staged_bytes)
+from nq.kernels.int4.tiling import MMA_KINDS, TILE, MmaTiling, staged_bytes
 
 
 
@@ -41,26 +40,14 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: threads must be a multiple of 32*warps "
                          f"(warps = those a tile's groups are split over) and at most 1024")
     partials = (t.threads // 32) * TILE * 4
-    if t.hilo and kind not in NORM_KINDS:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: hilo (h staged as fp16 hi + lo) is for "
-                         f"{NORM_KINDS}, which stage rmsnorm(x) themselves; {kind}'s activations "
-                         f"arrive in fp16")
-    if t.hilo and hilo_bytes(k) > STATIC_SMEM_LIMIT:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as hi + lo needs "
-                         f"{hilo_bytes(k)} bytes, over the {STATIC_SMEM_LIMIT} bytes of static "
-                         f"shared memory; use hilo=0")
     if staged_bytes(k, t) + partials > SMEM_OPTIN_LIMIT:
         raise ValueError(f"gemv_mma: K={k} needs {staged_bytes(k, t)} bytes of staged "
                          f"activations, over the {SMEM_OPTIN_LIMIT}-byte shared memory of a "
                          f"block")
-    if kind in NORM_KINDS and dynamic_smem(k):
+    if kind == "gate_up" and dynamic_smem(k):
         raise ValueError(f"gemv_mma: {kind}'s K={k} (the hidden size) needs {k * 2} bytes of "
                          f"staged activations, over the {STATIC_SMEM_LIMIT} bytes of static "
                          f"shared memory it stages in; use the CUDA-core {kind} (a Tiling)")
-    if (kind in ROPE_KINDS) != bool(t.rope):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: rope (the head_dim whose RoPE pairs the "
-                         f"layout puts in a tile's rows g, g + 8) is for qkv and qkv_rope, "
-                         f"which need it (mma_tiling(kind, n, k, head_dim))")
     if t.early and (kind not in ("o_proj", "down") or not 1 <= t.early <= MAX_EARLY):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: early (a warp's first groups copied to "
                          f"shared memory before the wait) is 1..{MAX_EARLY}, for o_proj and "
@@ -77,19 +64,13 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if t.i8 not in (0, 1):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: i8={t.i8}: 0 (fp16 activations) or 1 "
                          f"(digits; the words form, 2, lost and is retired: docs/PERF.md 0.29)")
-    if t.i8 and t.hilo:
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: i8 (the activations as signed-byte "
-                         f"digits) replaces hilo (use one of the two)")
-    if t.i8 and kind in NORM_KINDS and dynamic_smem(k, t):
+    if t.i8 and kind == "gate_up" and dynamic_smem(k, t):
         raise ValueError(f"gemv_mma: tiling {t.tag()}: K={k} staged as three bytes a value "
                          f"needs {staged_bytes(k, t)} bytes, over the {STATIC_SMEM_LIMIT} bytes "
                          f"of static shared memory; use i8=0")
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
-    if t.rope and (t.rope % TILE or n_out % t.rope):
-        raise ValueError(f"gemv_mma: rope={t.rope} (head_dim) must be a multiple of {TILE} "
-                         f"dividing N={n_out}")
 
 
 MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
@@ -131,13 +112,6 @@ class MmaShape:
     EPS: np.float32
     INV_K: np.float32
     NORM: bool
-    ROPE: bool
-    D: int
-    HALF: int
-    TPH: int
-    PARTNER: int
-    HILO: bool
-    LO_WORDS: int
     ACT_ALLOC: int
     EARLY: int
     ITERS: int
@@ -164,17 +138,9 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     #   PAIRS        two-group iterations of a warp's loop (the last may be short)
     #   CHUNKS, ACT_WORDS          k16 chunks of `a`, and its staged uint32 words
     #   PARTIALS     the warps' row partials in shared memory
-    #   NORM_ITERS   gate_up, qkv: groups a warp stages (warp w: w, w + WARPS, ...)
-    #   D, HALF, TPH qkv: head_dim (t.rope; 0 elsewhere), D / 2, a head's tiles (D / 16)
-    #   PARTNER      the file row of a tile's row g + 8, from row g's: 8, or qkv's D / 2
-    #   HILO         gate_up, qkv: h staged twice, hi = fp16(v) and lo = fp16(v - hi) at
-    #                word LO_WORDS on; lanes of odd g read lo (B's odd columns), so a D row's
-    #                even + odd columns are the fp32-accurate h's dot product (module doc).
-    #                LO_WORDS is 8 words past ACT_WORDS (a multiple of 32; tiling.hilo_bytes
-    #                counts both halves): a warp's B load
-    #                then reads hi from banks 0-7 and lo from 8-15, one wavefront (unpadded,
-    #                the same banks: 2-way conflicts); stage_group stores both
-    #   ACT_ALLOC    the staged words: ACT_WORDS, twice that with HILO
+    #   NORM_ITERS   gate_up: groups a warp stages (warp w: w, w + WARPS, ...)
+    #   NORM         gate_up: RMSNorm in the prologue (stage_norm), each group's sums times 1/f_g
+    #   ACT_ALLOC    the staged words: ACT_WORDS (GROUPS * 96 with I8)
     TILE_WARPS = t.warps
     THREADS = t.threads
     WARPS = THREADS // 32
@@ -190,16 +156,9 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     NORM_ITERS = -(-GROUPS // WARPS)
     EPS = np.float32(eps or 0.0)
     INV_K = np.float32(1.0 / k)
-    NORM = kind in NORM_KINDS
-    ROPE = kind == "qkv_rope"
-    D = t.rope
-    HALF = max(D // 2, 1)
-    TPH = max(D // TILE, 1)
-    PARTNER = HALF if D else 8
-    HILO = bool(t.hilo)
-    LO_WORDS = ACT_WORDS + 8 if HILO else 0
-    ACT_ALLOC = ACT_WORDS + LO_WORDS
-    # i8 (t.i8): each staged value v (gate_up, qkv: x * norm_w * f_g; o_proj, down: a * f_g,
+    NORM = kind == "gate_up"
+    ACT_ALLOC = ACT_WORDS
+    # i8 (t.i8): each staged value v (gate_up: x * norm_w * f_g; o_proj, down: a * f_g,
     # f_g a power of two putting the group's absmax in [128, 256)) becomes the integer
     # x = rni(v * 2^14), |x| <= 2^22, written as three signed bytes (hi, mid, lo;
     # x = 65536 hi + 256 mid + lo) in three planes of shared memory; a lane's B fragment reads

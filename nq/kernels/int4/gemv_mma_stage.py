@@ -1,7 +1,7 @@
 """The block's activations in the tensor-core GEMV (gemv_mma.py's module doc has the why):
 `stage` copies fp16 `a` (o_proj, down) into shared memory in B-fragment order, `stage_norm`
-writes rmsnorm(x) * norm_w there (gate_up, qkv: each group times a power of two, its inverse in
-`invf`, and with hilo a lo half beside the hi; with i8 as digits) and returns rstd;
+writes rmsnorm(x) * norm_w there (gate_up: each group times a power of two, its inverse in
+`invf`; with i8 as digits) and returns rstd;
 `stage_digits` stages fp16 `a` as digits (o_proj, down with i8).  `act_path(shape)` returns them
 as device functions for gemv_mma.build_kernel."""
 from __future__ import annotations
@@ -25,8 +25,8 @@ from nq.ptx import (cvta_to_shared_u32, ld_global_nc_v2_u32, ld_global_nc_v4_f32
 def act_path(s: MmaShape) -> SimpleNamespace:
     """The activation side of one kernel's body, as device functions."""
     THREADS, WARPS, GROUPS, CHUNKS = s.THREADS, s.WARPS, s.GROUPS, s.CHUNKS
-    STAGE_ITERS, NORM_ITERS, EPS, INV_K, HILO = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K, s.HILO
-    LO_WORDS, XACC, I8 = s.LO_WORDS, s.XACC, s.I8
+    STAGE_ITERS, NORM_ITERS, EPS, INV_K = s.STAGE_ITERS, s.NORM_ITERS, s.EPS, s.INV_K
+    XACC, I8 = s.XACC, s.I8
 
     def stage(a, act):
         # every chunk c's 8 fp16 pairs p0..p7 stored as (p0 p4)(p1 p5)(p2 p6)(p3 p7) at word
@@ -54,38 +54,19 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         lane = cuda.threadIdx.x & 31
         warp = cuda.threadIdx.x >> 5
         ss = float32(0.0)
-        if HILO:   # the groups written out, up to 8 (stage_group says why)
-            ss += stage_group(x, xa, norm_w, act, invf, warp, lane)
-            if NORM_ITERS > 1:
-                ss += stage_group(x, xa, norm_w, act, invf, WARPS + warp, lane)
-            if NORM_ITERS > 2:
-                ss += stage_group(x, xa, norm_w, act, invf, 2 * WARPS + warp, lane)
-            if NORM_ITERS > 3:
-                ss += stage_group(x, xa, norm_w, act, invf, 3 * WARPS + warp, lane)
-            if NORM_ITERS > 4:
-                ss += stage_group(x, xa, norm_w, act, invf, 4 * WARPS + warp, lane)
-            if NORM_ITERS > 5:
-                ss += stage_group(x, xa, norm_w, act, invf, 5 * WARPS + warp, lane)
-            if NORM_ITERS > 6:
-                ss += stage_group(x, xa, norm_w, act, invf, 6 * WARPS + warp, lane)
-            if NORM_ITERS > 7:
-                ss += stage_group(x, xa, norm_w, act, invf, 7 * WARPS + warp, lane)
-            for it in range(8, NORM_ITERS):
-                ss += stage_group(x, xa, norm_w, act, invf, it * WARPS + warp, lane)
-        else:
-            for it in range(NORM_ITERS):
-                grp = it * WARPS + warp
-                v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
-                if grp < GROUPS:
-                    ss += sq
-                    if I8:
-                        put_digits(act, grp, lane, v0, v1, v2, v3)
-                        fi = finite_or_nan(fi, v0, v1, v2, v3)
-                    else:
-                        act[w] = pack_f16x2_from_f32(v0, v1)
-                        act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
-                    if lane == 0:
-                        invf[grp] = fi
+        for it in range(NORM_ITERS):
+            grp = it * WARPS + warp
+            v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
+            if grp < GROUPS:
+                ss += sq
+                if I8:
+                    put_digits(act, grp, lane, v0, v1, v2, v3)
+                    fi = finite_or_nan(fi, v0, v1, v2, v3)
+                else:
+                    act[w] = pack_f16x2_from_f32(v0, v1)
+                    act[w + 2] = pack_f16x2_from_f32(v2, v3)   # pair j + 1: two words on
+                if lane == 0:
+                    invf[grp] = fi
         ss = wsum(ss)
         if lane == 0:
             ssum[warp] = ss
@@ -112,29 +93,6 @@ def act_path(s: MmaShape) -> SimpleNamespace:
         w = (grp * (GROUP_SIZE // CHUNK) + (lane >> 2)) * 8
         w += 2 * j if j < 4 else 2 * j - 7
         return (p0 * f, p1 * f, p2 * f, p3 * f, fi, x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3, w)
-
-    def stage_group(x, xa, norm_w, act, invf, grp, lane):
-        """stage_norm's group grp with hilo: hi = fp16(v) and lo = fp16(v - hi) (exact in
-        fp32 before its rounding) of each v = x * norm_w * f_g; returns the lane's sum of
-        squares of x (0 past the last group).  Called once a group, written out: as a loop
-        body the lo made it too long for NVVM to unroll, and the groups' loads then waited on
-        each other after griddepcontrol.wait (+0.035 ms a step for gate_up, H200)."""
-        v0, v1, v2, v3, fi, sq, w = scaled_group(x, xa, norm_w, grp, lane)
-        ss = float32(0.0)
-        if grp < GROUPS:
-            ss = sq
-            hi01 = pack_f16x2_from_f32(v0, v1)
-            hi23 = pack_f16x2_from_f32(v2, v3)
-            act[w] = hi01
-            act[w + 2] = hi23
-            h0, h1 = unpack_f16x2_to_f32(hi01)
-            h2, h3 = unpack_f16x2_to_f32(hi23)
-            act[LO_WORDS + w] = pack_f16x2_from_f32(v0 - h0, v1 - h1)
-            act[LO_WORDS + w + 2] = pack_f16x2_from_f32(v2 - h2, v3 - h3)
-            if lane == 0:
-                invf[grp] = fi
-        return ss
-
 
     def put_digit(o, v):
         """i8: v's digits (digit_bits), hi at shared address o (plane 0), mid 128 bytes on
@@ -231,8 +189,7 @@ def act_path(s: MmaShape) -> SimpleNamespace:
     fixed_f32 = dev(fixed_to_f32)
     pow2_scale, plus_xacc = dev(pow2_scale_f32), dev(plus_xacc_body(fixed_f32))
     wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
-    scaled_group, stage, stage_norm, stage_group = (
-        dev(f) for f in (scaled_group, stage, stage_norm, stage_group))
-    return SimpleNamespace(stage=stage, stage_norm=stage_norm, stage_group=stage_group,
+    scaled_group, stage, stage_norm = (dev(f) for f in (scaled_group, stage, stage_norm))
+    return SimpleNamespace(stage=stage, stage_norm=stage_norm,
                            stage_digits=stage_digits, put_digits=put_digits,
                            finite_or_nan=finite_or_nan)

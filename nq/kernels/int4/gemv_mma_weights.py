@@ -33,10 +33,9 @@ HIGH_NIBBLES = np.uint32(0xF0F0F0F0)   # i8: a byte's top nibble, the weight tim
 def weight_path(s: MmaShape) -> SimpleNamespace:
     """The weight side of one kernel's body, as device functions (names as in the body)."""
     TILE_WARPS, TILES, GROUPS, N_TILES, MATS = s.TILE_WARPS, s.TILES, s.GROUPS, s.N_TILES, s.MATS
-    NORM, D, TPH, PARTNER, HILO, EARLY = s.NORM, s.D, s.TPH, s.PARTNER, s.HILO, s.EARLY
+    NORM, EARLY, I8 = s.NORM, s.EARLY, s.I8
     PAIRS_MAIN, SLOTS_B, SC_W, SC_CHUNKS = s.PAIRS_MAIN, s.SLOTS_B, s.SC_W, s.SC_CHUNKS
     SC_ITERS, BAR_B, SLOT_TX, L2AHEAD = s.SC_ITERS, s.BAR_B, s.SLOT_TX, s.L2AHEAD
-    I8, LO_WORDS = s.I8, s.LO_WORDS
 
     def load_words(qw, base):
         # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
@@ -47,7 +46,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     def load_scales(sc, sbase, grp):
         # the scale bits of the lane's rows g (scales from sbase) and g + 8 (8 rows further)
         return (uint32(ld_global_nc_u16(sc, sbase + grp)),
-                uint32(ld_global_nc_u16(sc, sbase + PARTNER * GROUPS + grp)))
+                uint32(ld_global_nc_u16(sc, sbase + 8 * GROUPS + grp)))
 
     def load_group(qw, sc, wbase, sbase, grp):
         # group grp of the lane's tile (words from wbase, 256 a group): 8 words, 2 scales' bits
@@ -94,18 +93,12 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
         da, db = chunk(ca[5], cb[5], b + uint32(160), da, db)
         da, db = chunk(ca[6], cb[6], b + uint32(192), da, db)
         da, db = chunk(ca[7], cb[7], b + uint32(224), da, db)
-        if HILO:   # columns 2t (hi) + 2t+1 (lo) of rows g and g+8
-            return ((da[0] + da[1]) * cvt_f32_f16(ca[8]), (da[2] + da[3]) * cvt_f32_f16(ca[9]),
-                    (db[0] + db[1]) * cvt_f32_f16(cb[8]), (db[2] + db[3]) * cvt_f32_f16(cb[9]))
         return (da[0] * cvt_f32_f16(ca[8]), da[2] * cvt_f32_f16(ca[9]),
                 db[0] * cvt_f32_f16(cb[8]), db[2] * cvt_f32_f16(cb[9]))
 
     def b_lane(abase, g, t4):
-        """Where lane (g, t)'s B fragments start in the staged activations at abase: with hilo
-        lanes of odd g read lo (B's odd columns); with i8 lane (g, t) reads digit plane
-        min(g, 2) (hi, mid, lo), its run of lane t."""
-        if HILO:
-            abase += uint64((g & 1) * LO_WORDS * 4)
+        """Where lane (g, t)'s B fragments start in the staged activations at abase: with i8
+        lane (g, t) reads digit plane min(g, 2) (hi, mid, lo), its run of lane t."""
         if I8:
             abase += uint64((min(g, 2) * 4 + t4) * 32)
         return abase
@@ -155,7 +148,7 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
                 (float32(db[2]) * wa + float32(db[3]) * wb) * cvt_f32_f16(cb[9]))
 
     def add_group(acc, ca, cb, abase, grp, t4, invf):
-        # acc + group grp's sums (none past the last group; gate_up's and qkv's undo f_g)
+        # acc + group grp's sums (none past the last group; gate_up's and i8's undo f_g)
         a0, a1, a2, a3 = acc
         if grp < GROUPS:
             if I8:
@@ -291,23 +284,11 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
         tile = min(cuda.blockIdx.x * TILES + tl, N_TILES - 1)
         return lane, lane >> 2, lane & 3, tl, warp - tl * TILE_WARPS, tile
 
-    def file_row(tile, g):
-        # the file row of a tile's row g (qkv: rope-ordered, layout.rope_row; its row g + 8 is
-        # PARTNER rows further)
-        r = tile * TILE + g
-        if D:
-            r = tile // TPH * D + tile % TPH * 8 + g
-        return r
-
     def tile_bases(tile, lane, g):
         # where the lane's words of a tile start (256 a group) and its row g's scales; then
         # the same of its up tile (gate_up: the same rows, N_TILES tiles on; else repeated)
-        # (file_row, written out: one more device function changes o_proj's and down's PTX)
         wa = (tile * GROUPS * 32 + lane) * 8
-        r = tile * TILE + g
-        if D:
-            r = tile // TPH * D + tile % TPH * 8 + g
-        sa = r * GROUPS
+        sa = (tile * TILE + g) * GROUPS
         wb, sb = wa, sa
         if MATS == 2:
             up = tile + N_TILES
@@ -320,16 +301,15 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
                                                                 group_dot_i8))
     load_words, load_scales, load_group, load_both, dequant_mma, chunk, group_dot, add_group, \
         mainloop, to_l2, ahead_prologue, early_issue, early_prologue, early_scale, early_read, \
-        early_loop, roles, file_row, tile_bases = (
+        early_loop, roles, tile_bases = (
             dev(f) for f in (load_words, load_scales, load_group, load_both, dequant_mma, chunk,
                              group_dot, add_group, mainloop, to_l2, ahead_prologue, early_issue,
                              early_prologue, early_scale, early_read, early_loop, roles,
-                             file_row, tile_bases))
+                             tile_bases))
     return SimpleNamespace(
         load_words=load_words, load_scales=load_scales, load_group=load_group,
         load_both=load_both, dequant_mma=dequant_mma, chunk=chunk, group_dot=group_dot,
         group_dot_i8=group_dot_i8, b_lane=b_lane,
         add_group=add_group, mainloop=mainloop, to_l2=to_l2, ahead_prologue=ahead_prologue,
         early_issue=early_issue, early_prologue=early_prologue, early_scale=early_scale,
-        early_read=early_read, early_loop=early_loop, roles=roles, file_row=file_row,
-        tile_bases=tile_bases)
+        early_read=early_read, early_loop=early_loop, roles=roles, tile_bases=tile_bases)

@@ -10,8 +10,7 @@ kernel (CUDA cores, gemv.py, or tensor cores, gemv_mma.py) from the tiling.
 
 `prepare` takes the file's (N, K/8) ValueShuffle qweights and (N, K/128) fp16 scales,
 concatenates the parts along N and lays the words out as the kernel reads them
-(layout.tile_rows or layout.mma_layout, qkv's with its rows in RoPE-pair order; scales keep the
-file's layout).  Upload its outputs as
+(layout.tile_rows or layout.mma_layout; scales keep the file's layout).  Upload its outputs as
 they are (nq/runtime/weights.py re-tiles on the GPU instead: retile.py).  A launcher compiles
 its kernel once, at construction; a call checks its arguments, takes numba device arrays and
 a numba stream, allocates nothing, touches no host memory and is safe to capture in a CUDA
@@ -26,7 +25,7 @@ from nq.kernels.common import allow_smem, need
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
 from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
 from nq.kernels.int4.layout import mma_layout, prepare_weights
-from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling
+from nq.kernels.int4.tiling import MMA_KINDS, MmaTiling, Tiling, default_tiling
 from nq.paged import STATE_LEN, check_paged_args
 
 
@@ -46,7 +45,8 @@ class _Gemv:
         self.tiling = tiling or default_tiling(self.kind, n_out, k, mma=False)
         if isinstance(self.tiling, MmaTiling):
             raise ValueError(f"{self.kind}: {self.tiling.tag()} is a tensor-core tiling; the "
-                             f"tensor-core kernel (gemv_mma.py) is built by make_{self.kind}_gemv")
+                             f"tensor-core kernel (gemv_mma.py) takes {', '.join(MMA_KINDS)}, "
+                             f"each built by its make_<kind>_gemv")
         self.eps = float(cfg.rms_norm_eps)
         t = self.tiling
         self.kernel = compile_gemv(self.kind, n_out, k, t, self.eps, self.heads)
@@ -80,20 +80,6 @@ class QkvGemv(_Gemv):
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
 
 
-def _check_rope_args(g, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out) -> None:
-    """The arguments of a qkv_rope launcher's call (QkvRopeGemv's doc), but its weights."""
-    hq, _, d = g.heads
-    need(x, f"{g.name} x", np.float32, (g.k,))
-    need(norm_w, f"{g.name} norm_w", np.float16, (g.k,), 8)
-    need(bias, f"{g.name} bias", np.float16, (g.n_out,), 2)
-    need(state, f"{g.name} state", np.int32, (STATE_LEN,), 4)
-    need(inv_freq, f"{g.name} inv_freq", np.float32, (d // 2,), 4)
-    need(q_out, f"{g.name} q_out", np.float32, (hq * d,), 4)
-    check_paged_args(g.name, g.cfg, kv_layer, table, state)
-    if len(table.shape) != 1:
-        raise ValueError(f"{g.name}: table must be 1-D (max_pages,), got {tuple(table.shape)}")
-
-
 class QkvRopeGemv(_Gemv):
     """qkv's GEMV with rope_kv's job as its epilogue; reads qkv's prepared weights as they are
     (the same `prepare`, and the default tiling keeps qkv's ks)."""
@@ -111,8 +97,18 @@ class QkvRopeGemv(_Gemv):
         / v, pos = state[STATE_POS], where [q|k|v] = Wqkv . rmsnorm(x, norm_w) + bias (fp32).
         x fp32 (K,), norm_w/bias fp16, inv_freq fp32 (D/2,) (rope_kv.rope_inv_freq), state and
         table int32, kv_layer (n_pages, Hkv, 2, 16, D) fp16 (nq/runtime/kv_cache.py)."""
+        hq, _, d = self.heads
         self._check_weights(qw, sc)
-        _check_rope_args(self, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
+        need(state, f"{self.name} state", np.int32, (STATE_LEN,), 4)
+        need(inv_freq, f"{self.name} inv_freq", np.float32, (d // 2,), 4)
+        need(q_out, f"{self.name} q_out", np.float32, (hq * d,), 4)
+        check_paged_args(self.name, self.cfg, kv_layer, table, state)
+        if len(table.shape) != 1:
+            raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got "
+                             f"{tuple(table.shape)}")
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
                                                       table, kv_layer, q_out)
 
@@ -148,14 +144,14 @@ class _MmaGemv:
     `retile.retile_mma`), launch grid, weight preparation and checks."""
 
     def __init__(self, kind: str, n_out: int, k: int, n_rows: int, tiling: MmaTiling,
-                 eps: float | None = None, heads=None):
+                 eps: float | None = None):
         check_tiling(kind, n_out, k, tiling)
         self.kind, self.n_out, self.k, self.tiling = kind, n_out, k, tiling
         self.n_rows = n_rows   # weight rows (gate_up: 2N, [gate; up])
-        self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps, heads)
+        self.kernel = compile_gemv_mma(kind, n_out, k, tiling, eps)
         self.grid = -(-n_out // tiling.rows_per_block())
         self.block = tiling.threads
-        self.name = gemv_mma_name(kind, n_out, k, tiling, eps, heads)
+        self.name = gemv_mma_name(kind, n_out, k, tiling, eps)
         # 0 up to the 14B without early; the 32B's down stages 55 KB, early its slots
         self.smem = launch_smem(k, tiling)
         if self.smem:
@@ -175,7 +171,7 @@ class _MmaGemv:
         q, s = np.concatenate(qs), np.concatenate(ss)
         if q.shape[0] != self.n_rows:
             raise ValueError(f"{self.name}: {q.shape[0]} weight rows, expected {self.n_rows}")
-        return mma_layout(q, self.tiling.rope), np.ascontiguousarray(s)
+        return mma_layout(q), np.ascontiguousarray(s)
 
     def _weights(self, qw, sc):
         # the checked weights, flat (the kernel's signature)
@@ -235,43 +231,6 @@ class GateUpMmaGemv(_MmaGemv):
             self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, out)
 
 
-class QkvMmaGemv(_MmaGemv):
-    """qkv on the tensor cores (NQ_MMA_QKV=1: tiling.MMA_QKV): QkvGemv's call, `g(x, norm_w, qw, sc,
-    bias, out, stream)`, out fp32 (N,) = Wqkv . rmsnorm(x, norm_w) + bias, in natural order;
-    the weights in the rope-ordered mma layout (tiling.rope = head_dim), as qkv_rope's."""
-
-    def __init__(self, cfg: ModelConfig, tiling: MmaTiling):
-        super().__init__("qkv", cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling,
-                         float(cfg.rms_norm_eps))
-
-    def __call__(self, x, norm_w, qw, sc, bias, out, stream=0):
-        qw, sc = self._weights(qw, sc)
-        need(x, f"{self.name} x", np.float32, (self.k,))
-        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
-        need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
-        need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
-
-
-class QkvRopeMmaGemv(_MmaGemv):
-    """qkv_rope on the tensor cores (NQ_MMA_QKV=1: tiling.MMA_QKV): QkvRopeGemv's call and outputs
-    (fp32 sums instead of fp16 partials); reads QkvMmaGemv's prepared weights."""
-
-    def __init__(self, cfg: ModelConfig, tiling: MmaTiling):
-        self.cfg = cfg
-        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        super().__init__("qkv_rope", cfg.qkv_size, cfg.hidden_size, cfg.qkv_size, tiling,
-                         float(cfg.rms_norm_eps), self.heads)
-
-    def __call__(self, x, norm_w, qw, sc, bias, state, inv_freq, table, kv_layer, q_out,
-                 stream=0):
-        """As QkvRopeGemv.__call__."""
-        qw, sc = self._weights(qw, sc)
-        _check_rope_args(self, x, norm_w, bias, state, inv_freq, table, kv_layer, q_out)
-        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
-                                                      table, kv_layer, q_out)
-
-
 def gemv_shape(kind: str, cfg: ModelConfig) -> tuple[int, int, int]:
     """(N outputs, K inputs, weight rows) of a projection GEMV of cfg (gate_up: 2N rows,
     [gate; up]); qkv_rope has qkv's."""
@@ -291,27 +250,18 @@ def gemv_tiling(kind: str, cfg: ModelConfig) -> Tiling | MmaTiling:
     """The tiling make_<kind>_gemv(cfg) builds without one given: its `layout()` is what the
     upload writes (nq/runtime/weights.py asks here, compiling nothing)."""
     n, k, _ = gemv_shape(kind, cfg)
-    return default_tiling(kind, n, k, head_dim=cfg.head_dim)   # (only qkv's layouts read it)
+    return default_tiling(kind, n, k)
 
 
-def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
-    """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv).
-    The tensor cores' kernel where the tiling is an MmaTiling (the default only with
-    NQ_MMA_QKV=1: tiling.MMA_QKV)."""
-    tiling = tiling or gemv_tiling("qkv", cfg)
-    if isinstance(tiling, MmaTiling):
-        return QkvMmaGemv(cfg, tiling)
-    return QkvGemv(cfg, *gemv_shape("qkv", cfg), tiling)
+def make_qkv_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvGemv:
+    """qkv: prepare([(q_qw, q_sc), (k_qw, k_sc), (v_qw, v_sc)]); bias = concat(bq, bk, bv)."""
+    return QkvGemv(cfg, *gemv_shape("qkv", cfg), tiling or gemv_tiling("qkv", cfg))
 
 
-def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | MmaTiling | None = None):
+def make_qkv_rope_gemv(cfg: ModelConfig, tiling: Tiling | None = None) -> QkvRopeGemv:
     """qkv_rope: prepare as qkv's (the same uploaded weights serve both); call (x, norm_w, qw,
-    sc, bias, state, inv_freq, table, kv_layer, q_out, stream).  On the tensor cores as
-    make_qkv_gemv's."""
-    tiling = tiling or gemv_tiling("qkv_rope", cfg)
-    if isinstance(tiling, MmaTiling):
-        return QkvRopeMmaGemv(cfg, tiling)
-    return QkvRopeGemv(cfg, tiling)
+    sc, bias, state, inv_freq, table, kv_layer, q_out, stream)."""
+    return QkvRopeGemv(cfg, tiling or gemv_tiling("qkv_rope", cfg))
 
 
 def _residual(kind: str, cfg: ModelConfig, tiling):

@@ -6,11 +6,9 @@ decode tiling (`Tiling.layout()`):
   * row layout (`tile_rows`): each row's 16-byte chunks permuted so that the `ks` lanes of a
     CUDA-core GEMV segment read contiguous runs (qkv, gate_up; o_proj at small sizes);
   * mma fragment layout (`mma_layout`): each word is the A fragment of one lane of an
-    `mma.m16n8k16` (o_proj, down, gate_up; nq/kernels/int4/gemv_mma.py's docstring draws it);
-    qkv's (`mma_layout(..., rope=D)`, NQ_MMA_QKV=1) first reorders the rows of each head
-    (`rope_rows`) so that a tile's rows g and g + 8 are a RoPE pair.
-Scales keep the file's (N, K/128) fp16 layout in all (the kernels find a permuted row's scale
-at its natural row: `rope_row`).
+    `mma.m16n8k16` (o_proj, down, gate_up; nq/kernels/int4/gemv_mma.py's docstring draws it).
+Scales keep the file's (N, K/128) fp16 layout in both.  (qkv's rope-ordered mma layout,
+`rope_row`, went with NQ_MMA_QKV=1: tiling.py's epitaph, code at 29184bc.)
 """
 from __future__ import annotations
 
@@ -70,39 +68,13 @@ def prepare_weights(parts, ks: int) -> tuple[np.ndarray, np.ndarray]:
     return tiled, np.ascontiguousarray(np.concatenate(scs))
 
 
-def rope_row(r, d: int):
-    """The natural row (file order) that row r of qkv's rope-ordered mma layout holds, for
-    head_dim d (works on ints and NumPy arrays alike; the kernels inline the same arithmetic).
-
-    A RoPE pair is rows i and i + d/2 of a head; an m16n8k16 lane holds tile rows g and g + 8.
-    So tile j of a head (d/16 tiles) takes the head's rows 8j .. 8j+7 as its rows 0..7 and
-    their partners 8j + d/2 .. 8j+7 + d/2 as rows 8..15:
-
-        row 16j + 8h + g of a head  <-  natural row 8j + g + h * d/2      (g < 8, h in 0, 1)
-
-    A tile's rows g, g + 8 are then the natural rows r0, r0 + d/2 (r0 = rope_row of row g), and
-    every head keeps its rows (the heads are whole tiles: d is a multiple of 16)."""
-    head, rr = r // d * d, r % d
-    return head + (rr // 16) * 8 + (rr & 7) + ((rr >> 3) & 1) * (d // 2)
-
-
-def rope_rows(n: int, d: int) -> np.ndarray:
-    """perm (N,): row p of the rope-ordered layout is natural row perm[p] (`rope_row`)."""
-    if d <= 0 or d % 16 or n % d:
-        raise ValueError(f"rope_rows: head_dim={d} must be a multiple of 16 and divide N={n}")
-    return rope_row(np.arange(n, dtype=np.int64), d)
-
-
-def mma_layout(qweight: np.ndarray, rope: int = 0) -> np.ndarray:
+def mma_layout(qweight: np.ndarray) -> np.ndarray:
     """File-layout (N, K/8) ValueShuffle words -> (N, K/8) words in the fragment order (module doc):
-    C-order memory [tile][group][lane][8 words].  rope = head_dim: the rows first reordered by
-    `rope_rows` (qkv's layout on the tensor cores); 0: in file order."""
+    C-order memory [tile][group][lane][8 words]."""
     n, k8 = qweight.shape
     k = k8 * 8
     if n % TILE or k % GROUP_SIZE:
         raise ValueError(f"mma_layout: N={n} must be a multiple of {TILE} and K={k} of {GROUP_SIZE}")
-    if rope:
-        qweight = np.asarray(qweight)[rope_rows(n, rope)]
     nt, g = n // TILE, k // GROUP_SIZE
     nib = (unpack_value_shuffle(np.asarray(qweight)).astype(np.uint32) & 0xF)   # two's complement
     # (tile, group, row in tile, chunk in group, column in chunk)
@@ -119,7 +91,7 @@ def mma_layout(qweight: np.ndarray, rope: int = 0) -> np.ndarray:
     return np.ascontiguousarray(word.astype(np.uint32).reshape(n, k8))
 
 
-def mma_unlayout(words: np.ndarray, rope: int = 0) -> np.ndarray:
+def mma_unlayout(words: np.ndarray) -> np.ndarray:
     """The inverse of mma_layout (tests): fragment-order words -> file-layout ValueShuffle words."""
     from nq.loader.quant import pack_value_shuffle
     n, k8 = words.shape
@@ -131,9 +103,4 @@ def mma_unlayout(words: np.ndarray, rope: int = 0) -> np.ndarray:
         v = ((w >> np.uint32(4 * slot)) & 0xF).astype(np.int8)
         v = np.where(v > 7, v - 16, v).transpose(0, 1, 2, 4, 3)              # nt, g, row, i, t
         out[:, :, 8 * half:8 * half + 8, :, col:col + 8:2] = v
-    rows = pack_value_shuffle(out.transpose(0, 2, 1, 3, 4).reshape(n, k))
-    if rope:
-        natural = np.empty_like(rows)
-        natural[rope_rows(n, rope)] = rows
-        return natural
-    return rows
+    return pack_value_shuffle(out.transpose(0, 2, 1, 3, 4).reshape(n, k))

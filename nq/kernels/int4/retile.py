@@ -9,9 +9,9 @@ at memory speed.  The file's layout is uploaded as it is into a staging buffer, 
 
 with one thread per destination chunk.  `layout.tile_rows` is the NumPy reference.  For the
 tensor-core GEMV (an MmaTiling) `retile_mma` gathers each fragment word's 8 nibbles from two
-rows (`layout.mma_layout`; qkv's rope-ordered variant reads its rows through `layout.rope_row`).
-Retired: the block-major re-tile (Tiling.block_major's upload),
-with that layout, which lost (gemv.py's epitaph); code at 13c221c.
+rows (`layout.mma_layout`).  Retired: the block-major re-tile (Tiling.block_major's upload),
+with that layout, which lost (gemv.py's epitaph); code at 13c221c.  qkv's rope-ordered mma
+re-tile, with NQ_MMA_QKV=1 (tiling.py's epitaph); code at 29184bc.
 """
 from __future__ import annotations
 
@@ -49,48 +49,38 @@ def _retile(src, dst, perm):
 RETILE_SIG = "void(uint32[:, ::1], uint32[:, ::1], int32[::1])"
 
 
-def retile_mma_body(rope: int = 0):
-    """The mma re-tile kernel's body; rope = head_dim: qkv's rope-ordered rows (layout.rope_row),
-    tile row g gathered from natural row rope_row(16 tile + g) and its partner d/2 further."""
-    D = rope
-    PARTNER = rope // 2 if rope else 8     # tile row g + 8's file row, from row g's
-
-    def _retile_mma(src, dst):
-        # dst (N*K/8,) uint32 in the mma fragment order [tile][group][lane][8 words], one thread
-        # a word: lane (g, t)'s word of k16 chunk i gathers W[g|g+8, 2t, 2t+1, 2t+8, 2t+9] of the
-        # chunk from the file's ValueShuffle words (value v of a word sits in slot v/2 if v is
-        # even, 4 + v//2 if odd: columns 2t, 2t+1 are slots t and 4+t of the chunk's first word,
-        # 2t+8, 2t+9 the same slots of its second)
-        n = src.shape[0]
-        k8 = src.shape[1]
-        groups = k8 // 16
-        i = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        total = n * k8
-        while i < total:
-            c = i % 8                       # chunk in the group
-            lane = (i // 8) % 32
-            grp = (i // 256) % groups
-            tile = i // (256 * groups)
-            g = lane >> 2
-            t = lane & 3
-            r0 = tile * 16 + g
-            if D:
-                r0 = tile // (D // 16) * D + tile % (D // 16) * 8 + g
-            w = grp * 16 + c * 2           # the chunk's first file word in the row
-            a0 = src[r0, w]
-            a1 = src[r0, w + 1]
-            b0 = src[r0 + PARTNER, w]
-            b1 = src[r0 + PARTNER, w + 1]
-            lo = 4 * t
-            hi = 4 * (t + 4)
-            word = (((a0 >> lo) & 0xF) | ((b0 >> lo) & 0xF) << 4 | ((a1 >> lo) & 0xF) << 8
-                    | ((b1 >> lo) & 0xF) << 12 | ((a0 >> hi) & 0xF) << 16 | ((b0 >> hi) & 0xF) << 20
-                    | ((a1 >> hi) & 0xF) << 24 | ((b1 >> hi) & 0xF) << 28)
-            dst[i] = word
-            i += stride
-
-    return _retile_mma
+def _retile_mma(src, dst):
+    # dst (N*K/8,) uint32 in the mma fragment order [tile][group][lane][8 words], one thread
+    # a word: lane (g, t)'s word of k16 chunk i gathers W[g|g+8, 2t, 2t+1, 2t+8, 2t+9] of the
+    # chunk from the file's ValueShuffle words (value v of a word sits in slot v/2 if v is
+    # even, 4 + v//2 if odd: columns 2t, 2t+1 are slots t and 4+t of the chunk's first word,
+    # 2t+8, 2t+9 the same slots of its second)
+    n = src.shape[0]
+    k8 = src.shape[1]
+    groups = k8 // 16
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    total = n * k8
+    while i < total:
+        c = i % 8                       # chunk in the group
+        lane = (i // 8) % 32
+        grp = (i // 256) % groups
+        tile = i // (256 * groups)
+        g = lane >> 2
+        t = lane & 3
+        r0 = tile * 16 + g
+        w = grp * 16 + c * 2           # the chunk's first file word in the row
+        a0 = src[r0, w]
+        a1 = src[r0, w + 1]
+        b0 = src[r0 + 8, w]
+        b1 = src[r0 + 8, w + 1]
+        lo = 4 * t
+        hi = 4 * (t + 4)
+        word = (((a0 >> lo) & 0xF) | ((b0 >> lo) & 0xF) << 4 | ((a1 >> lo) & 0xF) << 8
+                | ((b1 >> lo) & 0xF) << 12 | ((a0 >> hi) & 0xF) << 16 | ((b0 >> hi) & 0xF) << 20
+                | ((a1 >> hi) & 0xF) << 24 | ((b1 >> hi) & 0xF) << 28)
+        dst[i] = word
+        i += stride
 
 
 RETILE_MMA_SIG = "void(uint32[:, ::1], uint32[::1])"
@@ -101,31 +91,21 @@ def compile_retile_rows():
     return compile_kernel(_retile, RETILE_SIG, kernel_name("int4_retile_rows"))
 
 
-def compile_retile_mma(rope: int = 0):
-    """The mma re-tile kernel (rope = head_dim: qkv's rope-ordered layout), compiled once."""
-    return _compile_retile_mma(int(rope))
-
-
 @functools.cache
-def _compile_retile_mma(rope: int):
-    name = kernel_name("int4_retile_mma", **({"rope": rope} if rope else {}))
-    return compile_kernel(retile_mma_body(rope), RETILE_MMA_SIG, name)
+def compile_retile_mma():
+    return compile_kernel(_retile_mma, RETILE_MMA_SIG, kernel_name("int4_retile_mma"))
 
 
-def retile_mma(src, dst, stream=0, rope: int = 0) -> None:
+def retile_mma(src, dst, stream=0) -> None:
     """File-layout (N, K/8) words -> the mma fragment layout in dst (same shape; the NumPy
-    reference is layout.mma_layout(src, rope)).  N must be a multiple of 16 (rope: of the
-    head_dim rope, itself a multiple of 16)."""
+    reference is layout.mma_layout).  N must be a multiple of 16."""
     if src.shape != dst.shape or src.dtype != np.uint32 or dst.dtype != np.uint32:
         raise ValueError(f"retile_mma: src {src.dtype}{src.shape} and dst {dst.dtype}{dst.shape} "
                          "must be equal-shape uint32")
     if src.shape[0] % 16 or src.shape[1] % 16:
         raise ValueError(f"retile_mma: {src.shape} is not whole 16-row tiles of 128-weight groups")
-    if rope and (rope % 16 or src.shape[0] % rope):
-        raise ValueError(f"retile_mma: rope={rope} (head_dim) must be a multiple of 16 dividing "
-                         f"N={src.shape[0]}")
     blocks = min(4096, -(-src.shape[0] * src.shape[1] // THREADS))
-    compile_retile_mma(rope)[blocks, THREADS, stream](src, dst.reshape(dst.size))
+    compile_retile_mma()[blocks, THREADS, stream](src, dst.reshape(dst.size))
 
 
 def retile(src, dst, perm, stream=0) -> None:

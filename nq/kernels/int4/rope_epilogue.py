@@ -12,7 +12,7 @@ rope_kv's expressions compile to), so with qkv's threads, ks and span the output
 bit-identical to qkv followed by rope_kv.  Everything the epilogue needs but the dot products
 (biases, position, page, cos and sin) is read and computed before griddepcontrol.wait
 (`rope_setup`), so that after the wait the kernel's critical path is the GEMV and a few fmas
-and stores.  gemv_mma.py's qkv_rope reads only the biases there (its qkv_sums says why).
+and stores.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from nq.ptx import cvt_f32_f16, ld_global_nc_u16
 def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
     """The epilogue's device-function bodies for a qkv_rope kernel of N = n_out rows and heads
     (HQ, HKV, D); weight_row is the kernel's (a RoPE pair's weight rows): (put_rope,
-    rope_setup, cos_sin, bias_pair), the last two device functions already, the first two for
-    the kernel to wrap with `dev`; all inlined with these as constants."""
+    rope_setup), for the kernel to wrap with `dev`; all inlined with these as constants."""
     HALF = D // 2
 
     def put_rope(kv, q_out, row0, v0, v1, pre):
@@ -73,9 +72,7 @@ def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
         258 KB of them do not survive a step in L2), the position and its page (state and
         the block table are written only by the previous replay's argmax and by host copies
         between replays -- attn_split's EARLY argument, decode.py), and the angle's cos and
-        sin.  Returns put_rope's `pre`, (b0, b1, cos, sin, pos, page).  gemv.py's qkv_rope
-        (a 256-thread block, two an SM) calls it; gemv_mma.py's holds fewer registers across
-        its loop (module doc there)."""
+        sin.  Returns put_rope's `pre`, (b0, b1, cos, sin, pos, page)."""
         b0 = float32(0.0)
         b1 = float32(0.0)
         cos_a = float32(1.0)
@@ -93,4 +90,4 @@ def put_rope_body(n_out: int, HQ: int, HKV: int, D: int, weight_row):
                 cvt_f32_f16(ld_global_nc_u16(bias, r0 + HALF)))
 
     cos_sin, bias_pair = dev(cos_sin), dev(bias_pair)   # rope_setup's calls see these
-    return put_rope, rope_setup, cos_sin, bias_pair
+    return put_rope, rope_setup

@@ -18,25 +18,13 @@ read ~25 % faster: on the H200 (2026-12-01) a 512-token prompt went 22.0 -> 18.9
 one 354 -> 314 ms, for +0.036 ms a decode step (1.877 -> 1.914 at 512; `mma_tiling` has the
 figures), and gate_up's decode sums became fp32.
 
-NQ_MMA_QKV=1 (`MMA_QKV`, read once at import) is the fp32-accurate step: qkv (and qkv_rope) on
-the tensor cores too -- its mma layout reorders each head's rows so that a tile's rows g and
-g + 8 are a RoPE pair (layout.rope_row; `MmaTiling.rope` = head_dim), which the prefill GEMMs
-read un-permuting in their epilogue -- and qkv's and gate_up's RMSNorm'd activations staged as
-fp16 hi + lo (`MmaTiling.hilo`), so every projection sums fp32 products of the activations it
-reads at ~fp32 precision.  It brings the decode tier within its 5e-4 target at the 7B width
-(H200, 2026-12-02: max 4.82e-4 of the logit spread, against 1.19e-3 by default) for +0.074 /
-+0.042 ms a decode step at 512 / 8K (qkv on the tensor cores +0.053 / +0.022, qkv's hilo
-+0.008 / +0.010, gate_up's +0.022 / +0.025), which is why it is not the default; at 357deef
-qkv on the tensor cores measured +0.083 / +0.046 alone, at 76 registers (docs/PERF.md 0.9).
-
 i8 (`MmaTiling.i8`, gemv_mma.py "i8"): gate_up's and attn_o_proj's activations are staged as
-signed-byte digits on the int8 tensor cores, 22 bits of each group's absmax (hilo's accuracy) at
-fewer instructions a weight word than the fp16 staging; the weights' layout does not change.
+signed-byte digits on the int8 tensor cores, 22 bits of each group's absmax at fewer
+instructions a weight word than the fp16 staging; the weights' layout does not change.
 Measured in the 7B step (H100, 2026-12-07, scripts/step_variants.py, ms a step at 512 / 8K /
 32K): gate_up -0.025 / -0.019 / -0.014, attn_o_proj -0.012 / -0.005 / -0.008, the two
--0.027 / -0.028 / -0.023; down +0.031 / +0.035 / +0.034 and qkv_rope in the fp32-accurate step
-+0.016 / +0.018 (against hilo) lost and stay fp16 (hilo): their blocks stage all of K for one
-or two tiles (storing the digits as whole words, i8=2, lost too: docs/PERF.md 0.29).
+-0.027 / -0.028 / -0.023; down +0.031 / +0.035 / +0.034 lost and stays fp16: its block stages
+all of K for two tiles (storing the digits as whole words, i8=2, lost too: docs/PERF.md 0.29).
 
 The CUDA-core qkv and qkv_rope stage digits too (`Tiling.i8`, gemv_digits.py: dp4a sums them
 exactly), which makes the default step fp32-accurate: the decode tier at the 7B width 3.56e-4 /
@@ -45,19 +33,32 @@ exactly), which makes the default step fp32-accurate: the decode tier at the 7B 
 8K / 32K) and -0.038 / -0.028 at the 14B's width (docs/PERF.md 0.30).  `NQ_I8` (`I8`, read once
 at import) picks: "1" (the default) gate_up, attn_o_proj and the CUDA-core qkv, "0" none, "all"
 every tensor-core tiling too (the experiment of docs/PERF.md 0.27).
+
+Retired: NQ_MMA_QKV=1 (`--fp32-accurate`), the "fp32-accurate step" of 2026-12-02: qkv and
+qkv_rope on the tensor cores (their mma layout's rows in RoPE-pair order, which the prefill
+GEMMs un-permuted) and qkv's and gate_up's h staged as fp16 hi + lo (`MmaTiling.hilo`).  With
+the digits above the default is as accurate and faster: 1.893 / 2.028 / 2.492 ms a 7B step at
+512 / 8K / 32K against its 1.968 / 2.129 / 2.561 (H100 SXM, 2026-12-07; on the H200, 2026-12-02,
+qkv on the tensor cores alone cost +0.043..+0.053 ms at 512); its one gain was ~0.1 ms of a
+19 ms 512-token prefill.  Retired after 29184bc, which holds the code; the variable now only
+warns.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
 KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
-MMA_KINDS = ("o_proj", "down", "gate_up", "qkv", "qkv_rope")   # kinds the tensor-core kernel takes
+MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
-MMA_QKV = os.environ.get("NQ_MMA_QKV", "0") == "1"           # the fp32-accurate step (module doc)
+if os.environ.get("NQ_MMA_QKV", "0") == "1":   # retired (module doc); old scripts still run
+    warnings.warn("NQ_MMA_QKV=1 is retired and ignored: the default decode step is already "
+                  "fp32-accurate (qkv's activations as digits summed exactly by dp4a, "
+                  "docs/PERF.md 0.30); the tensor-core qkv is at commit 29184bc")
 I8 = os.environ.get("NQ_I8", "1")                             # where i8 is default (module doc)
 if I8 not in ("0", "1", "all"):
     raise ValueError(f"NQ_I8={I8!r}: use 1 (gate_up and attn_o_proj, the default), 0 (no i8) "
@@ -65,7 +66,6 @@ if I8 not in ("0", "1", "all"):
 I8_KINDS = {"0": (), "1": ("gate_up",), "all": MMA_KINDS}[I8]  # default_tiling's i8 kinds
 O_I8 = I8 != "0"                                               # attn_o_proj's default
 CORE_I8_KINDS = ("qkv", "qkv_rope") if I8 != "0" else ()       # CUDA-core tilings with i8
-ROPE_KINDS = ("qkv", "qkv_rope")   # their mma layout pairs RoPE rows (MmaTiling.rope)
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (they stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
 
@@ -111,12 +111,11 @@ class MmaTiling:
     """The tensor-core GEMV's split: a block holds threads / 32 / warps row tiles of 16 rows;
     the `warps` warps of a tile split its groups (warp w: groups w, w + warps, ...).
     Retired: split-K, prefetch=2, preload=2, ring, and gate_up's sets=3 and apart
-    (gemv_mma.py's epitaphs)."""
+    (gemv_mma.py's epitaphs); rope and hilo, qkv's RoPE-ordered rows and the hi + lo staging
+    (the module doc's NQ_MMA_QKV)."""
     warps: int           # warps a 16-row tile's groups are split over
     threads: int         # threads per block: a multiple of 32 * warps, at most 1024
     min_blocks: int = 0  # launch_bounds' min blocks per SM (caps registers); 0: not given
-    rope: int = 0        # qkv: head_dim, the rows in RoPE-pair order (layout.rope_row); else 0
-    hilo: int = 0        # gate_up, qkv: h staged as fp16 hi + lo in B's even / odd columns
     early: int = 0       # o_proj / down: a warp's first `early` groups (and its tile's scales)
     #                      copied into shared memory before griddepcontrol.wait (gemv_mma.py)
     l2ahead: int = 0     # a warp asks L2 for its group l2ahead groups ahead of the one it
@@ -126,21 +125,19 @@ class MmaTiling:
     #                      and zeroes it; gemv_mma.py "xacc")
     i8: int = 0          # the staged activations as three signed-byte digits (22 bits of a
     #                      group's absmax) on the int8 tensor cores, 3 instructions a word of
-    #                      weights instead of 9 (gemv_mma.py "i8"); replaces hilo.  (i8=2, the
-    #                      digits stored as words, lost: docs/PERF.md 0.29, code at 2c215a2)
+    #                      weights instead of 9 (gemv_mma.py "i8").  (i8=2, the digits
+    #                      stored as words, lost: docs/PERF.md 0.29, code at 2c215a2)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
 
     def layout(self) -> tuple:
-        """What fixes the prepared weights: the mma fragment layout (layout.mma_layout), for
-        qkv with its rows in RoPE-pair order."""
-        return ("mma_rope", self.rope) if self.rope else ("mma", TILE)
+        """What fixes the prepared weights: the mma fragment layout (layout.mma_layout)."""
+        return ("mma", TILE)
 
     def tag(self) -> str:
         return (f"mma_w{self.warps}_t{self.threads}"
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + (f"_rope{self.rope}" if self.rope else "") + ("_hilo" if self.hilo else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
                 + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else ""))
@@ -152,8 +149,8 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown GEMV kind {kind!r}; one of {KINDS}")
     if not isinstance(t, Tiling):
-        raise ValueError(f"{kind}: {t} is not a CUDA-core Tiling (an MmaTiling is gemv_mma's: "
-                         f"build it with make_{kind}_gemv)")
+        raise ValueError(f"{kind}: {t} is not a CUDA-core Tiling (an MmaTiling is gemv_mma's, "
+                         f"for {', '.join(MMA_KINDS)}: build it with make_<kind>_gemv)")
     if kind == "qkv_rope":
         if heads is None:
             raise ValueError("qkv_rope: build_kernel needs heads=(num_heads, num_kv_heads, head_dim)")
@@ -195,12 +192,6 @@ def core_staged_bytes(k: int, t: Tiling) -> int:
             + (t.threads // 32) * 4)
 
 
-def hilo_bytes(k: int) -> int:
-    """Shared memory that K activations staged as hi + lo take (MmaTiling.hilo): 2K bytes
-    each, lo 32 bytes past hi (gemv_mma.py: other banks)."""
-    return 4 * k + 32
-
-
 def staged_bytes(k: int, t: MmaTiling | None = None) -> int:
     """Bytes of a tensor-core GEMV's staged activations: 2 a value (fp16), 3 with i8 (the
     digits)."""
@@ -221,10 +212,8 @@ def one_wave_tiles(n_tiles: int, sms: int, most: int) -> int:
     return min(range(1, most + 1), key=key)
 
 
-def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
-               sms: int = 132) -> MmaTiling | None:
-    """The tensor-core tiling for o_proj, down, gate_up, qkv or qkv_rope (these two need the
-    head_dim, their layout's `rope`), or None where gemv_mma cannot take
+def mma_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> MmaTiling | None:
+    """The tensor-core tiling for o_proj, down or gate_up, or None where gemv_mma cannot take
     the shape (N not a multiple of 16, or K's staged activations over half a block's 227 KB;
     the 32B's down stages 55 KB, over the 48 KB of static shared memory, in dynamic memory).
     o_proj and down: one 16-row tile a block, its groups split over `warps` warps: half the
@@ -242,52 +231,33 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
 
     gate_up (the default unless NQ_MMA_GATE_UP=0): 2 warps a tile, `one_wave_tiles` tiles a
     block (the 7B's 9 on 132 SMs, its measured t576; the 14B's and 32B's 7: on the H200 the
-    14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20; with
-    hilo, the fp32-accurate 14B step -0.30).  Before, 256 threads (4 tiles a block) at every
-    size, 13c221c's best in the 7B step (32d8702, ms a step at 512 against the CUDA-core
-    default): +0.017 (+0.046 beside the mma down), 2 warps t128 +0.018, 4 warps t256 +0.084,
-    1 warp t128 +0.51, 7 warps t224 +0.19.  What it buys is in the prefill: the GEMMs
-    read the mma layout faster (H200, 2026-12-01, scripts/bench_gemm.py --layout
-    gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at 8192, against 326-359 and 372 in
-    the row layout; ~-3.5 ms of a 512-token prompt, ~-32 ms of an 8K one), and fp32 sums in
-    decode.  In the whole engine (H200, 2026-12-01, scripts/prefill_timeline.py and
-    step_variants.py "gate_up.mma=1"): pp512 22.04 -> 18.90 ms, pp2048 77.7 -> 67.5, pp8192
-    354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035 at 8K.  None where K's
-    activations pass 48 KB of static shared memory (K > 24576).
+    14B step -0.27 ms and the 32B's -0.45 against 4 tiles a block, docs/PERF.md 0.20).
+    Before, 256 threads (4 tiles a block) at every size, 13c221c's best in the 7B step
+    (32d8702, ms a step at 512 against the CUDA-core default): +0.017 (+0.046 beside the mma
+    down), 2 warps t128 +0.018, 4 warps t256 +0.084, 1 warp t128 +0.51, 7 warps t224 +0.19.
+    What it buys is in the prefill: the GEMMs read the mma layout faster (H200, 2026-12-01,
+    scripts/bench_gemm.py --layout gate_up=mma: 430-490 TFLOP/s at M = 512 and 462-469 at
+    8192, against 326-359 and 372 in the row layout; ~-3.5 ms of a 512-token prompt, ~-32 ms
+    of an 8K one), and fp32 sums in decode.  In the whole engine (H200, 2026-12-01,
+    scripts/prefill_timeline.py and step_variants.py "gate_up.mma=1"): pp512 22.04 -> 18.90
+    ms, pp2048 77.7 -> 67.5, pp8192 354.0 -> 313.8; the decode step +0.038 ms at 512 and +0.035
+    at 8K.  None where K's activations pass 48 KB of static shared memory (K > 24576).
 
-    qkv and qkv_rope (NQ_MMA_QKV=1; one tiling, one layout): o_proj's rule at every size
-    (the 7B's qkv has o_proj's K: 14 warps, one tile a block, 288 blocks), since a RoPE pair
-    is inside a tile, one tile a block is possible.  Measured (H200, 2026-12-02,
-    step_variants.py "qkv_rope.mma=1"): the decode step +0.043 ms at 512, -0.005 at 8K; a
-    prompt 19.24 -> 19.15 ms at 512, 289.4 -> 287.5 at 8K.  Other tilings, hilo, against the
-    CUDA-core qkv_rope (ms a step at 512 / 8K): 14 warps t448 +0.050 / +0.023 (hilo=0 +0.046 /
-    +0.013), 7 warps t448 +0.034 / +0.046, 7 t224 +0.091 / +0.090, 4 t512 +0.142 / +0.104,
-    14 t896 +0.090 / +0.064.  The CUDA-core kernel's fp16 partials were half the decode tier's
-    error at the 7B width; its digits (`Tiling.i8`, the default since docs/PERF.md 0.30) took
-    that error away at no cost in the step (module doc).
-
-    hilo (gate_up, qkv): with NQ_MMA_QKV=1, h staged as fp16 hi + lo where it fits static
-    shared memory."""
+    qkv / qkv_rope (NQ_MMA_QKV=1, o_proj's rule) lost +0.043 ms a step at 512 (H200,
+    2026-12-02); retired after 29184bc (module doc)."""
     if kind not in MMA_KINDS or n_out % TILE or k % GROUP_SIZE or 2 * k > SMEM_OPTIN_LIMIT // 2:
         return None
-    hilo = int(MMA_QKV and hilo_bytes(k) <= STATIC_SMEM_LIMIT)   # the fp32-accurate step's
     if kind == "gate_up":
         if 2 * k > STATIC_SMEM_LIMIT:
             return None
         # 2 warps a tile; from K = 2048 on as many tiles a block as spread the grid one
         # block an SM (one_wave_tiles, at most 10: 640 threads of ~88 registers): the 3B
         # -0.06, 14B -0.27, 32B -0.45 ms a step; below it 4 tiles, which won there (the
-        # 1.5B's 5 a block +0.059, the 0.5B's 3 +0.011; H200, 2026-12-03, docs/PERF.md 0.20).
-        # hilo too: the fp32-accurate 14B step -0.299 / -0.296 ms at 512 / 8K (H200, 2026-12-03)
+        # 1.5B's 5 a block +0.059, the 0.5B's 3 +0.011; H200, 2026-12-03, docs/PERF.md 0.20)
         tiles = 4 if k < 2048 else one_wave_tiles(n_out // TILE, sms, 10)
-        return MmaTiling(warps=2, threads=64 * tiles, hilo=hilo)
+        return MmaTiling(warps=2, threads=64 * tiles)
     groups = k // GROUP_SIZE
-    rope = 0
-    if kind in ROPE_KINDS:
-        if head_dim <= 0 or head_dim % TILE or n_out % head_dim or 2 * k > STATIC_SMEM_LIMIT:
-            return None
-        rope = head_dim
-    elif groups < 16:
+    if groups < 16:
         return None
     if groups < 32:
         warps = max(1, groups // 2)
@@ -300,15 +270,14 @@ def mma_tiling(kind: str, n_out: int, k: int, head_dim: int = 0,
         # one a block, 2.4 blocks an SM, lost 0.09-0.22 ms a step against 3 of 10 warps)
         tiles = -(-(n_out // TILE) // sms)
         warps = min(warps, max(1, 32 // tiles))
-    return MmaTiling(warps=warps, threads=32 * warps * tiles, rope=rope,
-                     hilo=hilo if rope else 0)
+    return MmaTiling(warps=warps, threads=32 * warps * tiles)
 
 
 def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
-                   mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
+                   mma: bool = True) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); a tensor-core
     tiling of I8_KINDS stages its activations as digits (`with_i8`; NQ_I8, module doc)."""
-    t = measured_tiling(kind, n_out, k, sms, mma, head_dim)
+    t = measured_tiling(kind, n_out, k, sms, mma)
     if isinstance(t, Tiling):
         return with_core_i8(k, t) if kind in CORE_I8_KINDS else t
     return with_i8(kind, k, t) if kind in I8_KINDS else t
@@ -323,22 +292,20 @@ def with_core_i8(k: int, t: Tiling) -> Tiling:
 
 
 def with_i8(kind: str, k: int, t: MmaTiling) -> MmaTiling:
-    """A tensor-core tiling with i8 in place of hilo, unless gate_up's or qkv's 3 bytes a value
-    pass the static shared memory they stage in (gemv_mma_shape.check_tiling refuses that i8):
-    then t."""
-    i8 = dataclasses.replace(t, i8=1, hilo=0)
-    return t if kind in NORM_KINDS and staged_bytes(k, i8) > STATIC_SMEM_LIMIT else i8
+    """A tensor-core tiling with i8, unless gate_up's 3 bytes a value pass the static shared
+    memory it stages in (gemv_mma_shape.check_tiling refuses that i8): then t."""
+    i8 = dataclasses.replace(t, i8=1)
+    return t if kind == "gate_up" and staged_bytes(k, i8) > STATIC_SMEM_LIMIT else i8
 
 
 def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
-                    mma: bool = True, head_dim: int = 0) -> Tiling | MmaTiling:
+                    mma: bool = True) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape: measured winners for the 7B, a rule for the rest; sms is
     the device's SM count (`common.sm_count`, 132 offline) unless given: the one-wave rules
     (`one_wave_tiles`, down's tiles a block, qkv's threads) and the 7B's t576 gate_up read it.
 
     mma=True lets o_proj and down take the tensor-core kernel (`mma_tiling`), which won at
-    every size measured, gate_up where MMA_GATE_UP is on, and qkv / qkv_rope where MMA_QKV is
-    on and head_dim is given (their layout pairs RoPE rows); mma=False gives the CUDA-core
+    every size measured, and gate_up where MMA_GATE_UP is on; mma=False gives the CUDA-core
     tiling for the shape.  The CUDA-core
     rule: a single wave whose threads each own >= 1 whole group; spread a row over as many
     lanes as keeps the thread count under ~700 per SM (what 64 registers allow).
@@ -346,10 +313,6 @@ def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
     if sms is None:
         from nq.kernels.common import sm_count
         sms = sm_count()
-    if kind in ROPE_KINDS and mma and MMA_QKV:
-        t = mma_tiling(kind, n_out, k, head_dim, sms)
-        if t is not None:
-            return t
     if kind == "qkv_rope":
         # qkv's tiling (its ks fixes the weight layout both read), a RoPE pair a thread.
         # Same threads and span too: rstd's summation order and the fp16 partials then match
@@ -417,13 +380,12 @@ def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # -0.0174 / -0.0160, early 3 +0.017, early 4 +0.051)
         ("down", 3584, 18944): MmaTiling(warps=16, threads=1024, early=1),
     }
-    if sms >= 132 and not MMA_QKV:
+    if sms >= 132:
         # 9 tiles a block (576 threads): 132 blocks, one an SM (t256's 296 blocks are 2.24 an
         # SM, the last of them a tail): -0.008 / -0.008 / -0.004 ms a step at 512 / 8K / 32K
         # against t256 (H200, 2026-12-02, two runs); t192 (395 blocks) +0.053.  early=1 (a
         # warp's first gate and up groups copied before the wait; tried, not kept) +0.237 at
         # t256 (90 registers: two blocks an SM, two waves), +0.003 at t576; early=2 worse.
-        # The fp32-accurate step keeps mma_tiling's t256 with hilo, which is what it measured.
         # l2ahead=1 (its group one ahead asked of L2): -0.004 / -0.012 / -0.009 and -0.000 /
         # -0.011 / -0.010 ms (H200, 2026-12-03); l2ahead 2 +0.008 / -0.002 / -0.004, 4 +0.039
         measured_mma[("gate_up", 18944, 3584)] = MmaTiling(warps=2, threads=576, l2ahead=1)
@@ -437,12 +399,11 @@ def measured_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
         # its baselines, which drifted 0.02-0.03; H200, 2026-12-04, docs/PERF.md 0.22)
         measured_mma[("down", 5120, 13824)] = MmaTiling(warps=8, threads=768, early=1)
         measured_mma[("down", 5120, 27648)] = MmaTiling(warps=8, threads=768, early=1)
-        if not MMA_QKV:
-            # the 14B's and 32B's gate_up: the rule's 7 tiles a block with the 7B's l2ahead=1
-            # (the 14B alone -0.035 / -0.027)
-            measured_mma[("gate_up", 13824, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
-            measured_mma[("gate_up", 27648, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
-    if mma and kind not in ROPE_KINDS and (kind != "gate_up" or MMA_GATE_UP):
+        # the 14B's and 32B's gate_up: the rule's 7 tiles a block with the 7B's l2ahead=1
+        # (the 14B alone -0.035 / -0.027)
+        measured_mma[("gate_up", 13824, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
+        measured_mma[("gate_up", 27648, 5120)] = MmaTiling(warps=2, threads=448, l2ahead=1)
+    if mma and (kind != "gate_up" or MMA_GATE_UP):
         t = measured_mma.get((kind, n_out, k)) or mma_tiling(kind, n_out, k, sms=sms)
         if t is not None:
             return t

@@ -8,7 +8,7 @@ import dataclasses
 
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT
-from nq.kernels.int4.gemm_kernel import KINDS, TILE, check_rope, layout_tag
+from nq.kernels.int4.gemm_kernel import KINDS, TILE, layout_tag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,6 @@ def check(kind: str, n: int, k: int, layout, t: WgTiles) -> None:
     if n % TILE or k % GROUP_SIZE or n <= 0 or k <= 0:
         raise ValueError(f"gemm_wgmma: N={n} must be a multiple of {TILE} and K={k} of "
                          f"{GROUP_SIZE}")
-    check_rope(kind, n, layout)
     if t.ta not in (1, 2) or t.wg < 1 or t.threads > 1024 or t.stages < 3:
         raise ValueError(f"gemm_wgmma: tiles {t.tag()}: ta must be 1 or 2, stages >= 3, at "
                          f"most 1024 threads")

@@ -159,8 +159,7 @@ SIM_SCRIPT = textwrap.dedent('''
         sc = rng.uniform(0.002, 0.02, size=(nw, k // 128)).astype(np.float16)
         x = rng.standard_normal((m + 3, k)).astype(np.float16)   # allocated for more than m
         x[0, 5] = 300.0                                          # a "massive activation"
-        up = (mma_layout(qw) if layout == "mma" else mma_layout(qw, layout[1])
-              if layout[0] == "mma_rope" else tile_rows(qw, layout[1]))
+        up = mma_layout(qw) if layout == "mma" else tile_rows(qw, layout[1])
         M.L2_BAND_BYTES = band_bytes
         g = M.Gemm(kind, n, k, layout, configs=((None, tiles),))
         out0 = rng.standard_normal((m + 2, n)).astype(np.float16 if kind == "gate_up" else np.float32)
@@ -185,8 +184,6 @@ SIM_SCRIPT = textwrap.dedent('''
     case("mma_down_m16", "down", 32, 640, "mma", T(1, 2, 2, 1, 2, 3), 16)
     case("mma_qkv_m33", "qkv", 32, 256, "mma", T(2, 4, 1, 1, 1, 2), 33)
     case("mma_gateup_m7", "gate_up", 16, 256, "mma", T(2, 2, 1, 1, 1, 2), 7)
-    # qkv's rope-ordered mma layout (NQ_MMA_QKV=1): two heads of 64, the output un-permuted
-    case("rope_qkv_m9", "qkv", 128, 256, ("mma_rope", 64), T(2, 2, 2, 1, 1, 2), 9)
     # row layout (qkv, gate_up's): 3 groups in steps of 2 and 1 (ks 2); wk = 2 and 2 warps
     # along the rows; 2 warps along the tokens; 3 token blocks in bands of 2 (the last short)
     case("rows_plain_m33", "plain", 32, 384, ("rows", 2), T(2, 2, 1, 2, 1, 2), 33)
@@ -199,11 +196,11 @@ SIM_SCRIPT = textwrap.dedent('''
 
 
 # The simulator runs ~50 s a case on 2 cores: CI's tier takes the mma layout with its ring
-# (down), the rope order (qkv) and the row layout with gate_up's bands; the long tier
-# (`pytest -m long`) the other eight.
-SIM_CASES = {"mma_down_m16", "rope_qkv_m9", "rows_gateup_bands"}
+# (down), qkv's (bias) on the row layout with wk = 2, and the row layout with gate_up's bands;
+# the long tier (`pytest -m long`) the other seven.
+SIM_CASES = {"mma_down_m16", "rows_qkv_m16", "rows_gateup_bands"}
 SIM_CASES_LONG = {"mma_plain_m1", "mma_oproj_m7", "mma_qkv_m33", "mma_gateup_m7",
-                  "rows_plain_m33", "rows_qkv_m16", "rows_gateup_m1", "rows_down_m7"}
+                  "rows_plain_m33", "rows_gateup_m1", "rows_down_m7"}
 
 
 def _gemm_under_the_simulator(cases):

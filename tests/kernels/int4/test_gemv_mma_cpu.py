@@ -50,7 +50,7 @@ def test_layout_round_trip_and_refusals():
         gemv_mma.build_kernel("down", 40, 256, t)
     with pytest.raises(ValueError, match="not one of"):
         gemv_mma.build_kernel("gate", 64, 256, t)
-    with pytest.raises(ValueError, match="rope"):   # qkv: only in its rope-ordered layout
+    with pytest.raises(ValueError, match="not one of"):   # qkv: the CUDA-core kernel's
         gemv_mma.build_kernel("qkv", 64, 256, t)
     with pytest.raises(ValueError, match="not an MmaTiling"):
         gemv_mma.check_tiling("down", 64, 256, Tiling(ks=2, threads=128))

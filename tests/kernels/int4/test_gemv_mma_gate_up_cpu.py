@@ -16,8 +16,7 @@ from nq.kernels.int4.tiling import MmaTiling, Tiling, default_tiling, mma_tiling
 
 ptx_util = pytest.importorskip("ptx_util")
 ROOT = Path(__file__).resolve().parents[3]
-SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256", kept by the hilo step
-HILO = MmaTiling(warps=2, threads=256, hilo=1)   # the fp32-accurate step (NQ_MMA_QKV=1)
+SEVEN_B = MmaTiling(warps=2, threads=256)   # 13c221c's "ks2 t256"
 ONE_WAVE = MmaTiling(warps=2, threads=576)   # the rule at the 7B: 9 tiles a block, 132 blocks
 
 
@@ -27,14 +26,7 @@ def test_gate_up_tiling_follows_the_switch(monkeypatch):
     assert mma_tiling("gate_up", 4864, 896) == SEVEN_B       # 0.5B (K < 2048): 4 tiles a block
     assert mma_tiling("gate_up", 11008, 2048) == MmaTiling(2, 384)   # 3B: 688 tiles, 6 a block
     assert mma_tiling("gate_up", 1024, 128 * 200) is None    # 50 KB of activations: not static
-    monkeypatch.setattr(tiling, "MMA_QKV", True)              # the fp32-accurate step: hilo
-    hilo_7b = MmaTiling(warps=2, threads=576, hilo=1)        # one_wave_tiles, as without hilo
-    assert mma_tiling("gate_up", i, h) == hilo_7b
-    assert default_tiling("gate_up", i, h) == MmaTiling(2, 576, i8=1)   # i8 in hilo's place
-    assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(2, 448, hilo=1)   # 14B: 7 a block
-    assert mma_tiling("gate_up", 4864, 896) == MmaTiling(2, 256, hilo=1)     # K < 2048: 4
-    assert mma_tiling("gate_up", 64, 128 * 100) == MmaTiling(2, 64)   # hi + lo over 48 KB: plain
-    monkeypatch.setattr(tiling, "MMA_QKV", False)
+    assert mma_tiling("gate_up", 13824, 5120) == MmaTiling(2, 448)   # 14B: 7 tiles a block
     assert mma_tiling("gate_up", 64, 1024) == SEVEN_B   # 4 tiles, K < 2048: one block
     monkeypatch.setattr(tiling, "MMA_GATE_UP", False)
     off = default_tiling("gate_up", i, h)
@@ -68,17 +60,11 @@ def test_gate_up_refusals():
     plain = SEVEN_B
     with pytest.raises(ValueError, match="eps is RMSNorm's"):
         gemv_mma.build_kernel("down", 64, 256, plain, 1e-6)
-    with pytest.raises(ValueError, match="hilo .* is for"):   # down's activations are fp16
-        gemv_mma.build_kernel("down", 64, 256, HILO)
     with pytest.raises(ValueError, match="static"):          # K = 25,600: 50 KB staged
         gemv_mma.build_kernel("gate_up", 64, 128 * 200, plain, 1e-6)
-    with pytest.raises(ValueError, match="use hilo=0"):      # K = 12,800: 50 KB as hi + lo
-        gemv_mma.build_kernel("gate_up", 64, 128 * 100, HILO, 1e-6)
     with pytest.raises(ValueError, match="multiple of 16"):
         gemv_mma.build_kernel("gate_up", 40, 256, SEVEN_B, 1e-6)
     # eps is a constant of the kernel: in its name, so two models never share a cached cubin
-    assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, HILO, 1e-6) == \
-        "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_hilo1_eps1em06"
     assert gemv_mma.gemv_mma_name("gate_up", 18944, 3584, SEVEN_B, 1e-6) == \
         "gemv_mma_gate_up_n18944_k3584_warps2_threads256_min_blocks0_eps1em06"
     assert gemv_mma.gemv_mma_name("down", 3584, 18944, plain) == \
@@ -88,8 +74,6 @@ def test_gate_up_refusals():
 @pytest.mark.parametrize("n,k,t", [
     (18944, 3584, SEVEN_B),                              # 7B (the rule's)
     (18944, 3584, MmaTiling(warps=2, threads=576, l2ahead=1)),   # 7B (the measured default)
-    (18944, 3584, HILO),                                 # 7B, hilo at 4 tiles a block
-    (13824, 5120, MmaTiling(warps=2, threads=448, hilo=1)),      # 14B, the fp32-accurate step
     (4864, 896, SEVEN_B),                                # 0.5B
     (13824, 5120, SEVEN_B),                              # 14B
     (18944, 3584, MmaTiling(warps=4, threads=256)),
@@ -133,8 +117,6 @@ def test_gate_up_i8_ptx_sm90(n, k, t):
     assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") == 0
     assert ptx_util.count(ptx, "fma.rn.f16x2") == ptx_util.count(ptx, "add.rn.f16x2") == 0
     assert ptx_util.count(ptx, "ld.shared.v4.u32") == 4
-    with pytest.raises(ValueError, match="replaces hilo"):
-        gemv_mma.build_kernel("gate_up", n, k, MmaTiling(2, 256, hilo=1, i8=1), 1e-6)
     with pytest.raises(ValueError, match="use i8=0"):   # 3 bytes a value past 48 KB
         gemv_mma.build_kernel("gate_up", 64, 128 * 130, MmaTiling(2, 256, i8=1), 1e-6)
     regs = ptx_util.assert_one_block_an_sm(ptx, t.threads)
@@ -167,18 +149,15 @@ SIM_SCRIPT = textwrap.dedent('''
     # iteration empty); 3 tiles over blocks of 2 (the last block's second tile clamped, not
     # written); 4 warps over 3 groups (one warp has none); one warp a tile, 5 groups (three
     # iterations, the last half empty, and 2 staging rounds of 2 warps)
-    # each also with hilo=1 (h staged as fp16 hi + lo: name_hilo)
+    # each also with i8=1 (h staged as digits: name_i8)
     cases = [("t2_w2", 32, 384, MmaTiling(warps=2, threads=128)),
              ("tail", 48, 384, MmaTiling(warps=2, threads=128)),
              ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
              ("w1", 32, 640, MmaTiling(warps=1, threads=64))]
-    cases += ([(name + "_hilo", n, k, MmaTiling(t.warps, t.threads, hilo=1))
-               for name, n, k, t in cases]
-              + [(name + "_i8", n, k, MmaTiling(t.warps, t.threads, i8=1))
-                 for name, n, k, t in cases])
+    cases += [(name + "_i8", n, k, MmaTiling(t.warps, t.threads, i8=1))
+              for name, n, k, t in cases]
     # l2ahead: every group after a warp's first, of its gate and its up tile, asked of L2 once
     cases += [("l2a2", 32, 640, MmaTiling(warps=1, threads=64, l2ahead=2)),
-              ("l2a2_hilo", 48, 640, MmaTiling(warps=2, threads=128, hilo=1, l2ahead=3)),
               ("l2a2_i8", 48, 640, MmaTiling(warps=2, threads=128, i8=1, l2ahead=3))]
     import nq.kernels.int4.gemv_mma_weights as gw
     asked = sim_warp.record_l2_prefetches(gw)   # to_l2 lives in the weight path
@@ -222,23 +201,19 @@ def test_gate_up_under_the_simulator():
     the output's norm (measured 2.6e-4..9.8e-4), so 2e-3 (the CUDA-core kernel, with fp16
     partial sums, needs 5e-3).
 
-    hilo=1 stages h as hi + lo (hi's rounding error, itself rounded: 2^-22 of each value), so
-    only the fp16 store is left: within 2^-11 = 4.9e-4 of the fp64 output (measured 1.6e-4..
-    3.6e-4), and against that output rounded to fp16 the fp32 sums (~1e-6) can move a row
-    across a rounding boundary now and then: 1e-4 (measured 0, every row equal; without hilo
-    2.3e-4..9.0e-4, so the bound tells the two apart).
-
     i8=1 stages h as rni(v * 2^14) in three signed-byte digits (2^-23 of the group's absmax a
-    value) and sums the products exactly in int32: the same bounds as hilo."""
+    value) and sums the products exactly in int32, so only the fp16 store is left: within
+    2^-11 = 4.9e-4 of the fp64 output, and against that output rounded to fp16 the fp32 sums
+    (~1e-6) can move a row across a rounding boundary now and then: 1e-4 (fp16 staging
+    measured 2.3e-4..9.0e-4 there, so the bound tells the two apart)."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
     names = {"t2_w2", "tail", "w4", "w1", "l2a2"}
-    forms = ("", "_f16", "_hilo", "_hilo_f16", "_i8", "_i8_f16")
+    forms = ("", "_f16", "_i8", "_i8_f16")
     assert set(errs) == {n + s for n in names for s in forms}, stdout
     for name in names:
         assert errs[name] < 2e-3, (name, errs[name])
-        for form in ("_hilo", "_i8"):
-            assert errs[name + form] < 6e-4, (name + form, errs[name + form])
-            assert errs[name + form + "_f16"] < 1e-4, (name + form, errs[name + form + "_f16"])
+        assert errs[name + "_i8"] < 6e-4, (name, errs[name + "_i8"])
+        assert errs[name + "_i8_f16"] < 1e-4, (name, errs[name + "_i8_f16"])
 
 
 SWITCH_SCRIPT = textwrap.dedent('''
@@ -278,38 +253,49 @@ def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch
 
 
 def test_the_i8_switch_moves_the_defaults_not_the_layouts():
-    """NQ_I8 (read at import): by default gate_up of the tensor-core GEMVs takes i8 (in hilo's
-    place with NQ_MMA_QKV=1, where qkv_rope keeps hilo), and the CUDA-core qkv_rope its digits;
-    "all" every tensor-core default too; "0" none.  The upload's layouts stay; a value it does
-    not know is refused."""
+    """NQ_I8 (read at import): by default gate_up of the tensor-core GEMVs takes i8, and the
+    CUDA-core qkv_rope its digits; "all" every tensor-core default too; "0" none.  The
+    upload's layouts stay; a value it does not know is refused."""
     script = ("from nq.kernels.int4 import tiling as T\n"
               "for kind, n, k in [('gate_up', 18944, 3584), ('down', 3584, 18944), "
               "('o_proj', 3584, 3584), ('qkv_rope', 4608, 3584), ('down', 5120, 27648)]:\n"
-              "    t = T.default_tiling(kind, n, k, sms=132, head_dim=128)\n"
-              "    print(kind, n, getattr(t, 'i8', '-'), getattr(t, 'hilo', '-'), t.layout())\n"
+              "    t = T.default_tiling(kind, n, k, sms=132)\n"
+              "    print(kind, n, t.i8, t.layout())\n"
               "print('o_i8', int(T.O_I8))\n")
     outs = {}
-    for env in ({}, {"NQ_I8": "0"}, {"NQ_I8": "all"}, {"NQ_MMA_QKV": "1"},
-                {"NQ_I8": "all", "NQ_MMA_QKV": "1"}, {"NQ_I8": "yes"}):
-        e = {k: v for k, v in os.environ.items() if k not in ("NQ_I8", "NQ_MMA_QKV")}
+    for env in ({}, {"NQ_I8": "0"}, {"NQ_I8": "all"}, {"NQ_I8": "yes"}):
+        e = {k: v for k, v in os.environ.items() if k != "NQ_I8"}
         e.update(env)
         res = subprocess.run([sys.executable, "-c", script], env=e, cwd=ROOT,
                              capture_output=True, text=True)
-        outs[tuple(env.items())] = [line.split(maxsplit=4) for line in res.stdout.splitlines()]
+        outs[tuple(env.items())] = [line.split(maxsplit=3) for line in res.stdout.splitlines()]
         if env.get("NQ_I8") == "yes":
             assert res.returncode != 0 and "NQ_I8='yes': use 1" in res.stderr, res.stderr
         else:
             assert res.returncode == 0, res.stderr
     default, off, every = outs[()], outs[(("NQ_I8", "0"),)], outs[(("NQ_I8", "all"),)]
-    fp32 = outs[(("NQ_MMA_QKV", "1"),)]
-    fp32_all = outs[(("NQ_I8", "all"), ("NQ_MMA_QKV", "1"))]
     # gate_up's and (on the CUDA cores: gemv_digits.py) qkv_rope's
     assert [r[2] for r in default[:5]] == ["1", "0", "0", "1", "0"]
     assert [r[2] for r in off[:5]] == ["0", "0", "0", "0", "0"]
     assert [r[2] for r in every[:5]] == ["1", "1", "1", "1", "1"]
     assert default[5] == every[5] == ["o_i8", "1"] and off[5] == ["o_i8", "0"]
-    for out, same in ((off, default), (every, default), (fp32_all, fp32)):
-        assert [r[4] for r in out[:5]] == [r[4] for r in same[:5]]     # the same layouts
-    assert [r[2:4] for r in fp32[:5]] == [["1", "0"], ["0", "0"], ["0", "0"], ["0", "1"],
-                                          ["0", "0"]]               # gate_up i8, qkv_rope hilo
-    assert [r[2:4] for r in fp32_all[:5]] == [["1", "0"]] * 5         # i8, not hilo
+    for out in (off, every):
+        assert [r[3] for r in out[:5]] == [r[3] for r in default[:5]]   # the same layouts
+
+
+def test_the_retired_qkv_switch_only_warns():
+    """NQ_MMA_QKV=1 (the tensor-core qkv, retired after 29184bc) still imports, with one
+    warning that the default step is already fp32-accurate, and moves no tiling."""
+    script = ("from nq.kernels.int4 import tiling as T\n"
+              "print(T.default_tiling('qkv_rope', 4608, 3584, sms=132).tag())\n")
+    out = {}
+    for value in ("1", None):
+        e = {k: v for k, v in os.environ.items() if k != "NQ_MMA_QKV"}
+        if value is not None:
+            e["NQ_MMA_QKV"] = value
+        out[value] = subprocess.run([sys.executable, "-c", script], env=e, cwd=ROOT,
+                                    capture_output=True, text=True, check=True)
+    assert out["1"].stdout == out[None].stdout
+    said = out["1"].stderr
+    assert out[None].stderr == "" and said.count("Warning: NQ_MMA_QKV=1 is retired") == 1, said
+    assert "already fp32-accurate" in said, said
