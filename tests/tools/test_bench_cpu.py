@@ -366,6 +366,12 @@ def test_step_timeline_critical_increments():
     assert s["regions"]["rope_kv_append"]["critical_us"] == 0
     assert s["regions"]["paged_attention"]["critical_us"] == 4
     assert "| qkv_gemv | 1 |" in tl.format_summary(s)
+    # the default step's kernels each land in the region `nq bench` times them in
+    names = {"gemv_int4_qkv_rope_n4608": "qkv_gemv", "attn_split_gqa7": "paged_attention",
+             "attn_o_proj_d128": "o_proj", "gemv_mma_gate_up_n18944": "gate_up_swiglu",
+             "gemv_mma_down_n3584": "down", "lm_head_int8_v152064": "lm_head",
+             "sampler_select_v152064": "sample", "argmax_v152064": "sample"}
+    assert {n: tl.region_of(n) for n in names} == names
 
 
 def test_gemm_table_sums_the_layers_and_compares_with_cublas(monkeypatch):
