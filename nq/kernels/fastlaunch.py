@@ -119,3 +119,16 @@ class FastLaunch:
 
 def _is_int(a) -> bool:
     return isinstance(a, (int, np.integer))
+
+
+def allow_large_cluster(kernel) -> None:
+    """Opt a loaded numba kernel into cluster sizes above the portable 8 (a no-op under the
+    simulator, which launches no clusters); a launch of 16-CTA clusters needs it."""
+    if SIMULATOR:
+        return
+    from numba.cuda.cudadrv import driver as drv
+    from numba.cuda.cudadrv.driver import binding
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    for k in kernel.overloads.values():
+        fn = k._codelibrary.get_cufunc()
+        drv.driver.cuKernelSetAttribute(attr, 1, fn.handle, fn.device.id)

@@ -30,8 +30,9 @@ ATTN_OPTIONS = {"early": True, "min_pps": 2, "rows_per_copy": 2, "consumers": 4,
                 "nstage": 4, "tma": True, "tma_from": 0}
 # Retired after the H200 measured them (2026-12-02; a3fddf4 holds them): the attention asking
 # L2 for gate_up's weight tiles (+0.033..+0.062 ms at 512) or o_proj's (+0.004 / -0.004),
-# while its latency seemed to leave DRAM idle.  Opt-in, measured: "attn.cluster=16" (the merge
-# in a thread block cluster, nq/kernels/attention/cluster.py; +0.022 ms at 512 as first built).
+# while its latency seemed to leave DRAM idle.  Retired after 342710b, which holds it: the merge
+# in a thread block cluster ("attn.cluster=16", +0.022..+2.16 ms a step, and no attn_o_proj
+# beside it; docs/KERNELS_ATTN.md, retired variants).
 # Retired (2026-12-03; 9b8ae46 holds it): a second, short-context step graph up to 2048 tokens
 # whose attention was one CTA a kv head writing o (`direct`), +0.166 / +0.278 ms at 512 / 1024
 # (docs/KERNELS_ATTN.md, retired variants).
@@ -123,13 +124,8 @@ def split_width(cfg, opts=None) -> int:
 
 def attention_options(attn=None) -> dict:
     """decode_launcher's keywords: the step's defaults with `attn` over them (an experiment's
-    {keyword: value}, scripts/step_variants.py).  An experiment asking for the cluster merge
-    without naming tma gets the bulk copies: the two are not built together."""
-    attn = attn or {}
-    opts = {**ATTN_OPTIONS, **attn}
-    if opts.get("cluster") and "tma" not in attn:
-        opts["tma"] = False
-    return opts
+    {keyword: value}, scripts/step_variants.py)."""
+    return {**ATTN_OPTIONS, **(attn or {})}
 
 
 def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
@@ -150,11 +146,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     # (step_variants "attn.max_splits=66"): the first rows of the engine's partial buffers,
     # which decode_workspace sized for plan.default_max_splits (two CTAs an SM)
     asked_o = "fuse_o" in opts     # an experiment's, refused where it cannot run (below)
-    # the cluster merge writes o itself, so its step keeps attn_combine's place: o_proj's GEMV
-    fuse_o = int(opts.pop("fuse_o", 0 if opts.get("cluster") else FUSE_O))
-    if fuse_o and opts.get("cluster"):
-        raise ValueError("attn.cluster merges the splits in a cluster and writes o; attn_o_proj "
-                         "merges them itself: use attn.fuse_o=0 with it")
+    fuse_o = int(opts.pop("fuse_o", FUSE_O))
     if fuse_o not in (0, 1, 2):
         raise ValueError(f"attn.fuse_o={fuse_o}: 0 (attn_combine + o_proj), 1 (attn_o_proj) or "
                          f"2 (attn_o_proj into xacc)")

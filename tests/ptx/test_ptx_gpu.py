@@ -458,8 +458,7 @@ def k_cluster(out, ranks):
 @pytest.mark.skipif(SIM, reason="the simulator launches no clusters (the twins: a cluster of one)")
 @pytest.mark.parametrize("size", [2, 8, 16])
 def test_cluster_rank_barrier_and_distributed_shared_memory(size):
-    from nq.kernels.attention.cluster import allow_large_cluster
-    from nq.kernels.fastlaunch import FastLaunch
+    from nq.kernels.fastlaunch import FastLaunch, allow_large_cluster
     k_cluster.compile("void(float32[:, :, ::1], uint32[::1])")
     out = cuda.to_device(np.zeros((3, size, 64), np.float32))
     ranks = cuda.to_device(np.zeros(size, np.uint32))

@@ -249,13 +249,6 @@ def step_variants_agree(eng, attns, check=None):
         assert np.abs(logits - l0).max() <= 1e-3 * spread, np.abs(logits - l0).max() / spread
 
 
-def test_cluster_attention_in_the_step(model):
-    """The step with the cluster attention (attn.cluster=16, one kernel a layer, opt-in) gives
-    the default step's greedy ids and logits (step_variants_agree)."""
-    name, nf, eng, ref = model
-    step_variants_agree(eng, ({"cluster": 16}, {"cluster": 8}))
-
-
 def test_fused_o_proj_in_the_step(model, capsys):
     """The step with attn_o_proj (attn.fuse_o=1: the merge and o_proj in one kernel, opt-in),
     with and without the split kernel's early trigger, at 1 and 4 tiles a warp, and with the

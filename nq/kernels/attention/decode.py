@@ -68,8 +68,8 @@ do nothing before this kernel ends, and its waiting CTAs sharing the SMs made th
 
 Lost in the step and retired (docs/KERNELS_ATTN.md): l2_prefetch, warp 0 of every CTA asking L2
 for the head of each of gate_up's (or o_proj's) weight tiles before any wait (a3fddf4 holds
-it), and the combine fused into the last CTA of each kv head (13c221c).  The merge inside a
-thread block cluster is cluster.py (opt-in): split_main is this body under either kernel.
+it), the combine fused into the last CTA of each kv head (13c221c), and the merge inside a
+thread block cluster (cluster.py, +0.02..+2.2 ms a step; code at 342710b).
 
 ptxas (sm_90, numba-cuda 0.30): 159 registers at d128, 107 at d64, no spills, no local memory
 (nvJitLink 13.5: 145 / 103); with tma and four consumers 185 at d128 (175 before the q values
@@ -104,16 +104,13 @@ SPLIT_SIG = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1
 # tma: the layer's tensor map (nq/ptx/tensormap.py) as one more argument
 SPLIT_SIG_TMA = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
                  "float32[:, :, ::1], float32[:, :, ::1], uint64[::1])")
-# cluster (cluster.py): no partials in global memory; o is written by the kernel itself
-SPLIT_SIG_CL = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :, ::1], "
-                "float16[::1])")
 
 
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
-               trigger: bool = False, fresh: bool = False):
+               ppc: int = 0, tma: bool = False, tma_from: int = 0, trigger: bool = False,
+               fresh: bool = False):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -132,7 +129,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     TRIGGER = bool(trigger)  # launch the dependents at the CTA's start (attn_o_proj's weights)
     FRESH = bool(fresh) and EARLY  # the last page copied before the wait too, its new row patched
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
-    CLUSTER = int(cluster)   # CTAs a cluster, 0: none (cluster.py)
     TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
     plan = dev(plan_body(max_splits, min_pps))   # (n_pages, pps, n_splits) of a length
@@ -467,23 +463,15 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                             acc[2 * j] += smf[fo + g * D + 8 * j + 2 * t] * w
                             acc[2 * j + 1] += smf[fo + g * D + 8 * j + 2 * t + 1] * w
                     m = mx
-            # the partial's place: [split, h] of the global part_acc / part_ml, or with a
-            # cluster [0, g] of this CTA's own exchange arrays (cluster.py merges them)
-            ps = 0 if CLUSTER else split
-            ph = g if CLUSTER else h
-            if row_ok:
+            if row_ok:   # the partial's place: [split, h] of part_acc / part_ml
                 for j in range(NT):
-                    part_acc[ps, ph, 8 * j + 2 * t] = acc[2 * j]
-                    part_acc[ps, ph, 8 * j + 2 * t + 1] = acc[2 * j + 1]
+                    part_acc[split, h, 8 * j + 2 * t] = acc[2 * j]
+                    part_acc[split, h, 8 * j + 2 * t + 1] = acc[2 * j + 1]
                 if t == 0:
-                    part_ml[ps, ph, 0] = m
-                    part_ml[ps, ph, 1] = l
+                    part_ml[split, h, 0] = m
+                    part_ml[split, h, 1] = l
 
     split_main = dev(split_main)
-
-    if CLUSTER:
-        from nq.kernels.attention.cluster import cluster_tail
-        return cluster_tail(split_main, gqa, head_dim, consumers, max_splits, min_pps, CLUSTER)
 
     if TMA:
         def attn_split_tma(q, state, table, kv, part_acc, part_ml, tmap):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from nq.kernels.attention import combine
-from nq.kernels.attention.decode import SPLIT_SIG, SPLIT_SIG_CL, SPLIT_SIG_TMA, split_body
+from nq.kernels.attention.decode import SPLIT_SIG, SPLIT_SIG_TMA, split_body
 from nq.kernels.attention.plan import (CONSUMERS, MIN_PPS, NSTAGE, ROWS_PER_COPY,
                                        check_attention_args, cta_smem_bytes, smem_bytes, tma_spec)
 from nq.kernels.build import compile_kernel, kernel_name
@@ -15,13 +15,11 @@ from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, cluster=0, ppc=0, tma=False, tma_from=0, trigger=False,
-               fresh=False) -> str:
+               early, ppc=0, tma=False, tma_from=0, trigger=False, fresh=False) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
-    stages (st), rows per copy (rpc); a cluster launch adds cl = CTAs a cluster (cluster.py),
-    ppc the pages a consumer, tma the tensor-map copies and tfrom the pages a split they start
-    at (`decode_launcher`)."""
-    extra = {"cl": cluster} if cluster else {}
+    stages (st), rows per copy (rpc); ppc the pages a consumer, tma the tensor-map copies and
+    tfrom the pages a split they start at (`decode_launcher`)."""
+    extra = {}
     if ppc:
         extra["ppc"] = ppc
     if tma:
@@ -40,22 +38,21 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 @functools.cache
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-                 cluster: int = 0, ppc: int = 0, tma: bool = False, tma_from: int = 0,
+                 ppc: int = 0, tma: bool = False, tma_from: int = 0,
                  trigger: bool = False, fresh: bool = False):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
-    stream, smem_bytes(...)]; with cluster, in clusters of max_splits = cluster CTAs
-    (cluster.py's launch)."""
+    stream, smem_bytes(...)]."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(cluster), int(ppc), bool(tma), int(tma_from) if tma else 0,
-           bool(trigger), bool(fresh))
-    sig = SPLIT_SIG_CL if cluster else SPLIT_SIG_TMA if tma else SPLIT_SIG
+           bool(early), int(ppc), bool(tma), int(tma_from) if tma else 0, bool(trigger),
+           bool(fresh))
+    sig = SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
 
 def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     consumers: int = CONSUMERS, nstage: int = NSTAGE,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
-                    early: bool = False, cluster: int = 0, ppc: int = 0,
+                    early: bool = False, ppc: int = 0,
                     tma: bool = False, tma_from: int = 0, merge: bool = True,
                     trigger: bool = False, fresh: bool = False):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
@@ -73,9 +70,6 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     programmatic (PDL) edge can start early, so elsewhere it changes nothing; in the step graph
     it saved 0.007..0.009 ms (docs/PERF.md 0.3) and the engine turns it on (nq/runtime/step.py
     ATTN_OPTIONS).
-    cluster: C > 0 runs one kernel instead, clusters of C splits merging their partials in
-    distributed shared memory (cluster.py; opt-in, for short contexts); part_acc and part_ml
-    are then not used.
     ppc: 0 -- every split's pages over all `consumers`; k > 0 -- over min(consumers, pps // k)
     of them, pps the plan's pages a split (plan.split_plan), so that one kernel serves short
     contexts with one consumer and no merge and long ones with all of them.
@@ -91,30 +85,20 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     the consumer that takes it patches the new K and V row into its slot from 16-byte loads
     issued beside q's, so no copy waits on the upstream kernel.
     """
-    if fresh and (not early or cluster):
+    if fresh and not early:
         raise ValueError("attention: fresh patches the last page that early copies before the "
-                         "wait; pass early=True, and not with cluster")
+                         "wait; pass early=True")
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"attention: unsupported consumers={consumers} (1..8), nstage={nstage} "
                          f"(1..8), rows_per_copy={rows_per_copy} (1, 2, 4, 8, 16 or 32)")
-    if tma and cluster:
-        raise ValueError("attention: tma is not supported with cluster; pass one or the other")
     if int(tma_from) < 0:
         raise ValueError(f"attention: tma_from={tma_from} must be 0 (always) or the fewest "
                          f"pages a split takes the tensor-map copies at (>= 1)")
     if int(ppc) < 0:
         raise ValueError(f"attention: ppc={ppc} must be 0 (every consumer) or the pages a "
                          f"consumer takes (>= 1)")
-    if cluster:
-        from nq.kernels.attention.cluster import check_cluster, cluster_launcher
-        c = int(cluster)
-        check_cluster(c)
-        kern = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, c, min_pps,
-                            bool(early), cluster=c, ppc=int(ppc))
-        return cluster_launcher(cfg, kern, q, state, table, kv_layer, o, cluster=c,
-                                consumers=consumers, nstage=nstage, rows_per_copy=rows_per_copy)
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
                          ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from),

@@ -65,7 +65,7 @@ CTAS_PER_SM = 2     # default max_splits = ceil(CTAS_PER_SM * n_sms / num_kv_hea
 def plan_body(max_splits: int, min_pps: int):
     """The split plan for baked-in (max_splits, min_pps): plan(length) -> (n_pages, pages per
     split, splits), the module doc's arithmetic.  A plain function: the kernels wrap it in
-    `dev` (attn_split, attn_o_proj, the cluster merge; attn_combine writes it out, combine.py
+    `dev` (attn_split, attn_o_proj; attn_combine writes it out, combine.py
     says why), `split_plan` calls it."""
     MAXS, MINP = max_splits, min_pps
 

@@ -215,7 +215,7 @@ SIM_SCRIPT = textwrap.dedent('''
 
     seen = [0]
 
-    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, cl=0, ppc=0,
+    def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, ppc=0,
              tma=False, tma_from=0, fresh=False):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
@@ -226,14 +226,13 @@ SIM_SCRIPT = textwrap.dedent('''
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           cluster=cl, ppc=ppc, tma=tma, tma_from=tma_from,
+                                           ppc=ppc, tma=tma, tma_from=tma_from,
                                            fresh=fresh)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
-                f"_e{int(early)}_p{min_pps}" + (f"_cl{cl}" if cl else "")
-                + (f"_ppc{ppc}" if ppc else "") + ("_tma" if tma else "")
+                f"_e{int(early)}_p{min_pps}" + (f"_ppc{ppc}" if ppc else "") + ("_tma" if tma else "")
                 + (f"_from{tma_from}" if tma_from else "") + ("_fresh" if fresh else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
 
@@ -253,11 +252,6 @@ SIM_SCRIPT = textwrap.dedent('''
     case(g8, 20, 1, 2, 3, 1, 5)    # GQA 8 fills the 8 rows, d128: one page per consumer, tail 4
     case(g2, 72, 2, 1, 3, 2, 6, early=True, min_pps=2)  # the engine's options: 5 pages, 3 + 2
     #                                  a split, the last page's stage waits first
-    # the cluster kernel in clusters of one CTA (what the simulator launches): the partial in
-    # shared memory, merged by the cluster's one CTA into o; every output of the kv head
-    # (GQA x D over 64 or 96 threads) by one CTA, two kv heads
-    case(g7, 72, 1, 1, 3, 2, 8, early=True, min_pps=2, cl=1)
-    case(g2, 17, 1, 2, 2, 1, 9, cl=1)
     # ppc (a split's pages over min(NC, pps // ppc) consumers): 8 pages over all 4 (two
     # stages, the last page's tail 13 tokens); 2-page splits on 1 of 4 (three return at once,
     # no merge); 5 pages on 2 of 3 (stages of 2, 2, 1: a consumer idle in the last)
@@ -285,10 +279,11 @@ SIM_SCRIPT = textwrap.dedent('''
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
-# and new: cases 6, 9), a cluster, ppc's one-of-four, the tensor-map copies at d128 and d64
-# and tma_from's switch; the long tier (`pytest -m long`) the rest.
-SIM_PICK = (1, 3, 5, 6, 7, 9, 10, 12, 14, 15, 17, 19)
-SIM_PICK_LONG = (0, 2, 4, 8, 11, 13, 16, 18)
+# and new: cases 6, 7), ppc's one-of-four, the tensor-map copies at d128 and d64, tma_from's
+# switch and fresh; the long tier (`pytest -m long`) the rest.  (The cluster merge's two
+# cases went with it, after 342710b.)
+SIM_PICK = (1, 3, 5, 6, 7, 8, 10, 12, 13, 15, 17)
+SIM_PICK_LONG = (0, 2, 4, 9, 11, 14, 16)
 
 
 def _split_and_combine_under_the_simulator(pick):
@@ -372,36 +367,8 @@ def test_engine_options_are_launcher_keywords():
     knobs = {n for n, p in inspect.signature(launch.decode_launcher).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
-                                         "cluster", "ppc", "tma", "tma_from", "merge",
+                                         "ppc", "tma", "tma_from", "merge",
                                          "trigger", "fresh"}
-
-
-@pytest.mark.parametrize("cluster", [16, 8])
-def test_cluster_ptx(cluster):
-    """The cluster kernel: partials never leave shared memory (no global stores but o's fp16),
-    two cluster barriers, the peers' partials read through mapa + ld.shared::cluster, and an
-    early trigger of o_proj; no local memory; its name spells the cluster."""
-    body = decode.split_body(7, 128, 4, 1, plan.NSTAGE, 2, cluster, 2, True, cluster=cluster)
-    ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_CL, fastmath=True)
-    assert_uses(ptx, "mma.sync.aligned.m16n8k16", "mapa.shared::cluster.u32",
-                "ld.shared::cluster.f32", "%cluster_ctarank")
-    assert count(ptx, "barrier.cluster.arrive.release.aligned") == 2
-    assert count(ptx, "barrier.cluster.wait.acquire.aligned") == 2
-    assert count(ptx, "griddepcontrol.launch_dependents") == 1
-    assert count(ptx, "st.global.f32") == 0 and count(ptx, "st.global.u16") > 0
-    assert count(ptx, "atom.") == 0
-    assert_no_local_memory(ptx)
-    if have_ptxas():
-        regs, spills = ptxas_report(ptx)
-        assert spills == 0 and regs <= 192
-    assert launch.split_name(7, 128, 4, 1, 3, 2, cluster, 2, True, cluster=cluster) == \
-        f"attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits{cluster}_minpps2_early1_cl{cluster}"
-
-
-def test_cluster_refusals():
-    from nq.kernels.attention.cluster import cluster_tail
-    with pytest.raises(ValueError, match="max_splits must be the cluster size"):
-        cluster_tail(None, 7, 128, 1, 66, 2, 16)
 
 
 def test_step_attention_options_take_an_experiment_over_the_defaults():
@@ -409,11 +376,7 @@ def test_step_attention_options_take_an_experiment_over_the_defaults():
     assert attention_options() == ATTN_OPTIONS
     assert attention_options({"early": False, "min_pps": 4}) == \
         {**ATTN_OPTIONS, "early": False, "min_pps": 4}
-    # the cluster merge is not built with tensor-map copies: asking for it drops the default tma
-    assert attention_options({"cluster": 16, "early": False}) == \
-        {**ATTN_OPTIONS, "cluster": 16, "early": False, "tma": False}
-    # ...unless the experiment names both, which the launcher then refuses with its reason
-    assert attention_options({"cluster": 16, "tma": True})["tma"] is True
+    assert attention_options({"tma": False})["tma"] is False
 
 
 def test_step_grid_is_one_wave_of_one_cta_an_sm():

@@ -153,20 +153,18 @@ def test_attention_tma_ignores_a_stale_tail(length, stale, tma_from):
 
 
 @pytest.mark.parametrize("kw", [dict(early=False), dict(early=True),
-                                dict(cluster=16, early=True, min_pps=2),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, tma=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
                                      tma=True),
                                 dict(early=True, consumers=4, ppc=2, min_pps=2, max_splits=3,
                                      tma=True, tma_from=12)],
-                         ids=["plain", "early", "cluster16", "c4-ppc2", "c4-ppc2-tma",
+                         ids=["plain", "early", "c4-ppc2", "c4-ppc2-tma",
                               "c4-ppc2-s3-tma", "c4-ppc2-s3-tma-from12"])
 def test_graph_replay_follows_device_length(kw):
     """One captured graph, replayed after the length in `state` changes, gives each answer,
-    and an eager launch at the same length gives it bit for bit (the cluster kernel: a
-    cluster launch through cuda.core, captured; tma_from 12 with 3 splits: 700 tokens take
-    the tensor-map path, 33 and 350 the bulk one)."""
+    and an eager launch at the same length gives it bit for bit (tma_from 12 with 3 splits:
+    700 tokens take the tensor-map path, 33 and 350 the bulk one)."""
     from numba import cuda
 
     from nq.runtime.graphs import CapturedGraph
@@ -196,38 +194,6 @@ def test_graph_replay_follows_device_length(kw):
         np.testing.assert_array_equal(d["o"].copy_to_host(), got)
 
 
-# ---- the cluster kernel (cluster.py): one kernel, partials merged in distributed shared memory
-
-@pytest.mark.parametrize("length", [1, 16, 17, 49, 512, 1000, 9000])
-@pytest.mark.parametrize("kw", [dict(cluster=16, early=True, min_pps=2, rows_per_copy=2),
-                                dict(cluster=16), dict(cluster=8, consumers=2),
-                                dict(cluster=4, early=True), dict(cluster=2)],
-                         ids=["engine-c16", "c16", "c8-two-consumers", "c4-early", "c2"])
-def test_cluster_attention_matches_reference(length, kw):
-    cfg = CFGS["7b"]
-    d, ref = _setup(cfg, length, seed=length + 31)
-    np.testing.assert_allclose(_run(cfg, d, **kw), ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("name", ["tiny", "g8", "g1"])
-@pytest.mark.parametrize("length", [1, 49, 3001])
-def test_cluster_attention_other_shapes(name, length):
-    cfg = CFGS[name]
-    d, ref = _setup(cfg, length, seed=length + 37)
-    np.testing.assert_allclose(_run(cfg, d, cluster=8), ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("length", [17, 1000])
-@pytest.mark.parametrize("stale", [np.nan, np.inf], ids=["nan", "inf"])
-def test_cluster_attention_ignores_a_stale_tail(length, stale):
-    cfg = CFGS["7b"]
-    d, ref = _setup(cfg, length, seed=length + 41)
-    _poison_tail(d, length, stale)
-    got = _run(cfg, d, cluster=16)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
-
-
 def test_launcher_rejects_bad_shapes():
     from numba import cuda
     cfg = CFGS["tiny"]
@@ -245,7 +211,5 @@ def test_launcher_rejects_bad_shapes():
         attention.decode_launcher(*args, pa, pm, consumers=4, ppc=-1)
     with pytest.raises(ValueError, match="tma_from=-1"):
         attention.decode_launcher(*args, pa, pm, tma=True, tma_from=-1)
-    with pytest.raises(ValueError, match="not supported with cluster"):
-        attention.decode_launcher(*args, pa, pm, tma=True, cluster=16)
-    with pytest.raises(ValueError, match="cluster=3"):
-        attention.decode_launcher(*args, pa, pm, cluster=3)
+    with pytest.raises(ValueError, match="fresh patches"):
+        attention.decode_launcher(*args, pa, pm, fresh=True)
