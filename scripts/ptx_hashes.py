@@ -49,7 +49,9 @@ f34a8b8ee861, d44c48180425).  The two differ in one loop's exit test, which NVVM
 either of two equivalent induction variables (`add 32 ... setp.ne 160` or `add 8 ... setp.ne
 40`): the same instruction count, the same behaviour.  So a CHANGED on those two alone, with
 their instruction counts equal, is NVVM's choice; compare them by hand (diff the normalised
-PTX) before believing it.  docs/figures/ptx_hashes_411c843.json is the default step of the
+PTX) before believing it.  A reference file may list such a kernel's other known form under
+"alt" (`compare`): docs/figures/ptx_hashes_dp4a.json does for the 14B's qkv at 384 threads
+(both forms seen, 2026-12-07), so a compare against it says 43/43 when nothing else moved.  docs/figures/ptx_hashes_411c843.json is the default step of the
 0.5B, 7B, 14B and 32B at 411c843 (against ptx_hashes_rule.json: the 14B's and 32B's down at
 8 warps a tile, by intent, and the qkv pair's other form); docs/figures/ptx_hashes_b234f6d.json at
 b234f6d (against 411c843: the 14B's and 32B's down with early=1 and gate_up with l2ahead=1, by
@@ -189,6 +191,29 @@ def build_step_kernels(cfg) -> None:
     fill.fill_kernels()
 
 
+def compare(before: dict, after: dict) -> tuple[list[str], list[str]]:
+    """A line for each kernel of `before` naming the kernel of `after` with its hash (or
+    CHANGED), then the count; and the kernels that changed.  A kernel of `before` may list
+    hashes of its other known forms under "alt" (NVVM's two forms of one kernel, the module
+    doc): any of them in `after` is a match, said as such."""
+    by_hash = {}
+    for k, v in after.items():
+        by_hash.setdefault(v["sha256"], []).append(k)
+    lines, missing = [], []
+    for k, v in sorted(before.items()):
+        alts = [h for h in v.get("alt", ()) if h in by_hash]
+        if v["sha256"] in by_hash:
+            match = by_hash[v["sha256"]][0]
+        elif alts:
+            match = by_hash[alts[0]][0] + "  (its other known form)"
+        else:
+            match = "-- CHANGED --"
+            missing.append(k)
+        lines.append(f"{k:70s} {v['sha256'][:12]} {v['instructions']:6d}  {match}")
+    lines.append(f"{len(before) - len(missing)}/{len(before)} kernels instruction-identical")
+    return lines, missing
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="0.5b,7b,14b")
@@ -197,14 +222,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.compare:
         before, after = (json.loads(Path(p).read_text()) for p in args.compare)
-        by_hash = {}
-        for k, v in after.items():
-            by_hash.setdefault(v["sha256"], []).append(k)
-        missing = [k for k, v in before.items() if v["sha256"] not in by_hash]
-        for k, v in sorted(before.items()):
-            match = by_hash.get(v["sha256"], ["-- CHANGED --"])
-            print(f"{k:70s} {v['sha256'][:12]} {v['instructions']:6d}  {match[0]}")
-        print(f"{len(before) - len(missing)}/{len(before)} kernels instruction-identical")
+        lines, missing = compare(before, after)
+        print("\n".join(lines))
         return 1 if missing else 0
     from nq.config import PRESETS
     seen = record_compiles()

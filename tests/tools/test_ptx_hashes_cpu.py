@@ -52,3 +52,20 @@ def test_numba_environment_declarations_do_not_count():
                           env=env + "\n" + env.replace("headB2v1", "tailB2v2")))
     assert one == two == norm(PTX.format(n=28, name="k", op="add.f32", m=7, env=""))
     assert "NumbaEnv" not in one
+
+
+def test_compare_takes_a_kernels_other_known_form():
+    # a kernel NVVM compiles to either of two forms lists the other under "alt": either is a
+    # match; any other hash is a change, and so is a kernel missing from `after`
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ptx_hashes.py"
+    spec = importlib.util.spec_from_file_location("ptx_hashes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = {"a": {"sha256": "1" * 64, "instructions": 10},
+              "q": {"sha256": "2" * 64, "instructions": 20, "alt": ["3" * 64]}}
+    lines, missing = mod.compare(before, {"a": {"sha256": "1" * 64}, "q": {"sha256": "3" * 64}})
+    assert missing == [] and lines[-1] == "2/2 kernels instruction-identical"
+    assert "other known form" in lines[1]
+    lines, missing = mod.compare(before, {"a": {"sha256": "1" * 64}, "q": {"sha256": "4" * 64}})
+    assert missing == ["q"] and "CHANGED" in lines[1]
+    assert mod.compare(before, {"q": {"sha256": "2" * 64}})[1] == ["a"]
