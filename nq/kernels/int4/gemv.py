@@ -61,7 +61,7 @@ from nq.kernels.build import compile_kernel, kernel_name
 from nq.kernels.common import block_rstd, dev, warp_max, warp_sum
 from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _NEG72, _NEG1032,
                                      _SH8, _SIXTEENTH, pow2_scale_f32)
-from nq.kernels.int4.gemv_digits import digits_body
+from nq.kernels.int4.gemv_digits import digits_body, slot_rows
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import NORM_KINDS, Tiling, check_tiling
 from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
@@ -206,18 +206,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if not SPAN32:
             p = to_f32(h0, h1)
         return p * (cvt_f32_f16(sbits) * fi)
-
-    def rows_chunk(c0, c1, c2, c3, a, sts):
-        # chunk words c_m (4-tuples) of the thread's rows against one chunk of activations a
-        s0, s1, s2, s3 = sts
-        s0 = chunk(c0[0], c0[1], c0[2], c0[3], a, s0)
-        if SLOTS >= 2:
-            s1 = chunk(c1[0], c1[1], c1[2], c1[3], a, s1)
-        if SLOTS >= 3:
-            s2 = chunk(c2[0], c2[1], c2[2], c2[3], a, s2)
-        if SLOTS >= 4:
-            s3 = chunk(c3[0], c3[1], c3[2], c3[3], a, s3)
-        return s0, s1, s2, s3
 
     def dot_step(cur, abase, u, fi):
         """The thread's SLOTS rows times one group of activations (chunk-major: each chunk's
@@ -422,13 +410,14 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     pow2_scale, wsum, wmax, rstd_of = (dev(f) for f in (pow2_scale_f32, warp_sum, warp_max,
                                                          block_rstd))
     four_values = dev(four_values)
-    load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk, dot_step, weight_row, \
+    load_row, dot8, load_act, to_f32, chunk, scaled, dot_step, weight_row, \
         load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, norm_to_l2, start, \
         put_qkv, put_swiglu, put_residual = (
-            dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled, rows_chunk,
+            dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled,
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
                              put_residual))
+    rows_chunk = dev(slot_rows(chunk, SLOTS))   # dot_step's (gemv_digits.slot_rows)
     first_loads = dev(first_loads)   # (after load_step's dev)
     # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)
     p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM, four_values) if I8

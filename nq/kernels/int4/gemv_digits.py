@@ -41,6 +41,24 @@ _SH4 = uint32(4)
 _DOWN = float32(2.0 ** -18)     # 1 / (16 * 2^14): the weights' bytes are 16 w, digits v * 2^14
 
 
+def slot_rows(chunk, SLOTS: int):
+    """rows_chunk for a thread's SLOTS row slots (<= 4): chunk(w0, w1, w2, w3, a, st) of slot
+    m's four words c_m against one chunk of activations a, for each slot in use (gemv.py's fp16
+    chunk and chunk_i8 below).  Written out, not looped: tuple elements need literal indices
+    to stay in registers."""
+    def rows_chunk(c0, c1, c2, c3, a, sts):
+        s0, s1, s2, s3 = sts
+        s0 = chunk(c0[0], c0[1], c0[2], c0[3], a, s0)
+        if SLOTS >= 2:
+            s1 = chunk(c1[0], c1[1], c1[2], c1[3], a, s1)
+        if SLOTS >= 3:
+            s2 = chunk(c2[0], c2[1], c2[2], c2[3], a, s2)
+        if SLOTS >= 4:
+            s3 = chunk(c3[0], c3[1], c3[2], c3[3], a, s3)
+        return s0, s1, s2, s3
+    return rows_chunk
+
+
 def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool, four_values):
     """Device functions for a gemv.py kernel with i8: (piece_load_i8, piece_put_i8,
     dot_step_i8), with the signatures of gemv.py's piece_load, piece_put and dot_step (u the
@@ -115,17 +133,6 @@ def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool, four_values):
         st = word_i8(q2, ha[2], hb[2], ma[2], mb[2], la[2], lb[2], st)
         return word_i8(q3, ha[3], hb[3], ma[3], mb[3], la[3], lb[3], st)
 
-    def rows_chunk_i8(c0, c1, c2, c3, d, sts):
-        s0, s1, s2, s3 = sts
-        s0 = chunk_i8(c0[0], c0[1], c0[2], c0[3], d, s0)
-        if SLOTS >= 2:
-            s1 = chunk_i8(c1[0], c1[1], c1[2], c1[3], d, s1)
-        if SLOTS >= 3:
-            s2 = chunk_i8(c2[0], c2[1], c2[2], c2[3], d, s2)
-        if SLOTS >= 4:
-            s3 = chunk_i8(c3[0], c3[1], c3[2], c3[3], d, s3)
-        return s0, s1, s2, s3
-
     def scaled_i8(st, sbits, fi):
         # a row's group sum: hi 2^16 + mid 2^8 + lo (exact in int32 up to the last add, then
         # one fp32 rounding), times its weight scale and 1/f_g 2^-18
@@ -152,7 +159,8 @@ def digits_body(GROUPS: int, KS: int, SLOTS: int, NORM: bool, four_values):
 
     pow2_scale, wmax, wsum, digits = (dev(f) for f in (pow2_scale_f32, warp_max, warp_sum,
                                                         digit_bits))
-    piece_load_i8, piece_put_i8, load_digits, word_i8, chunk_i8, rows_chunk_i8, scaled_i8, \
-        dot_step_i8 = (dev(f) for f in (piece_load_i8, piece_put_i8, load_digits, word_i8,
-                                        chunk_i8, rows_chunk_i8, scaled_i8, dot_step_i8))
+    piece_load_i8, piece_put_i8, load_digits, word_i8, chunk_i8 = (
+        dev(f) for f in (piece_load_i8, piece_put_i8, load_digits, word_i8, chunk_i8))
+    rows_chunk_i8 = dev(slot_rows(chunk_i8, SLOTS))
+    scaled_i8, dot_step_i8 = dev(scaled_i8), dev(dot_step_i8)
     return piece_load_i8, piece_put_i8, dot_step_i8
