@@ -85,3 +85,19 @@ def patch_simulator(syncwarp: bool = False) -> None:
             time.sleep(2e-4)
         return is_alive(self)
     simk.BlockThread.is_alive = throttled_is_alive
+
+
+# ---- what the int4 GEMV simulator scripts share --------------------------------------------------
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b||, after asserting a is finite (a NaN would compare as a small error)."""
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def packed(rng, n: int, k: int, dtype=np.float32):
+    """A random (n, k) int4 matrix as the packer stores it and its dequant in `dtype`:
+    (qweight, scales, dense)."""
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    qw, sc = quantize_pack(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    return qw, sc, dequantize_packed(qw, sc).astype(dtype)

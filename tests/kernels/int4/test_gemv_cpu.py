@@ -250,17 +250,11 @@ SIM_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
     from nq.kernels.int4 import launch
     from nq.kernels.int4.reference import ref_down, ref_gate_up, ref_o_proj, ref_qkv
     from nq.kernels.int4.tiling import Tiling
-    from nq.loader.quant import quantize_pack, dequantize_packed
     cfg, rng = PRESETS["7b"], np.random.default_rng(0)
     D = cuda.to_device
 
-    def rel(a, b):
-        assert np.isfinite(a).all()
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    def mk(n, k):
-        qw, sc = quantize_pack(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
-        return qw, sc, dequantize_packed(qw, sc)
+    rel = sim_warp.rel
+    mk = lambda n, k: sim_warp.packed(rng, n, k)   # noqa: E731
 
     x = (rng.standard_normal(640) * 3).astype(np.float32); x[5] = 400.0
     nw = (1 + 0.1 * rng.standard_normal(640)).astype(np.float16)
@@ -334,9 +328,7 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
                       for n, c in zip(fn.__code__.co_freevars, fn.__closure__))
         return cuda.jit(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells))
 
-    def rel(a, b):
-        assert np.isfinite(a).all()
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    rel = sim_warp.rel
 
     class Cfg:  # what the kernels and references read of a ModelConfig; one q head (tiny)
         def __init__(self, d, k):

@@ -88,18 +88,12 @@ SIM_SCRIPT = textwrap.dedent('''
     from nq.config import PRESETS
     from nq.kernels.int4 import launch
     from nq.kernels.int4.tiling import Tiling
-    from nq.loader.quant import quantize_pack, dequantize_packed
     cfg, rng = PRESETS["7b"], np.random.default_rng(2)
     D = cuda.to_device
     EPS = cfg.rms_norm_eps
 
-    def rel(a, b):
-        assert np.isfinite(a).all()
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    def mk(n, k):
-        qw, sc = quantize_pack(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
-        return qw, sc, dequantize_packed(qw, sc).astype(np.float64)
+    rel = sim_warp.rel
+    mk = lambda n, k: sim_warp.packed(rng, n, k, np.float64)   # noqa: E731
 
     def h64(x, nw):
         x = x.astype(np.float64)
