@@ -329,10 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", help="output .nanoqwen path")
     s.add_argument("--revision", help="branch, tag or commit of a repo id")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    s.add_argument("--lm-head", choices=["fp16", "int8"], default="fp16",
-                   help="int8: the lm_head as int8 rows with one fp32 scale each, half its bytes "
-                        "(a tied model keeps its fp16 embedding beside it); the file then needs "
-                        "nq >= 0.2.0")
+    s.add_argument("--lm-head", choices=["fp16", "int8", "int4"], default="fp16",
+                   help="int8: the lm_head as int8 rows with one fp32 scale each, half its fp16 "
+                        "bytes; the file then needs nq >= 0.2.0.  int4: the lm_head as INT4 g128 "
+                        "(the projections' format), a quarter of its fp16 bytes, at more cost to "
+                        "the logits than int8 (scripts/lm_head_quality.py measures it); the file "
+                        "then needs nq >= 0.3.0.  A tied model keeps its fp16 embedding beside "
+                        "either")
     s.set_defaults(func=cmd_pack)
 
     s = sub.add_parser("info", help="print a .nanoqwen header, config and tensor table")

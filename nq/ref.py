@@ -202,7 +202,7 @@ class RefModel:
 
     weights: names and shapes of docs/ARCHITECTURE.md "Host weights" (any float dtype; widened
     to fp32 once here).  A tied model may omit `lm_head`; `embed_tokens` is used for it (a
-    tied model's file with an int8 lm_head gives its own, dequantised: load_host_weights).
+    tied model's file with a quantised lm_head gives its own, dequantised: load_host_weights).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], max_len: int | None = None):

@@ -3,6 +3,7 @@
     python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b.nanoqwen
     python3 scripts/make_random_nanoqwen.py 7b /tmp/7b-width-2l.nanoqwen --layers 2
     python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b-int8.nanoqwen --lm-head int8
+    python3 scripts/make_random_nanoqwen.py 7b /tmp/random-7b-int4.nanoqwen --lm-head int4
 
 For what needs a full-size file but not a real checkpoint: the weight-upload time of the
 engine, `nq generate -m` on the GPU at the real shape, `nq info --verify`.  The nibbles and
@@ -45,16 +46,20 @@ def random_tensors(cfg, seed: int = 0, text_ids: int = 0, lm_head: str = "fp16")
     for name, (dtype, shape) in expected_tensors(cfg, lm_head).items():
         if name.startswith("meta/"):
             continue
-        if name == "lm_head.qweight":      # bytes uniform in [-128, 127], std ~74
+        if name == "lm_head.qweight" and dtype == np.int8:   # bytes uniform in [-128, 127], std ~74
             t = np.resize(block_u32, (shape[0], shape[1] // 4)).view(np.int8)
             if text_ids:
                 t[:256] = 0
                 t[text_ids:] = 0
             yield name, t
-        elif name == "lm_head.scales":     # the fp16 head's 1/sqrt(H) spread
+        elif name == "lm_head.scales" and dtype == np.float32:  # the fp16 head's 1/sqrt(H) spread
             yield name, np.full(shape, 1.0 / (74.0 * np.sqrt(cfg.hidden_size)), np.float32)
-        elif dtype == np.uint32:
-            yield name, np.resize(block_u32, shape)
+        elif dtype == np.uint32:           # the projections, and an int4 lm_head (--lm-head int4)
+            t = np.resize(block_u32, shape)
+            if text_ids and name == "lm_head.qweight":
+                t[:256] = 0
+                t[text_ids:] = 0
+            yield name, t
         elif name.endswith(".scales"):
             k = shape[1] * GROUP_SIZE
             yield name, np.full(shape, 1.0 / (4.6 * np.sqrt(k)), np.float16)
@@ -81,8 +86,8 @@ def main(argv=None) -> int:
                     help="greedy picks only tokens that decode to text on their own (lm_head "
                          "rows of the others are zero): for timing a text stream "
                          "(scripts/serve_probe.py)")
-    ap.add_argument("--lm-head", choices=["fp16", "int8"], default="fp16",
-                    help="int8: the lm_head as `nq pack --lm-head int8` writes it")
+    ap.add_argument("--lm-head", choices=["fp16", "int8", "int4"], default="fp16",
+                    help="int8, int4: the lm_head as `nq pack --lm-head int8` / `int4` writes it")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]
     if args.text_ids and cfg.tie_word_embeddings:

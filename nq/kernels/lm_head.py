@@ -4,7 +4,8 @@ Public API:
 
     head = make_lm_head(cfg)                   # LmHead; tiling in .unroll/.threads/.grid
                                                # (make_lm_head(cfg, weight): the int8 head
-                                               # of lm_head_int8.py for an Int8Rows weight)
+                                               # of lm_head_int8.py for an Int8Rows weight,
+                                               # lm_head_int4.py's for Int4Rows)
     head(x, norm_w, weight, logits, stream)    # x fp32 (H,), norm_w fp16 (H,),
                                                # weight fp16 (V, H) (embed_tokens when tied),
                                                # logits fp32 (V,)
@@ -185,8 +186,12 @@ class LmHead:
 def make_lm_head(cfg: ModelConfig, weight=None, **tiling):
     """The lm_head launcher for cfg and the weight it will read: this fp16 one (threads=256,
     unroll=7, blocks_per_sm=4 by default), or for an int8 lm_head (an Int8Rows pair) the
-    launcher of nq/kernels/lm_head_int8.py, which takes the same call."""
+    launcher of nq/kernels/lm_head_int8.py, for an INT4 one (Int4Rows) lm_head_int4.py's;
+    each takes the same call."""
+    from nq.kernels.lm_head_int4 import Int4Rows, make_lm_head_int4
     from nq.kernels.lm_head_int8 import Int8Rows, make_lm_head_int8
     if isinstance(weight, Int8Rows):
         return make_lm_head_int8(cfg, **tiling)
+    if isinstance(weight, Int4Rows):
+        return make_lm_head_int4(cfg, **tiling)
     return LmHead(cfg, **tiling)

@@ -6,11 +6,13 @@ knows the byte layout.  The writer streams (payloads are written as they arrive,
 after them, the header last, into a temp file renamed into place) so packing a 7B never holds
 the model in memory; the reader maps the file once and hands out np.frombuffer views.
 
-The lm_head is fp16 (`lm_head`, or the embedding when tied) or, with header flag bit 1, int8
-with a per-row fp32 scale (`lm_head.qweight`, `lm_head.scales`; tied models keep their fp16
-embedding for the lookup beside it).  Readers from before that flag refuse such a file at
-the flags check instead of misreading it, so the format version stays 1; the header's
-`needs nq` field names the nq that reads it, for this reader's refusals and later ones'.
+The lm_head is fp16 (`lm_head`, or the embedding when tied) or quantised into
+`lm_head.qweight` + `lm_head.scales`: with header flag bit 1, int8 rows with a per-row fp32
+scale; with bit 2, INT4 g128 in a projection's ValueShuffle form (uint32 words, fp16 group
+scales), so the projections' kernels and quantiser serve it.  Tied models keep their fp16
+embedding for the lookup beside either.  Readers from before a flag refuse such a file at the
+flags check instead of misreading it, so the format version stays 1; the header's `needs nq`
+field names the nq that reads it, for this reader's refusals and later ones'.
 
 Checksums are CRC-32 (zlib, ~4 GB/s here): the header's covers the header (checksum field
 zeroed) and the table and is checked on every open; per-tensor payload CRCs are checked only
@@ -48,12 +50,15 @@ MAX_TABLE = 16 << 20             # a 7B's table is ~40 KB; a larger one is damag
 VERIFY_CHUNK = 64 << 20          # verify() checksums and unmaps 64 MiB at a time: RSS stays flat
 FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no fp16 lm_head tensor)
 FLAG_LM_HEAD_INT8 = 2            # bit 1: lm_head.qweight int8 (V, H) + lm_head.scales fp32 (V,)
+FLAG_LM_HEAD_INT4 = 4            # bit 2: lm_head.qweight u32 (V, H/8) + .scales fp16 (V, H/128)
 # each flag -> the first nq that reads it; a file written with flags beyond v1.0's records the
 # newest of these in its header (`needs nq`), so that a reader that does not know a flag can
 # say which nq it needs
-FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0"}
+FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0", FLAG_LM_HEAD_INT4: "0.3.0"}
 KNOWN_FLAGS = sum(FLAG_SINCE)
-LM_HEADS = ("fp16", "int8")      # what `nq pack --lm-head` writes
+LM_HEADS = ("fp16", "int8", "int4")    # what `nq pack --lm-head` writes
+# a quantised lm_head -> its header flag (fp16 has none); at most one is set in a file
+LM_HEAD_FLAGS = {"int8": FLAG_LM_HEAD_INT8, "int4": FLAG_LM_HEAD_INT4}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # magic, version, layout, group, flags, vocab, hidden, inter, layers, heads, kv_heads, head_dim,
@@ -122,12 +127,16 @@ def _layer_tensors(cfg: ModelConfig, i: int) -> dict[str, tuple[np.dtype, tuple[
 
 
 def _global_tensors(cfg: ModelConfig, lm_head: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    f16 = np.dtype("<f2")
+    f16, u32 = np.dtype("<f2"), np.dtype("<u4")
     v, h = cfg.vocab_size, cfg.hidden_size
     out = {"embed_tokens": (f16, (v, h)), "norm": (f16, (h,))}
-    if lm_head == "int8":        # tied or not: the embedding stays fp16 for the lookup
+    # a quantised head, tied or not: the embedding stays fp16 for the lookup
+    if lm_head == "int8":
         out["lm_head.qweight"] = (np.dtype(np.int8), (v, h))
         out["lm_head.scales"] = (np.dtype("<f4"), (v,))
+    elif lm_head == "int4":      # a projection's form (_layer_tensors), V outputs of H inputs
+        out["lm_head.qweight"] = (u32, (v, h // 8))
+        out["lm_head.scales"] = (f16, (v, h // GROUP_SIZE))
     elif not cfg.tie_word_embeddings:
         out["lm_head"] = (f16, (v, h))
     return out
@@ -149,7 +158,7 @@ def _check_lm_head(lm_head: str) -> str:
 
 def expected_tensors(cfg: ModelConfig, lm_head: str = "fp16") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape, in file
-    order; lm_head: "fp16" or "int8" (LM_HEADS)."""
+    order; lm_head: "fp16", "int8" or "int4" (LM_HEADS)."""
     return dict(_iter_expected(cfg, _check_lm_head(lm_head)))
 
 
@@ -193,8 +202,8 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
                    check: bool = True, lm_head: str = "fp16") -> Path:
     """Stream `tensors` (and `meta/<name>` byte blobs) into a .nanoqwen file at `path`.
 
-    lm_head: "fp16" (an `lm_head` tensor, none when tied) or "int8" (`lm_head.qweight` and
-    `lm_head.scales`, header flag bit 1): expected_tensors(config, lm_head) lists them.
+    lm_head: "fp16" (an `lm_head` tensor, none when tied), "int8" or "int4" (`lm_head.qweight`
+    and `lm_head.scales`, header flag bit 1 or 2): expected_tensors(config, lm_head) lists them.
 
     Each array is written as it arrives and may be dropped by the caller right after, so peak
     memory is one tensor.  With `check` (always, outside tests of the reader's refusals) every
@@ -247,8 +256,7 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
                                       f"tensors (first: {missing[:3]}); the pack is incomplete")
             table = _encode_table(entries)
             f.write(table)
-            flags = (FLAG_TIED if config.tie_word_embeddings else 0) | \
-                (FLAG_LM_HEAD_INT8 if lm_head == "int8" else 0)
+            flags = (FLAG_TIED if config.tie_word_embeddings else 0) | LM_HEAD_FLAGS.get(lm_head, 0)
             c = config
             fields = [MAGIC, VERSION, LAYOUT_VALUE_SHUFFLE, GROUP_SIZE, flags, c.vocab_size,
                       c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
@@ -443,7 +451,11 @@ class NanoqwenFile:
             raise FormatError(f"{where}: unknown header flags {h.flags & ~KNOWN_FLAGS:#x} (nq "
                               f"{__version__} knows {KNOWN_FLAGS:#x}); {needs or 'this file needs a newer nq, '}"
                               "upgrade nq or re-pack with this version's `nq pack`")
-        self.lm_head = "int8" if h.flags & FLAG_LM_HEAD_INT8 else "fp16"
+        heads = [k for k, f in LM_HEAD_FLAGS.items() if h.flags & f]
+        if len(heads) > 1:       # no writer sets two: the tensors could be read either way
+            raise _corrupt(where, f"header flags {h.flags:#x} mark the lm_head both "
+                                  f"{' and '.join(heads)}; a file holds one lm_head")
+        self.lm_head = heads[0] if heads else "fp16"
         self._entries = _decode_table(where, table, h.tensor_count)
         _check_entries(where, self._entries, h.table_offset)
         self.config = self._read_config(where)
@@ -490,9 +502,9 @@ class NanoqwenFile:
         try:
             return self._entries[name]
         except KeyError:
-            int8 = " (its lm_head is int8: lm_head.qweight, lm_head.scales)" \
-                if name == "lm_head" and self.lm_head == "int8" else ""
-            raise KeyError(f"{self.path}: no tensor {name!r}{int8}") from None
+            quant = f" (its lm_head is {self.lm_head}: lm_head.qweight, lm_head.scales)" \
+                if name == "lm_head" and self.lm_head != "fp16" else ""
+            raise KeyError(f"{self.path}: no tensor {name!r}{quant}") from None
 
     def array(self, name: str) -> np.ndarray:
         """A read-only view into the mapping (no copy); `lm_head` aliases `embed_tokens` when
@@ -553,6 +565,9 @@ class NanoqwenFile:
             return "fp16 (embed_tokens, tied)" if self.config.tie_word_embeddings else "fp16"
         tied = "; embed_tokens stays fp16 for the lookup" if self.config.tie_word_embeddings else ""
         needs = f"; needs nq >= {self.needs_nq}" if self.needs_nq else ""
+        if self.lm_head == "int4":
+            return (f"int4 (lm_head.qweight in the projections' INT4 ValueShuffle form, fp16 "
+                    f"scales a {GROUP_SIZE}-group in lm_head.scales{tied}){needs}")
         return f"int8 (lm_head.qweight, one fp32 scale a row in lm_head.scales{tied}){needs}"
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 `pack` streams one tensor at a time: read the bf16/fp16/fp32 source through an mmap view,
 widen to fp32 (one tensor's worth of temporaries at most), quantise the seven projections per
 layer to INT4 ValueShuffle, convert everything else to fp16 (the lm_head, with
-`lm_head="int8"`, to int8 rows: quant.quantize_int8_rows, from the source's own precision),
+`lm_head="int8"`, to int8 rows: quant.quantize_int8_rows; with "int4", to a projection's INT4
+form: quant.quantize_pack; either from the source's own precision),
 hand each result to the streaming writer, and drop the source pages from RSS.  The 7B packs
 in well under 4 GB of RSS.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nq.config import ConfigError, ModelConfig
+from nq.config import GROUP_SIZE, ConfigError, ModelConfig
 from nq.loader.format import (HEADER_SIZE, LM_HEADS, PROJECTIONS, expected_tensors,
                               release_pages, write_nanoqwen)
 from nq.loader.outfile import check_output
@@ -38,7 +39,7 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "merges.txt"]
 META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja")
 _ST_DTYPES = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
-CONVERT_ROWS = 4096      # rows per chunk when narrowing a big matrix (embed, lm_head) to fp16
+CONVERT_ROWS = 4096      # rows per chunk when converting a big matrix (embed, lm_head)
 
 
 class LoadError(ValueError):
@@ -218,6 +219,18 @@ class Checkpoint:
             q[r:r + CONVERT_ROWS], scales[r:r + CONVERT_ROWS] = quantize_int8_rows(part)
         return q, scales
 
+    def int4_packed(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Tensor `name` as (qweight uint32 (N, K // 8), scales fp16 (N, K // 128)) of
+        quant.quantize_pack, quantised CONVERT_ROWS rows at a time from the source's precision
+        (never through fp16: the group scales come from the weights the checkpoint holds).
+        Row-wise, so the chunks give what one quantize_pack of the whole matrix gives."""
+        n, k = shape
+        qweight = np.empty((n, k // 8), np.uint32)
+        scales = np.empty((n, k // GROUP_SIZE), np.float16)
+        for r, part in self._f32_rows(name, shape):
+            qweight[r:r + CONVERT_ROWS], scales[r:r + CONVERT_ROWS] = quantize_pack(part)
+        return qweight, scales
+
 
 def _to_f16(x: np.ndarray, name: str, where) -> np.ndarray:
     if x.size and np.abs(x).max() > 65504:
@@ -362,8 +375,10 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
          lm_head: str = "fp16") -> Path:
     """Quantise the snapshot `src` (directory or repo id) into the .nanoqwen file `out`.
 
-    lm_head: "fp16" (as the checkpoint has it) or "int8" (one fp32 scale a row, half the
-    bytes a decode step reads for it; a tied model keeps its fp16 embedding beside it).
+    lm_head: "fp16" (as the checkpoint has it), "int8" (one fp32 scale a row, half the
+    bytes a decode step reads for it) or "int4" (the projections' INT4 g128 form, a quarter
+    of them, at more cost to the logits than int8); a tied model keeps its fp16 embedding
+    beside a quantised head.
     Everything that can be refused is refused before the first tensor is read: the output
     path, config.json (architecture, rope scaling, dimensions), the tokenizer, every tensor's
     presence, shape and dtype, and the free space."""
@@ -389,9 +404,10 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
     n_out = len(expected_tensors(cfg, lm_head))
     head_shape = (cfg.vocab_size, cfg.hidden_size)
 
-    def int8_head(hf):
-        q, scales = ckpt.int8_rows(hf, head_shape)
-        yield "lm_head.qweight", q
+    def quantised_head(hf):
+        rows = ckpt.int8_rows if lm_head == "int8" else ckpt.int4_packed
+        qweight, scales = rows(hf, head_shape)
+        yield "lm_head.qweight", qweight
         yield "lm_head.scales", scales
 
     def tensors():
@@ -406,14 +422,14 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
                     yield base + ".qweight", qweight
                     yield base + ".scales", scales
                     bar.update(2)
-                elif ours == "lm_head" and lm_head == "int8":
-                    yield from int8_head(hf)
+                elif ours == "lm_head" and lm_head != "fp16":
+                    yield from quantised_head(hf)
                     bar.update(2)
                 else:
                     yield ours, ckpt.f16(hf, shape)
                     bar.update(1)
-            if cfg.tie_word_embeddings and lm_head == "int8":   # from the embedding's source
-                yield from int8_head(hf_name("embed_tokens"))
+            if cfg.tie_word_embeddings and lm_head != "fp16":   # from the embedding's source
+                yield from quantised_head(hf_name("embed_tokens"))
                 bar.update(2)
 
     return write_nanoqwen(out, cfg, tensors(), meta, snapshot_revision(snap), lm_head=lm_head)

@@ -2,9 +2,10 @@
 
 `load_host_weights` turns a .nanoqwen file into the dict the NumPy reference reads: every
 projection dequantised from its INT4 ValueShuffle words to fp32 `layers.{i}.{proj}.weight`
-(N, K), an int8 lm_head dequantised (q * scale), every other tensor widened from fp16.  `fake_quantize` applies the same rounding to a
-dict of float weights (HF or our names) without a file, so transformers, the reference and the
-GPU engine can be compared on identical weights.
+(N, K), a quantised lm_head dequantised (int8: q * row scale; int4: as a projection), every
+other tensor widened from fp16.  `fake_quantize` applies the same rounding to a dict of float
+weights (HF or our names) without a file, so transformers, the reference and the GPU engine
+can be compared on identical weights.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ _PROJ_WEIGHT = re.compile(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def host_tensor(nf: NanoqwenFile, name: str) -> np.ndarray:
-    """One fp32 host weight by its host name: a projection or an int8 lm_head dequantised,
-    anything else widened."""
+    """One fp32 host weight by its host name: a projection or a quantised lm_head
+    dequantised, anything else widened."""
     if name == "lm_head" and nf.lm_head == "int8":
         return dequantize_int8_rows(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))
+    if name == "lm_head" and nf.lm_head == "int4":   # the projections' form: their dequantiser
+        return dequantize_packed(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))
     if name.endswith("_proj.weight"):
         base = name[:-len(".weight")]
         return dequantize_packed(nf.array(base + ".qweight"), nf.array(base + ".scales"))
@@ -33,10 +36,11 @@ def host_tensor(nf: NanoqwenFile, name: str) -> np.ndarray:
 
 def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
     """fp32 host weights under our names (docs/ARCHITECTURE.md); `lm_head` is the same array
-    as `embed_tokens` when the embeddings are tied, unless the file's lm_head is int8: then
-    it is that, dequantised (tied or not), so the reference computes what the file holds."""
+    as `embed_tokens` when the embeddings are tied, unless the file's lm_head is quantised
+    (int8, int4): then it is that, dequantised (tied or not), so the reference computes what
+    the file holds."""
     out = {name: host_tensor(nf, name) for name in host_names(nf.config)}
-    if nf.lm_head == "int8":
+    if nf.lm_head != "fp16":
         out["lm_head"] = host_tensor(nf, "lm_head")
     elif nf.config.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"]

@@ -15,7 +15,8 @@ same copies, the same re-tiling launches; only the thread and the time differ.
 
 Layout (`buffers`): per layer the four projection groups' qweight and scales (q|k|v and
 gate|up stacked along the rows, as the GEMVs read them), the q|k|v bias and the two norms;
-then the embedding, the final norm and the lm_head (none when tied; rows + scales when int8).
+then the embedding, the final norm and the lm_head (none when tied; rows + scales when int8
+or int4).
 Each buffer starts at a multiple of 256 bytes, as numba's own allocations do.
 
 The GIL.  The ring's thread and its readers hold the GIL for a few bytecodes between driver
@@ -82,7 +83,7 @@ def buffers(nf) -> list[Buffer]:
         add(f"layers.{i}.qkv.bias", [f"layers.{i}.{n}.bias" for n in GROUPS[0][1]])
         for n in ("input_layernorm", "post_attention_layernorm"):
             add(f"layers.{i}.{n}", [f"layers.{i}.{n}"])
-    heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head == "int8" else
+    heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head in ("int8", "int4") else
              () if nf.config.tie_word_embeddings else ("lm_head",))
     for n in ("embed_tokens", "norm") + heads:
         add(n, [n])

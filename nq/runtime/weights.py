@@ -39,7 +39,8 @@ class DeviceWeights:
     embed: object           # (vocab, H) fp16
     norm: object            # (H,) fp16
     lm_head: object         # (vocab, H) fp16 (the embedding itself when tied), or a file's int8
-                            # head: Int8Rows(qweight (vocab, H) int8, scales (vocab,) fp32)
+                            # head: Int8Rows(qweight (vocab, H) int8, scales (vocab,) fp32),
+                            # or INT4: Int4Rows(qweight (vocab, H/8) uint32 tiled, scales fp16)
     layers: list
     load_s: float = 0.0     # host->device copy and re-tiling, after the kernels are compiled
     _thread: object = None  # the upload's thread while it runs (upload(background=True))
@@ -237,6 +238,21 @@ def _allocate(nf, g, stream, preloaded=None):
         items.append(lambda: (src.copy_to_device(qw, stream=stream),
                               retile(src, qw, perms[key], stream)))
 
+    def head_rows(qw, ks):
+        # the INT4 lm_head (V rows) is larger than the stage buffer: re-tiled a slice of rows
+        # at a time, each row permuted alone as `tile_rows` does
+        k8 = qw.shape[1]
+        key = (k8 * 8, ks)
+        if key not in perms:
+            perms[key] = cuda.to_device(chunk_permutation(k8 * 8, ks).astype(np.int32),
+                                        stream=stream)
+        step = stage.shape[0] // k8
+        for r in range(0, qw.shape[0], step):
+            n = min(step, qw.shape[0] - r)
+            src, dst = stage[: n * k8].reshape(n, k8), qw[r: r + n]
+            items.append(lambda src=src, dst=dst: (src.copy_to_device(dst, stream=stream),
+                                                   retile(src, dst, perms[key], stream)))
+
     layers = []
     for i in range(cfg.num_layers):
         for kind, names in GROUPS:
@@ -254,6 +270,10 @@ def _allocate(nf, g, stream, preloaded=None):
     if nf.lm_head == "int8":     # `nq pack --lm-head int8`: tied or not, its own tensors
         from nq.kernels.lm_head_int8 import Int8Rows
         lm_head = Int8Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
+    elif nf.lm_head == "int4":   # `nq pack --lm-head int4`: re-tiled as a projection is
+        from nq.kernels.lm_head_int4 import Int4Rows, head_tiling
+        lm_head = Int4Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
+        head_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
     else:
         lm_head = embed if cfg.tie_word_embeddings else arrays["lm_head"]
     w = DeviceWeights(cfg, embed=embed, norm=arrays["norm"], lm_head=lm_head, layers=layers)
@@ -303,6 +323,14 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
              nf.array(f"layers.{i}.post_attention_layernorm"))
     heads = ((("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales))
              if nf.lm_head == "int8" else (("lm_head", w.lm_head),))
+    if nf.lm_head == "int4":      # re-tiled: against the launcher's host `prepare`
+        from nq.kernels.lm_head_int4 import head_tiling
+        from nq.kernels.int4.layout import prepare_weights
+        qw, sc = prepare_weights([(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))],
+                                 head_tiling(nf.config).layout()[1])
+        same("lm_head qweight", w.lm_head.qweight, qw)
+        same("lm_head scales", w.lm_head.scales, sc)
+        heads = ()
     for name, dev in (("embed_tokens", w.embed), ("norm", w.norm)) + heads:
         same(name, dev, nf.array(name))
     return bad
@@ -311,8 +339,9 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
 def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
                           lm_head: str = "fp16") -> DeviceWeights:
     """Weights of cfg's shapes, made on the GPU: INT4 nibbles uniform in [-8, 7] with scales
-    that give each projection output unit scale for unit inputs, norms near 1.  lm_head="int8":
-    the head as `nq pack --lm-head int8` stores it (bytes uniform, the fp16 head's spread)."""
+    that give each projection output unit scale for unit inputs, norms near 1.  lm_head="int8"
+    or "int4": the head as `nq pack --lm-head int8|int4` stores it (bytes or nibbles uniform,
+    the fp16 head's spread)."""
     from numba import cuda
 
     from nq.kernels.fill import fill_f16, fill_u32
@@ -350,6 +379,12 @@ def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
         fill_u32(q.view(np.uint32), next(counter), stream)
         head = Int8Rows(q, cuda.to_device(np.full(cfg.vocab_size, 0.98 / (74 * np.sqrt(h)),
                                                   np.float32), stream=stream))
+    elif lm_head == "int4":      # as a projection, the fp16 head's spread (1.7 / sqrt(h))
+        from nq.kernels.lm_head_int4 import Int4Rows
+        q, sc = int4(cfg.vocab_size, h)
+        fill_f16(sc, next(counter), 1.7 / (4.6 * np.sqrt(h)), 0.25 * 1.7 / (4.6 * np.sqrt(h)),
+                 stream)
+        head = Int4Rows(q, sc)
     else:
         head = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0, 1.7 / np.sqrt(h))
     w = DeviceWeights(cfg, embed=embed, norm=f16((h,), 1.0, 0.1), lm_head=head, layers=layers)

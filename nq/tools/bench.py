@@ -78,7 +78,7 @@ def breakdown(itl_ms: float, regions_ms: dict) -> dict:
 def region_bytes(w, ctx: float) -> dict:
     """Bytes each region of a decode step must read at context ctx (its floor at the copy
     ceiling): the GEMVs their weights, scales, biases and the norm they fuse; attention the K/V
-    of ctx tokens; lm_head its rows (+ int8 scales) and the final norm; embed one row; sample
+    of ctx tokens; lm_head its rows (+ int8 / INT4 scales) and the final norm; embed one row; sample
     the fp32 logits.  w: the engine's DeviceWeights (shapes and dtypes only: nothing is read)."""
     cfg = w.cfg
 
@@ -399,10 +399,11 @@ def run(args) -> int:
     p0 = args.p[0]
     max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
-    if args.random and args.lm_head == "int8":
-        from nq.runtime.weights import random_device_weights   # Engine.random's, int8 head
+    if args.random and args.lm_head in ("int8", "int4"):
+        from nq.runtime.weights import random_device_weights   # Engine.random's, that head
         cfg = PRESETS[args.random]
-        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head="int8"), max_len=max_len)
+        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head=args.lm_head),
+                     max_len=max_len)
         source = f"random {args.random}"
     elif args.random:
         eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed)
@@ -414,11 +415,13 @@ def run(args) -> int:
         eng, source = Engine.from_file(NanoqwenFile(path), max_len=max_len), str(path)
     build_s = time.perf_counter() - t0
     cfg = eng.cfg
-    int8_head = hasattr(getattr(eng.w, "lm_head", None), "scales")   # an Int8Rows pair
+    head = getattr(eng.w, "lm_head", None)     # an Int8Rows or Int4Rows pair, or fp16 rows
+    head_kind = ("" if not hasattr(head, "scales") else
+                 ", lm_head int8" if head.qweight.dtype == np.int8 else ", lm_head int4")
     from nq.kernels.int4 import tiling
     env["i8"] = tiling.I8                         # NQ_I8: "1" (default), "0" or "all"
     i8 = {"0": ", no i8", "1": "", "all": ", i8 all"}[tiling.I8]   # departures from NQ_I8=1
-    model = (f"{cfg.name} INT4 g128" + (", lm_head int8" if int8_head else "") + i8
+    model = (f"{cfg.name} INT4 g128" + head_kind + i8
              + (" (random)" if args.random else ""))
     ceiling = copy_ceiling_gbs()
     log(f"nq bench: {model}: engine built in {build_s:.1f} s (weights {eng.w.load_s:.1f} s), "

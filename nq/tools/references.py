@@ -83,7 +83,7 @@ class TorchReference:
                                                   nf.array(base + ".scales"), device))
             else:
                 dst.copy_(torch.from_numpy(host_tensor(nf, name)))
-        if nf.lm_head == "int8" and cfg.tie_word_embeddings:   # its own head, untied
+        if nf.lm_head != "fp16" and cfg.tie_word_embeddings:   # its own head, untied
             self.model.lm_head.weight = torch.nn.Parameter(
                 torch.from_numpy(host_tensor(nf, "lm_head")).to(device), requires_grad=False)
         import inspect

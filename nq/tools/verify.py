@@ -128,7 +128,7 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
 
     logits = cuda.device_array(cfg.vocab_size, np.float32)
     lm_head.make_lm_head(cfg, eng.w.lm_head)(cuda.to_device(x), eng.w.norm, eng.w.lm_head, logits, s)
-    # the file's lm_head as the reference engine reads it (int8: dequantised)
+    # the file's lm_head as the reference engine reads it (int8 / int4: dequantised)
     ref = lm_head.ref_lm_head(x, np.asarray(nf.array("norm"), np.float32), eps,
                               host_tensor(nf, "lm_head"))
     host_logits = logits.copy_to_host(stream=s)

@@ -131,8 +131,8 @@ def test_refuses_a_mixed_up_lm_head(tmp_path):
     bad = [(n, a.astype(np.float16) if n == "lm_head.scales" else a) for n, a in int8]
     with pytest.raises(FormatError, match="lm_head.scales is float16 .*float32"):
         write_nanoqwen(tmp_path / "c.nanoqwen", cfg, iter(bad), lm_head="int8")
-    with pytest.raises(ValueError, match="lm_head='int4'"):
-        write_nanoqwen(tmp_path / "d.nanoqwen", cfg, iter(int8), lm_head="int4")
+    with pytest.raises(ValueError, match="lm_head='int2'"):
+        write_nanoqwen(tmp_path / "d.nanoqwen", cfg, iter(int8), lm_head="int2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.nanoqwen", "b.nanoqwen"]
 
 
@@ -186,11 +186,11 @@ def test_pack_int8_equals_quantised_source(tmp_path, tie, capsys):
 
 
 def test_pack_refuses_an_unknown_lm_head(tmp_path, tiny_snapshot, capsys):
-    with pytest.raises(LoadError, match="lm_head='bf16': choose one of fp16, int8"):
+    with pytest.raises(LoadError, match="lm_head='bf16': choose one of fp16, int8, int4$"):
         pack(tiny_snapshot, tmp_path / "m.nanoqwen", progress=False, lm_head="bf16")
     with pytest.raises(SystemExit):
-        main(["pack", str(tiny_snapshot), str(tmp_path / "m.nanoqwen"), "--lm-head", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["pack", str(tiny_snapshot), str(tmp_path / "m.nanoqwen"), "--lm-head", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

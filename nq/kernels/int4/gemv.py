@@ -1,6 +1,8 @@
-"""The CUDA-core INT4 GEMV kernels of a decode step: one factory, five kinds.
+"""The CUDA-core INT4 GEMV kernels of a decode step: one factory, six kinds.
 
     qkv      out fp32 (N,)  = Wqkv . rmsnorm(x, w_in) + bias         N = q + 2 kv
+    lm_head  out fp32 (V,)  = Wlm . rmsnorm(x, w_norm)               the INT4 head (no bias;
+             `nq pack --lm-head int4`, nq/kernels/lm_head_int4.py)
     qkv_rope qkv, then rope_kv's job in the epilogue: rotated q fp32 -> q_out, rotated k and
              v fp16 -> the KV page table[pos//16], slot pos%16 (nq/kernels/rope_kv.py)
     o_proj   x   fp32 (H,) += Wo . a                                 a fp16 (attention output)
@@ -12,7 +14,7 @@
 baked in.  The launchers (prepare, argument checks, grid) are in launch.py, the references in
 reference.py, the tilings in tiling.py, the weight layout (`tile_rows`) in layout.py.  o_proj
 and down run on the tensor cores by default (gemv_mma.py); this kernel takes them too.
-(About 500 lines in one file on purpose: the five kinds share one load/dequant/dot loop, and
+(About 500 lines in one file on purpose: the six kinds share one load/dequant/dot loop, and
 their prologues and epilogues read best beside it.)
 
 How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
@@ -398,6 +400,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
         if row < n_out:
             out[row] = v + cvt_f32_f16(ld_global_nc_u16(bias, row))
 
+    def put_head(out, row, v):
+        if row < n_out:
+            out[row] = v
+
     def put_swiglu(out, row, gt, up):
         if row < n_out:
             y = gt / (float32(1.0) + math.exp(-gt)) * up
@@ -412,11 +418,11 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     four_values = dev(four_values)
     load_row, dot8, load_act, to_f32, chunk, scaled, dot_step, weight_row, \
         load_step, piece_load, piece_put, stage, seg_sum, mainloop, early, norm_to_l2, start, \
-        put_qkv, put_swiglu, put_residual = (
+        put_qkv, put_head, put_swiglu, put_residual = (
             dev(f) for f in (load_row, dot8, load_act, to_f32, chunk, scaled,
                              dot_step, weight_row, load_step, piece_load, piece_put, stage,
-                             seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_swiglu,
-                             put_residual))
+                             seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_head,
+                             put_swiglu, put_residual))
     rows_chunk = dev(slot_rows(chunk, SLOTS))   # dot_step's (gemv_digits.slot_rows)
     first_loads = dev(first_loads)   # (after load_step's dev)
     # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)
@@ -447,6 +453,40 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if ROWS >= 4:
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
+    elif kind == "lm_head":
+        # qkv's body without the bias, on a persistent grid (the launcher's: a few blocks an
+        # SM): a block stages rmsnorm(x) once, then walks row blocks b, b + gridDim.x, ...,
+        # issuing the next one's first loads before this one's stores
+        BLOCKS = -(-n_out // (SEGMENTS * ROWS))
+
+        def kernel(x, norm_w, qw, sc, out):
+            act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
+            invf = cuda.shared.array(GROUPS, float32)
+            red = cuda.shared.array(WARPS, float32)
+            row0, j = start()
+            b = cuda.blockIdx.x
+            seg_rows = row0 - b * (SEGMENTS * ROWS)   # the thread's first row in any block
+            cur, nxt1 = first_loads(qw, sc, row0, j)
+            norm_to_l2(norm_w)
+            early()
+            rstd = stage(x, norm_w, act, invf, red)
+            while b < BLOCKS:
+                acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
+                b += cuda.gridDim.x
+                nrow0 = b * (SEGMENTS * ROWS) + seg_rows
+                if b < BLOCKS:
+                    cur, nxt1 = first_loads(qw, sc, nrow0, j)
+                if j == 0:
+                    a0, a1, a2, a3 = acc
+                    put_head(out, row0, a0 * rstd)
+                    if ROWS >= 2:
+                        put_head(out, row0 + 1, a1 * rstd)
+                    if ROWS >= 3:
+                        put_head(out, row0 + 2, a2 * rstd)
+                    if ROWS >= 4:
+                        put_head(out, row0 + 3, a3 * rstd)
+                row0 = nrow0
+        sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
     elif kind == "qkv_rope":
         def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from nq.config import GROUP_SIZE, ModelConfig
-from nq.kernels.common import allow_smem, need
+from nq.kernels.common import allow_smem, need, sm_count
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
 from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
 from nq.kernels.int4.layout import mma_layout, prepare_weights
@@ -38,7 +38,7 @@ class _Gemv:
 
     def __init__(self, cfg: ModelConfig, n_out: int, k: int, n_rows: int,
                  tiling: Tiling | None = None):
-        if k % GROUP_SIZE or n_out % 8:
+        if k % GROUP_SIZE or (n_out % 8 and self.kind != "lm_head"):   # (a vocabulary: any)
             raise ValueError(f"{self.kind}: N={n_out}, K={k}; K must be a multiple of "
                              f"{GROUP_SIZE} and N of 8")
         self.n_out, self.k, self.n_rows = n_out, k, n_rows  # n_rows: weight rows (gate_up: 2N)
@@ -78,6 +78,27 @@ class QkvGemv(_Gemv):
         need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
         need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
+
+
+class HeadGemv(_Gemv):
+    """The INT4 lm_head (nq/kernels/lm_head_int4.py wraps it): qkv's body without the bias, on
+    a persistent grid of `blocks_per_sm` blocks an SM (gemv.py's lm_head kind)."""
+
+    kind = "lm_head"
+
+    def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None, blocks_per_sm: int = 0,
+                 grid: int | None = None):
+        super().__init__(cfg, cfg.vocab_size, cfg.hidden_size, cfg.vocab_size, tiling)
+        if grid or blocks_per_sm:   # else every row block its own block, as the other kinds
+            self.grid = min(self.grid, grid or sm_count() * blocks_per_sm)
+
+    def __call__(self, x, norm_w, qw, sc, out, stream=0):
+        """out fp32 (V,) = Wlm . rmsnorm(x, norm_w); x fp32 (K,), norm_w fp16."""
+        self._check_weights(qw, sc)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out)
 
 
 class QkvRopeGemv(_Gemv):

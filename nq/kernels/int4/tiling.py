@@ -52,7 +52,7 @@ import warnings
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
-KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope")
+KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope", "lm_head")
 MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
 if os.environ.get("NQ_MMA_QKV", "0") == "1":   # retired (module doc); old scripts still run
@@ -66,7 +66,8 @@ if I8 not in ("0", "1", "all"):
 I8_KINDS = {"0": (), "1": ("gate_up",), "all": MMA_KINDS}[I8]  # default_tiling's i8 kinds
 O_I8 = I8 != "0"                                               # attn_o_proj's default
 CORE_I8_KINDS = ("qkv", "qkv_rope") if I8 != "0" else ()       # CUDA-core tilings with i8
-NORM_KINDS = ("gate_up", "qkv", "qkv_rope")   # RMSNorm in the prologue (they stage rmsnorm(x))
+NORM_KINDS = ("gate_up", "qkv", "qkv_rope", "lm_head")   # RMSNorm in the prologue (they
+#                                                             stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -273,10 +274,20 @@ def mma_tiling(kind: str, n_out: int, k: int, sms: int = 132) -> MmaTiling | Non
     return MmaTiling(warps=warps, threads=32 * warps * tiles)
 
 
+def head_tiling(k: int) -> Tiling:
+    """The INT4 lm_head's tiling (gemv.py's lm_head kind; nq/kernels/lm_head_int4.py has the
+    why): 8 lanes a row, 1 row a thread, 256 threads, the activations as digits where they fit
+    static shared memory (exact sums, as qkv's), at most 128 registers (two blocks an SM)."""
+    t = Tiling(ks=8, rows=1, threads=256, min_blocks=2, i8=1)
+    return t if core_staged_bytes(k, t) <= STATIC_SMEM_LIMIT else dataclasses.replace(t, i8=0)
+
+
 def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); a tensor-core
     tiling of I8_KINDS stages its activations as digits (`with_i8`; NQ_I8, module doc)."""
+    if kind == "lm_head":
+        return head_tiling(k)
     t = measured_tiling(kind, n_out, k, sms, mma)
     if isinstance(t, Tiling):
         return with_core_i8(k, t) if kind in CORE_I8_KINDS else t

@@ -1,0 +1,90 @@
+"""The INT4 lm_head GEMV, final RMSNorm fused: logits fp32 (V,) = Wlm . rmsnorm(x, w_norm).
+
+Public API (the fp16 head's, nq/kernels/lm_head.py, with the weight an `Int4Rows` pair;
+`lm_head.make_lm_head(cfg, weight)` picks this launcher for one):
+
+    head = make_lm_head_int4(cfg)              # LmHeadInt4; its GEMV in .gemv (tiling, grid)
+    qw, sc = head.prepare(file_qweight, file_scales)    # host numpy, once (or the GPU re-tile)
+    head(x, norm_w, weight, logits, stream)    # x fp32 (H,), norm_w fp16 (H,),
+                                               # weight Int4Rows(qweight uint32 (V, H/8),
+                                               #                 scales fp16 (V, H/128)),
+                                               # logits fp32 (V,)
+    ref_lm_head_int4(x, norm_w, eps, qweight, scales)   # NumPy reference (file layout)
+
+Why: the fp16 head is 1.09 GB of the 7B's ~4.49 GB a decode step reads, 0.26 ms of the H200's
+1.65 ms token at 512 context; `nq pack --lm-head int4` stores it as the projections are (INT4
+g128, ValueShuffle nibbles, fp16 group scales: nq/loader/quant.py), 0.28 GB, so a step reads
+~0.8 GB less.  It costs accuracy the int8 head (one scale a row, 8 bits) does not:
+scripts/lm_head_quality.py measures both against the fp16 head.
+
+The kernel is the CUDA-core GEMV's (nq/kernels/int4/gemv.py, kind lm_head): qkv's body
+without the bias -- every block stages rmsnorm(x) * w_norm as digits and sums a group's
+products exactly with dp4a (gemv_digits.py), so the logits are the fp32 reference's over the
+dequantised weights to ~1e-6 of their norm.  A vocabulary of rows is ~1,200 of qkv's row
+blocks, so the grid is persistent (`blocks_per_sm` blocks an SM, each staging once and
+walking row blocks), where one block a row block would stage rmsnorm(x) ~1,200 times.  The
+weights are re-tiled for the kernel at upload (`prepare`; the GPU's re-tile in
+nq/runtime/weights.py), as the projections' are.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from nq.config import ModelConfig
+from nq.kernels.int4.launch import HeadGemv
+from nq.kernels.int4.tiling import Tiling, default_tiling
+from nq.loader.quant import dequantize_packed
+from nq.ref import linear, rms_norm
+
+BLOCKS_PER_SM = 2     # the persistent grid (head_tiling's min_blocks keeps two resident)
+
+
+class Int4Rows(NamedTuple):
+    """An INT4 lm_head on the device, as its GEMV reads it: qweight uint32 (V, H/8) re-tiled
+    (`LmHeadInt4.prepare`), scales fp16 (V, H/128)."""
+    qweight: object
+    scales: object
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+    @property
+    def shape(self) -> tuple:
+        return (self.qweight.shape[0], self.qweight.shape[1] * 8)
+
+
+def ref_lm_head_int4(x, norm_w, eps, qweight, scales):
+    """x fp32 (H,), norm_w (H,), qweight uint32 (V, H/8) and scales fp16 (V, H/128) in the
+    file's layout -> logits fp32 (V,)."""
+    return linear(rms_norm(x, norm_w, eps), dequantize_packed(qweight, scales))
+
+
+def head_tiling(cfg: ModelConfig) -> Tiling:
+    """The tiling the head runs (and the upload re-tiles for): tiling.head_tiling's."""
+    return default_tiling("lm_head", cfg.vocab_size, cfg.hidden_size)
+
+
+class LmHeadInt4:
+    """logits fp32 (V,) = dequant(weight) . rmsnorm(x, norm_w); see the module doc."""
+
+    def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None,
+                 blocks_per_sm: int = BLOCKS_PER_SM, grid: int | None = None):
+        self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
+        self.gemv = HeadGemv(cfg, tiling or head_tiling(cfg), blocks_per_sm, grid)
+        g = self.gemv
+        self.tiling, self.grid, self.name, self.kernel = g.tiling, g.grid, g.name, g.kernel
+
+    def prepare(self, qweight, scales) -> tuple[np.ndarray, np.ndarray]:
+        """The file's (V, H/8) words and (V, H/128) scales -> what to upload (host NumPy)."""
+        return self.gemv.prepare([(qweight, scales)])
+
+    def __call__(self, x, norm_w, weight: Int4Rows, logits, stream=0):
+        self.gemv(x, norm_w, weight.qweight, weight.scales, logits, stream)
+
+
+def make_lm_head_int4(cfg: ModelConfig, **tiling) -> LmHeadInt4:
+    """The INT4 head's launcher (tiling=, blocks_per_sm= or grid= to override the defaults)."""
+    return LmHeadInt4(cfg, **tiling)
