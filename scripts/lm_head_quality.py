@@ -17,6 +17,17 @@ greedy token.  For
 scale, the same figures for the fp16 head against the fp32 source it was rounded from (the
 rounding every default pack already carries).
 
+With a trained model, the question random weights cannot settle (docs/PERF.md 0.8, 0.36):
+
+    python3 scripts/lm_head_quality.py --model qwen2.5-coder-1.5b.nanoqwen --text some_code.py
+
+runs the file's whole model through the NumPy reference (its weights dequantised to fp32 on
+the host: ~4 bytes a parameter, so a 0.5B-3B model on an ordinary machine) over windows of
+real text (`--prompts` windows of `--prompt-len` tokens of the file, tokenised by the
+model's own tokenizer), and quantises the file's fp16 head (a default pack; the packer
+quantises from the checkpoint's own precision, so this adds one fp16 rounding before it).
+There is no fp32 source there, so that column says "-".
+
 Two initialisations: `ref` (nq.ref.random_weights: weights scaled by fan-in, logits spread
 over several units) and `hf` (synth.random_hf_weights: N(0, 0.02) as HF initialises, near-flat
 logits with many near-ties).  Random weights have no outlier rows and no heavy-tailed logit
@@ -47,9 +58,9 @@ def model_weights(cfg, init: str, seed: int) -> dict:
     return hf_to_host(cfg, random_hf_weights(cfg, seed))
 
 
-def heads(w: dict, cfg, kinds) -> tuple[np.ndarray, dict]:
-    """(fp16 head, {kind: quantised head}) as fp32 (V, H): what the packs store, dequantised."""
-    src = w["embed_tokens"] if cfg.tie_word_embeddings else w["lm_head"]
+def heads(src: np.ndarray, kinds) -> tuple[np.ndarray, dict]:
+    """(fp16 head, {kind: quantised head}) as fp32 (V, H) from the source head src: what the
+    packs store, dequantised."""
     quant = {"int8": lambda: dequantize_int8_rows(*quantize_int8_rows(src)),
              "int4": lambda: dequantize_packed(*quantize_pack(src))}
     return src.astype(np.float16).astype(np.float32), {k: quant[k]() for k in kinds}
@@ -67,23 +78,51 @@ def final_hidden(model: RefModel, ids: np.ndarray) -> np.ndarray:
     return rms_norm(x, model.w["norm"], cfg.rms_norm_eps)
 
 
-def measure(size: str, layers: int, init: str, prompts: int, prompt_len: int, seed: int,
-            kinds=("int8", "int4")) -> list[dict]:
-    """One row a quantised head kind (module doc)."""
+def random_case(size: str, layers: int, init: str, prompts: int, prompt_len: int, seed: int):
+    """(label, RefModel, fp32 source head, prompt id windows) of a random model."""
     cfg = PRESETS[size].replace(num_layers=layers, name=f"{PRESETS[size].name}-{layers}layers")
-    t0 = time.perf_counter()
     w = model_weights(cfg, init, seed)
-    w16, wq = heads(w, cfg, kinds)
-    model = RefModel(cfg, w)
-    del w
+    src = w["embed_tokens"] if cfg.tie_word_embeddings else w["lm_head"]
     rng = np.random.default_rng(seed + 1)
+    windows = [rng.integers(0, cfg.vocab_size, prompt_len) for _ in range(prompts)]
+    return f"{cfg.name} ({init} init)", RefModel(cfg, w), src, windows
+
+
+def file_case(path: str, text_path: str | None, prompts: int, prompt_len: int):
+    """(label, RefModel, the file's head as fp32, windows of the text's ids) of a packed model
+    with the default fp16 head."""
+    from nq.loader.format import NanoqwenFile
+    from nq.loader.weights import load_host_weights
+    from nq.text import Tokenizer
+    nf = NanoqwenFile(path)
+    if nf.lm_head != "fp16":
+        raise SystemExit(f"{path}: its lm_head is already {nf.lm_head}; measure a default pack "
+                         "(`nq pack` without --lm-head), whose fp16 head is the baseline")
+    if not text_path:
+        raise SystemExit("--model needs --text FILE: a trained model's logits on random ids say "
+                         "nothing about its logits on text")
+    ids = Tokenizer.from_nanoqwen(nf).encode(Path(text_path).read_text(encoding="utf-8"))
+    if len(ids) < prompt_len:
+        raise SystemExit(f"{text_path}: {len(ids)} tokens, fewer than --prompt-len {prompt_len}")
+    starts = np.linspace(0, len(ids) - prompt_len, num=min(prompts, len(ids) // prompt_len))
+    windows = [np.asarray(ids[int(a): int(a) + prompt_len]) for a in starts]
+    w = load_host_weights(nf)
+    return f"{nf.config.name} ({Path(text_path).name})", RefModel(nf.config, w), w["lm_head"], \
+        windows
+
+
+def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
+            fp32_source: bool = True) -> list[dict]:
+    """One row a quantised head kind (module doc).  src: the head (V, H) fp32 the packs
+    quantise; fp32_source: src is the unrounded source (a random model), else the file's fp16."""
+    t0 = time.perf_counter()
+    w16, wq = heads(src, kinds)
     st = {k: {"agree": 0, "rel_max": 0.0, "rel_sum": 0.0, "flips": [], "pos_max": []}
           for k in kinds}
     total, base_agree, base_max, spreads, gaps = 0, 0, 0.0, [], []
-    for _ in range(prompts):
-        h = final_hidden(model, rng.integers(0, cfg.vocab_size, prompt_len))
+    for ids in windows:
+        h = final_hidden(model, ids)
         l16 = h @ w16.T                                            # (T, V) fp32
-        l32 = h @ model.w["lm_head"].T                             # the unrounded source
         spread = l16.max(axis=1) - l16.min(axis=1)
         top2 = np.sort(l16, axis=1)[:, -2:]
         gap = (top2[:, 1] - top2[:, 0]) / spread
@@ -96,16 +135,19 @@ def measure(size: str, layers: int, init: str, prompts: int, prompt_len: int, se
             same = l16.argmax(axis=1) == lq.argmax(axis=1)
             r["agree"] += int(same.sum())
             r["flips"] += gap[~same].tolist()
-        base_max = max(base_max, float((np.abs(l32 - l16) / spread[:, None]).max()))
-        base_agree += int((l16.argmax(axis=1) == l32.argmax(axis=1)).sum())
+        if fp32_source:
+            l32 = h @ src.T                                        # the unrounded source
+            base_max = max(base_max, float((np.abs(l32 - l16) / spread[:, None]).max()))
+            base_agree += int((l16.argmax(axis=1) == l32.argmax(axis=1)).sum())
         total += len(gap)
         spreads += spread.tolist()
         gaps += gap.tolist()
-    return [{"model": f"{cfg.name} ({init} init)", "head": k, "positions": total,
+    return [{"model": label, "head": k, "positions": total,
              "agree": r["agree"], "rel_max": r["rel_max"], "rel_mean": r["rel_sum"] / total,
-             "flip_gaps": r["flips"], "base_agree": base_agree, "base_max": base_max,
-             "pos_max": float(np.median(r["pos_max"])), "spread": float(np.median(spreads)),
-             "gap_median": float(np.median(gaps)), "seconds": time.perf_counter() - t0}
+             "flip_gaps": r["flips"], "base_agree": base_agree if fp32_source else None,
+             "base_max": base_max, "pos_max": float(np.median(r["pos_max"])),
+             "spread": float(np.median(spreads)), "gap_median": float(np.median(gaps)),
+             "seconds": time.perf_counter() - t0}
             for k, r in st.items()]
 
 
@@ -121,15 +163,26 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--head", action="append", choices=["int8", "int4"],
                     help="quantised heads to measure (repeatable; default both)")
+    ap.add_argument("--model", help="a packed trained model (.nanoqwen, fp16 head) instead of "
+                                    "random ones; needs --text")
+    ap.add_argument("--text", help="with --model: a UTF-8 text file the windows are cut from")
     args = ap.parse_args(argv)
+    kinds = tuple(args.head or ["int8", "int4"])
     print("| model | head | positions | vs fp16: top-1 agreement | max abs(dlogit)/spread (median "
           "of a position's max) | mean | largest flipped top-2 gap/spread | fp16 vs fp32 source: agreement, max | median spread "
           "| median top-2 gap/spread |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
+    if args.model:
+        label, model, src, windows = file_case(args.model, args.text, args.prompts,
+                                               args.prompt_len)
+        for r in measure(label, model, src, windows, kinds, fp32_source=False):
+            row(r)
+        return 0
     for size in args.size or ["0.5b"]:
         for init in args.init or ["ref", "hf"]:
-            for r in measure(size, args.layers, init, args.prompts, args.prompt_len, args.seed,
-                             tuple(args.head or ["int8", "int4"])):
+            label, model, src, windows = random_case(size, args.layers, init, args.prompts,
+                                                     args.prompt_len, args.seed)
+            for r in measure(label, model, src, windows, kinds):
                 row(r)
     return 0
 
@@ -139,7 +192,8 @@ def row(r: dict) -> None:
     print(f"| {r['model']} | {r['head']} | {r['positions']} | "
           f"{100 * r['agree'] / r['positions']:.2f} % ({r['positions'] - r['agree']} flips) | "
           f"{r['rel_max']:.2e} ({r['pos_max']:.1e}) | {r['rel_mean']:.2e} | {flips} | "
-          f"{100 * r['base_agree'] / r['positions']:.2f} %, {r['base_max']:.1e} | "
+          + ("- | " if r["base_agree"] is None else
+             f"{100 * r['base_agree'] / r['positions']:.2f} %, {r['base_max']:.1e} | ") +
           f"{r['spread']:.3g} | {r['gap_median']:.2e} |", flush=True)
     print(f"  ({r['seconds']:.0f} s)", file=sys.stderr)
 

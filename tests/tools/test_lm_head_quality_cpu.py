@@ -1,0 +1,58 @@
+"""scripts/lm_head_quality.py on a packed model and real text (its `--model` mode): the rows
+it prints for each quantised head, and what it refuses."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from nq.config import tiny_config
+from nq.loader.hf import pack
+from nq.loader.synth import make_hf_snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("lm_head_quality",
+                                                  ROOT / "scripts" / "lm_head_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("q")
+    cfg = tiny_config(num_layers=1)
+    snap = make_hf_snapshot(tmp / "hf", cfg, seed=4)
+    text = tmp / "code.py"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    return (str(pack(snap, tmp / "m.nanoqwen", progress=False)),
+            str(pack(snap, tmp / "m8.nanoqwen", progress=False, lm_head="int8")), str(text))
+
+
+def test_a_packed_model_on_text(packed, capsys):
+    path, _, text = packed
+    assert _script().main(["--model", path, "--text", text, "--prompts", "3",
+                           "--prompt-len", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = [r for r in out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert [r.split(" | ")[1] for r in rows] == ["int8", "int4"], out
+    for r in rows:
+        cells = r.split(" | ")
+        assert cells[2] == "36"                                # 3 windows x 12 positions
+        agree = float(cells[3].split(" %")[0])
+        assert 0.0 <= agree <= 100.0
+        assert float(cells[4].split(" ")[0]) > 0               # a quantised head moves logits
+        assert cells[7] == "-"                                 # no fp32 source in a file
+
+
+def test_what_it_refuses(packed):
+    path, path8, text = packed
+    q = _script()
+    with pytest.raises(SystemExit, match="needs --text"):
+        q.main(["--model", path])
+    with pytest.raises(SystemExit, match="already int8"):
+        q.main(["--model", path8, "--text", text])
+    with pytest.raises(SystemExit, match="fewer than --prompt-len"):
+        q.main(["--model", path, "--text", text, "--prompt-len", "100000"])
