@@ -2,7 +2,6 @@
 projection's packed INT4 g128 form) and header flag bit 2, old readers, the refusals, pack
 from the source's own precision, the free-space check, `nq info`, the CLI choice, the random
 file script, and the NumPy reference reading the dequantised head."""
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +21,7 @@ from nq.loader.quant import (dequantize_int8_rows, dequantize_packed, quantize_i
 from nq.loader.synth import make_hf_snapshot, random_hf_weights, round_bf16
 from nq.loader.weights import load_host_weights
 from nq.ref import RefModel
+from script_util import load_script
 from test_format import reseal
 from test_lm_head_int8 import tensors_for
 
@@ -251,11 +251,7 @@ def test_the_cli_offers_every_lm_head(tmp_path, tiny_snapshot, capsys):
 
 
 def _random_script():
-    spec = importlib.util.spec_from_file_location("make_random_nanoqwen",
-                                                  ROOT / "scripts" / "make_random_nanoqwen.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_random_nanoqwen")
 
 
 @pytest.mark.parametrize("lm_head", ["int8", "int4"])

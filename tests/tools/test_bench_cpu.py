@@ -287,14 +287,10 @@ def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys)
 
 def test_step_variants_parses_variants():
     """scripts/step_variants.py: what a variant string means (the timing itself needs the GPU)."""
-    import importlib.util
-    from pathlib import Path
+    from script_util import load_script
 
     from nq.kernels.int4.tiling import MmaTiling, Tiling
-    path = Path(__file__).resolve().parents[2] / "scripts" / "step_variants.py"
-    spec = importlib.util.spec_from_file_location("step_variants", path)
-    sv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sv)
+    sv = load_script("step_variants")
     down_mma, down_cc = MmaTiling(warps=16, threads=1024), Tiling(ks=16, threads=512)
     defaults = {"down": down_mma, "gate_up": Tiling(ks=4, threads=192)}
     engines = {"down": (down_cc, down_mma), "gate_up": (Tiling(ks=4, threads=192), None)}
@@ -317,15 +313,11 @@ def test_step_variants_parses_variants():
 
 def test_ncu_gemv_parses_tilings():
     """scripts/ncu_gemv.py --tiling: the default tiling of the shape with the given fields."""
-    import importlib.util
-    from pathlib import Path
+    from script_util import load_script
 
     pytest.importorskip("torch")
     from nq.kernels.int4.tiling import MmaTiling, default_tiling
-    path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_gemv.py"
-    spec = importlib.util.spec_from_file_location("ncu_gemv", path)
-    ng = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ng)
+    ng = load_script("ncu_gemv")
     assert ng.parse_tiling("down", "8,512") == MmaTiling(warps=8, threads=512, early=1)  # the default, new fields
     assert ng.parse_tiling("gate_up", "2,256") == MmaTiling(warps=2, threads=256, l2ahead=1, i8=1)
     qkv = default_tiling("qkv", 4608, 3584)                       # a CUDA-core default
@@ -339,12 +331,8 @@ def test_ncu_gemv_parses_tilings():
 def test_step_timeline_critical_increments():
     """scripts/step_timeline.py's reading of a CUPTI trace: steps split at the feed kernel,
     each kernel's critical increment (how far it moves the latest end), sums by region."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "step_timeline.py"
-    spec = importlib.util.spec_from_file_location("step_timeline", path)
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
+    from script_util import load_script
+    tl = load_script("step_timeline")
 
     def k(name, ts, dur):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
@@ -397,12 +385,8 @@ def test_gemm_table_sums_the_layers_and_compares_with_cublas(monkeypatch):
 
 
 def _bench_boundary():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_boundary.py"
-    spec = importlib.util.spec_from_file_location("bench_boundary", path)
-    bb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bb)
+    from script_util import load_script
+    bb = load_script("bench_boundary")
     return bb
 
 
@@ -439,15 +423,11 @@ def test_rounding_model_measures_what_it_rounds(tiny_nanoqwen):
     differs (~4e-7 of the spread; a step misaligned by one token would be far off); with every
     point rounded to fp16 the error is that of fp16 activations (1e-5..1e-2 of the spread, many
     times the floor); an unknown point is refused."""
-    import importlib.util
-    from pathlib import Path
+    from script_util import load_script
 
     from nq.loader.format import NanoqwenFile
     from nq.loader.weights import load_host_weights
-    path = Path(__file__).resolve().parents[2] / "scripts" / "rounding_model.py"
-    spec = importlib.util.spec_from_file_location("rounding_model", path)
-    rm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rm)
+    rm = load_script("rounding_model")
     nf = NanoqwenFile(tiny_nanoqwen)
     errs = rm.teacher_forced(nf.config, load_host_weights(nf), [[3, 1, 4, 1, 5]], 6,
                              {"none": set(), "all": rm.parse_points("all"),
@@ -508,13 +488,9 @@ def test_step_variants_pairs_each_variant_with_its_rounds_baseline():
     """scripts/step_variants.py --rounds: a variant's difference is taken from its own round's
     baseline, so drift between rounds cancels (here the machine slows by 0.05 ms in round 1
     and the variant still reads -0.01 in both)."""
-    import importlib.util
-    from pathlib import Path
+    from script_util import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "step_variants.py"
-    spec = importlib.util.spec_from_file_location("step_variants", path)
-    sv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sv)
+    sv = load_script("step_variants")
     rows = [{"variant": "baseline", "round": 0, 512: 1.90, 8192: 2.00},
             {"variant": "a", "round": 0, 512: 1.89, 8192: 2.02},
             {"variant": "baseline", "round": 1, 512: 1.95, 8192: 2.05},

@@ -1,23 +1,15 @@
 """scripts/lm_head_quality.py on a packed model and real text (its `--model` mode): the rows
 it prints for each quantised head, and what it refuses."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from nq.config import tiny_config
 from nq.loader.hf import pack
 from nq.loader.synth import make_hf_snapshot
-
-ROOT = Path(__file__).resolve().parents[2]
+from script_util import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("lm_head_quality",
-                                                  ROOT / "scripts" / "lm_head_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("lm_head_quality")
 
 
 @pytest.fixture(scope="module")
