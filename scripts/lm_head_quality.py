@@ -58,11 +58,37 @@ def model_weights(cfg, init: str, seed: int) -> dict:
     return hf_to_host(cfg, random_hf_weights(cfg, seed))
 
 
+def int4_searched(src: np.ndarray, clips=np.linspace(0.6, 1.0, 21)) -> np.ndarray:
+    """An experiment, not a pack option: INT4 g128 whose fp16 scale is absmax * c / 7 with c
+    the clip of `clips` that least-squares each group (codes -8..7), dequantised (V, H) fp32.
+    It keeps the file format; only the packer would change."""
+    v, h = src.shape
+    out = np.empty((v, h), np.float32)
+    for r in range(0, v, 4096):
+        g = src[r:r + 4096].reshape(-1, h // 128, 128).astype(np.float32)
+        amax = np.abs(g).max(axis=2, keepdims=True)
+        best, best_err = None, None
+        for c in clips:
+            sc = (amax * c / 7).astype(np.float16).astype(np.float32)
+            safe = np.where(sc == 0, 1, sc)
+            d = np.clip(np.rint(g / safe), -8, 7) * sc
+            err = ((d - g) ** 2).sum(axis=2, keepdims=True)
+            if best is None:
+                best, best_err = d, err
+            else:
+                take = err < best_err
+                best = np.where(take, d, best)
+                best_err = np.minimum(err, best_err)
+        out[r:r + 4096] = best.reshape(-1, h)
+    return out
+
+
 def heads(src: np.ndarray, kinds) -> tuple[np.ndarray, dict]:
     """(fp16 head, {kind: quantised head}) as fp32 (V, H) from the source head src: what the
-    packs store, dequantised."""
+    packs store, dequantised (int4s: `int4_searched`, an experiment)."""
     quant = {"int8": lambda: dequantize_int8_rows(*quantize_int8_rows(src)),
-             "int4": lambda: dequantize_packed(*quantize_pack(src))}
+             "int4": lambda: dequantize_packed(*quantize_pack(src)),
+             "int4s": lambda: int4_searched(src)}
     return src.astype(np.float16).astype(np.float32), {k: quant[k]() for k in kinds}
 
 
@@ -161,8 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--prompt-len", type=int, default=16, help="positions a prompt (each measured)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--head", action="append", choices=["int8", "int4"],
-                    help="quantised heads to measure (repeatable; default both)")
+    ap.add_argument("--head", action="append", choices=["int8", "int4", "int4s"],
+                    help="quantised heads to measure (repeatable; default int8 and int4; "
+                         "int4s: int4 with a least-squares clip a group, an experiment)")
     ap.add_argument("--model", help="a packed trained model (.nanoqwen, fp16 head) instead of "
                                     "random ones; needs --text")
     ap.add_argument("--text", help="with --model: a UTF-8 text file the windows are cut from")

@@ -48,3 +48,18 @@ def test_what_it_refuses(packed):
         q.main(["--model", path8, "--text", text])
     with pytest.raises(SystemExit, match="fewer than --prompt-len"):
         q.main(["--model", path, "--text", text, "--prompt-len", "100000"])
+
+
+def test_the_searched_int4_experiment_never_does_worse_a_group():
+    """int4s tries c = 1 too (the packer's absmax / 7), so no group's squared error exceeds
+    the plain INT4 head's, and on Gaussian rows the total is well under it."""
+    import numpy as np
+
+    from nq.loader.quant import dequantize_packed, quantize_pack
+    src = np.random.default_rng(0).standard_normal((300, 256)).astype(np.float32)
+    plain = dequantize_packed(*quantize_pack(src))
+    searched = _script().int4_searched(src)
+    e_plain = ((plain - src) ** 2).reshape(300, 2, 128).sum(axis=2)
+    e_search = ((searched - src) ** 2).reshape(300, 2, 128).sum(axis=2)
+    assert (e_search <= e_plain * (1 + 1e-6)).all()
+    assert e_search.sum() < 0.85 * e_plain.sum()
