@@ -34,7 +34,8 @@ import numpy as np
 
 from nq.config import ModelConfig
 from nq.kernels.int4.launch import HeadGemv
-from nq.kernels.int4.tiling import Tiling, default_tiling
+from nq.kernels.int4 import tiling as tilings
+from nq.kernels.int4.tiling import Tiling
 from nq.loader.quant import dequantize_packed
 from nq.ref import linear, rms_norm
 
@@ -64,7 +65,7 @@ def ref_lm_head_int4(x, norm_w, eps, qweight, scales):
 
 def head_tiling(cfg: ModelConfig) -> Tiling:
     """The tiling the head runs (and the upload re-tiles for): tiling.head_tiling's."""
-    return default_tiling("lm_head", cfg.vocab_size, cfg.hidden_size)
+    return tilings.head_tiling(cfg.hidden_size)
 
 
 class LmHeadInt4:

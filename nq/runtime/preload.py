@@ -83,7 +83,7 @@ def buffers(nf) -> list[Buffer]:
         add(f"layers.{i}.qkv.bias", [f"layers.{i}.{n}.bias" for n in GROUPS[0][1]])
         for n in ("input_layernorm", "post_attention_layernorm"):
             add(f"layers.{i}.{n}", [f"layers.{i}.{n}"])
-    heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head in ("int8", "int4") else
+    heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head != "fp16" else
              () if nf.config.tie_word_embeddings else ("lm_head",))
     for n in ("embed_tokens", "norm") + heads:
         add(n, [n])

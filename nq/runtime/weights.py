@@ -225,22 +225,17 @@ def _allocate(nf, g, stream, preloaded=None):
                              f"{k8}) and ({gm.n_rows}, {gm.k // GROUP_SIZE}); re-pack with "
                              "`nq pack`")
         layout, ks = gm.tiling.layout()   # ("mma", 16) or ("rows", ks): what the kernel reads
-        src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
-        # the rows arrived as stored: copied aside, then permuted back into place
-        if layout == "mma":
+        if layout == "mma":   # copied aside as stored, then gathered into fragments in place
+            src = stage[: gm.n_rows * k8].reshape(gm.n_rows, k8)
             items.append(lambda: (src.copy_to_device(qw, stream=stream),
                                   retile_mma(src, qw, stream)))
             return
-        key = (gm.k, ks)
-        if key not in perms:
-            perms[key] = cuda.to_device(chunk_permutation(gm.k, ks).astype(np.int32),
-                                        stream=stream)
-        items.append(lambda: (src.copy_to_device(qw, stream=stream),
-                              retile(src, qw, perms[key], stream)))
+        retile_rows(qw, ks)
 
-    def head_rows(qw, ks):
-        # the INT4 lm_head (V rows) is larger than the stage buffer: re-tiled a slice of rows
-        # at a time, each row permuted alone as `tile_rows` does
+    def retile_rows(qw, ks):
+        # each row's chunks permuted alone (`tile_rows`), through the stage buffer a slice of
+        # rows at a time: one slice for a projection group (the buffer is the largest's), a
+        # few for an INT4 lm_head's vocabulary of rows
         k8 = qw.shape[1]
         key = (k8 * 8, ks)
         if key not in perms:
@@ -250,6 +245,7 @@ def _allocate(nf, g, stream, preloaded=None):
         for r in range(0, qw.shape[0], step):
             n = min(step, qw.shape[0] - r)
             src, dst = stage[: n * k8].reshape(n, k8), qw[r: r + n]
+            # the rows arrived as stored: copied aside, then permuted back into place
             items.append(lambda src=src, dst=dst: (src.copy_to_device(dst, stream=stream),
                                                    retile(src, dst, perms[key], stream)))
 
@@ -273,7 +269,7 @@ def _allocate(nf, g, stream, preloaded=None):
     elif nf.lm_head == "int4":   # `nq pack --lm-head int4`: re-tiled as a projection is
         from nq.kernels.lm_head_int4 import Int4Rows, head_tiling
         lm_head = Int4Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
-        head_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
+        retile_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
     else:
         lm_head = embed if cfg.tie_word_embeddings else arrays["lm_head"]
     w = DeviceWeights(cfg, embed=embed, norm=arrays["norm"], lm_head=lm_head, layers=layers)
@@ -321,17 +317,19 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
         same(f"layers.{i}.input_layernorm", L.input_norm, nf.array(f"layers.{i}.input_layernorm"))
         same(f"layers.{i}.post_attention_layernorm", L.post_norm,
              nf.array(f"layers.{i}.post_attention_layernorm"))
-    heads = ((("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales))
-             if nf.lm_head == "int8" else (("lm_head", w.lm_head),))
-    if nf.lm_head == "int4":      # re-tiled: against the launcher's host `prepare`
-        from nq.kernels.lm_head_int4 import head_tiling
+    plain = [("embed_tokens", w.embed), ("norm", w.norm)]
+    if nf.lm_head == "int4":      # re-tiled: against the host's layout, as the projections
         from nq.kernels.int4.layout import prepare_weights
+        from nq.kernels.lm_head_int4 import head_tiling
         qw, sc = prepare_weights([(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))],
                                  head_tiling(nf.config).layout()[1])
         same("lm_head qweight", w.lm_head.qweight, qw)
         same("lm_head scales", w.lm_head.scales, sc)
-        heads = ()
-    for name, dev in (("embed_tokens", w.embed), ("norm", w.norm)) + heads:
+    elif nf.lm_head == "int8":
+        plain += [("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales)]
+    else:
+        plain.append(("lm_head", w.lm_head))
+    for name, dev in plain:
         same(name, dev, nf.array(name))
     return bad
 

@@ -35,12 +35,13 @@ class _Gemv:
 
     kind = ""
     heads = None  # qkv_rope: (num_heads, num_kv_heads, head_dim)
+    n_multiple = 8   # N must be a multiple of it (the lm_head's vocabulary: any)
 
     def __init__(self, cfg: ModelConfig, n_out: int, k: int, n_rows: int,
                  tiling: Tiling | None = None):
-        if k % GROUP_SIZE or (n_out % 8 and self.kind != "lm_head"):   # (a vocabulary: any)
+        if k % GROUP_SIZE or n_out % self.n_multiple:
             raise ValueError(f"{self.kind}: N={n_out}, K={k}; K must be a multiple of "
-                             f"{GROUP_SIZE} and N of 8")
+                             f"{GROUP_SIZE} and N of {self.n_multiple}")
         self.n_out, self.k, self.n_rows = n_out, k, n_rows  # n_rows: weight rows (gate_up: 2N)
         self.tiling = tiling or default_tiling(self.kind, n_out, k, mma=False)
         if isinstance(self.tiling, MmaTiling):
@@ -85,6 +86,7 @@ class HeadGemv(_Gemv):
     a persistent grid of `blocks_per_sm` blocks an SM (gemv.py's lm_head kind)."""
 
     kind = "lm_head"
+    n_multiple = 1   # every row is bounds-checked: any vocabulary
 
     def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None, blocks_per_sm: int = 0,
                  grid: int | None = None):
