@@ -62,7 +62,7 @@ def record_l2_prefetches(module) -> list:
 
 def patch_simulator(syncwarp: bool = False) -> None:
     """What the CUDA simulator lacks for nq's kernels, for scripts run under it: warp shuffles
-    (and, with syncwarp, __syncwarp) as a rendezvous of the caller's warp, and a throttle on the
+    and ballots (and, with syncwarp, __syncwarp) as a rendezvous of the caller's warp, and a throttle on the
     block manager's busy polling of its threads' is_alive(), which holds the GIL against every
     32-thread rendezvous (each mma and ldmatrix): a short sleep every 64 polls makes a run
     ~2.5x faster and changes nothing else."""
@@ -74,6 +74,8 @@ def patch_simulator(syncwarp: bool = False) -> None:
 
     kernelapi.FakeCUDAModule.shfl_xor_sync = \
         lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+    kernelapi.FakeCUDAModule.ballot_sync = lambda self, mask, predicate: np.uint32(sum(
+        1 << i for i, v in enumerate(_sim.warp_exchange(bool(predicate))) if v))
     if syncwarp:
         kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
     polls = [0]

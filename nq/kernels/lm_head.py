@@ -50,11 +50,18 @@ def lm_head_name(vocab: int, k: int, eps: float, threads: int, unroll: int) -> s
     return kernel_name("lm_head_fp16", v=vocab, k=k, t=threads, u=unroll, eps=float(eps))
 
 
-@functools.lru_cache(maxsize=None)
-def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int = 7):
-    """The kernel body named lm_head_name(...) and its signature."""
+def head_parts(k: int, threads: int, unroll: int):
+    """The fp16 head's device functions, shared with the INT4 head's exact rescoring
+    (lm_head_rescore.py), whose logits must be these bit for bit: (SH, stage, row_dot).
+
+    stage(x, norm_w, hA, hB, red, eps, inv_k) -> h = rmsnorm(x) * norm_w in fp32 shared
+    memory (SH floats in each of hA, hB; red: a float a warp), the block synced after;
+    row_dot(weight, row, lane, hA, hB) -> the row's dot with h, summed over the warp (every
+    lane gets it)."""
     if k % 8 or threads % 32:
         raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
+    if not 1 <= unroll <= 8:
+        raise ValueError("lm_head: unroll must be 1..8")
     CH = k // 8                  # 16-byte chunks per row
     NCL = -(-CH // 32)           # chunks per lane
     U = unroll
@@ -65,8 +72,6 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         raise ValueError(f"lm_head: hidden={k} needs {2 * SH * 4} bytes of shared memory at "
                          f"unroll {unroll}; use a smaller unroll")
     WARPS = threads // 32
-    EPS = np.float32(eps)
-    INV_K = np.float32(1.0 / k)
 
     def dot_chunk(w0, w1, w2, w3, hA, hB, c, acc):
         a0, a1, a2, a3 = ld_shared_v4_f32(hA, c * 4)
@@ -79,49 +84,6 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         return acc + (p4 * b0 + p5 * b1 + p6 * b2 + p7 * b3)
 
     dot_chunk, wsum, rstd_of = dev(dot_chunk), dev(warp_sum), dev(block_rstd)
-
-    def kernel(x, norm_w, weight, logits):
-        hA = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 0-3
-        hB = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 4-7
-        red = cuda.shared.array(WARPS, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
-        # PDL: the block's first WARPS rows (contiguous) go to L2 while the last down GEMV
-        # finishes; x is read only after the wait.
-        first = cuda.blockIdx.x * WARPS
-        if tid == 0 and first < vocab:
-            cp_async_bulk_prefetch_l2(weight, (first, 0), min(WARPS, vocab - first) * k * 2)
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        ss = float32(0.0)
-        for e in range(tid, k, threads):
-            v = x[e]
-            ss += v * v
-        ss = wsum(ss)
-        if lane == 0:
-            red[warp] = ss
-        cuda.syncthreads()
-        rstd = rstd_of(red, WARPS, INV_K, EPS)
-        for e in range(tid, k, threads):
-            h = (x[e] * rstd) * float32(norm_w[e])
-            c = e >> 3
-            if (e & 7) < 4:
-                hA[c * 4 + (e & 3)] = h
-            else:
-                hB[c * 4 + (e & 3)] = h
-        cuda.syncthreads()
-        nwarps = cuda.gridDim.x * WARPS
-        for row in range(cuda.blockIdx.x * WARPS + warp, vocab, nwarps):
-            acc = float32(0.0)
-            for c0 in range(0, NCL, U):
-                # issue up to U 16-byte loads, then the math (U words x 4 in registers)
-                ws = load_u(weight, row, lane, c0)
-                acc = dot_u(ws, hA, hB, lane, c0, acc)
-            acc = wsum(acc)
-            if lane == 0:
-                logits[row] = acc
-
     load_u = row_chunk_loads(CH, U, 8)
 
     def dot1(w, hA, hB, c, acc):
@@ -150,9 +112,68 @@ def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int
         return acc
 
     dot1, dot_u = dev(dot1), dev(dot_u)
-    if not 1 <= U <= 8:
-        raise ValueError("lm_head: unroll must be 1..8")
-    kernel.__name__ = kernel.__qualname__ = lm_head_name(vocab, k, eps, threads, U)
+
+    def stage(x, norm_w, hA, hB, red, eps, inv_k):
+        tid = cuda.threadIdx.x
+        ss = float32(0.0)
+        for e in range(tid, k, threads):
+            v = x[e]
+            ss += v * v
+        ss = wsum(ss)
+        if (tid & 31) == 0:
+            red[tid >> 5] = ss
+        cuda.syncthreads()
+        rstd = rstd_of(red, WARPS, inv_k, eps)
+        for e in range(tid, k, threads):
+            h = (x[e] * rstd) * float32(norm_w[e])
+            c = e >> 3
+            if (e & 7) < 4:
+                hA[c * 4 + (e & 3)] = h
+            else:
+                hB[c * 4 + (e & 3)] = h
+        cuda.syncthreads()
+
+    def row_dot(weight, row, lane, hA, hB):
+        acc = float32(0.0)
+        for c0 in range(0, NCL, U):
+            # issue up to U 16-byte loads, then the math (U words x 4 in registers)
+            ws = load_u(weight, row, lane, c0)
+            acc = dot_u(ws, hA, hB, lane, c0, acc)
+        return wsum(acc)
+
+    return SH, dev(stage), dev(row_dot)
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int = 7):
+    """The kernel body named lm_head_name(...) and its signature."""
+    SH, stage, row_dot = head_parts(k, threads, unroll)
+    WARPS = threads // 32
+    EPS = np.float32(eps)
+    INV_K = np.float32(1.0 / k)
+
+    def kernel(x, norm_w, weight, logits):
+        hA = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 0-3
+        hB = cuda.shared.array(SH, float32, alignment=_ALIGN)   # (CH, 4) elements 4-7
+        red = cuda.shared.array(WARPS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        # PDL: the block's first WARPS rows (contiguous) go to L2 while the last down GEMV
+        # finishes; x is read only after the wait.
+        first = cuda.blockIdx.x * WARPS
+        if tid == 0 and first < vocab:
+            cp_async_bulk_prefetch_l2(weight, (first, 0), min(WARPS, vocab - first) * k * 2)
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        stage(x, norm_w, hA, hB, red, EPS, INV_K)
+        nwarps = cuda.gridDim.x * WARPS
+        for row in range(cuda.blockIdx.x * WARPS + warp, vocab, nwarps):
+            acc = row_dot(weight, row, lane, hA, hB)
+            if lane == 0:
+                logits[row] = acc
+
+    kernel.__name__ = kernel.__qualname__ = lm_head_name(vocab, k, eps, threads, unroll)
     return kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1])"
 
 

@@ -1,0 +1,230 @@
+"""The INT4 lm_head's candidates rescored by the fp16 head: the fp16 head's logits where they
+decide the token, at the INT4 head's bytes.
+
+Public API:
+
+    bound = row_bounds(file_scales)            # host: fp32 (V,), each row's largest group scale
+    r = make_rescore(cfg)                      # Rescore; its two kernels' grids in .grids
+    r(x, norm_w, exact, logits, bound, stream) # after the INT4 head wrote logits: the
+                                               # candidates' logits replaced by the fp16 head's
+                                               # (exact fp16 (V, H): lm_head or the tied embedding)
+    ref_rescore(logits, bound, x, norm_w, eps, exact)   # NumPy reference -> (logits, candidates)
+
+Why: the INT4 head reads a quarter of the fp16 head's bytes (0.26 ms of a 7B token on an H100,
+docs/PERF.md 0.36) but changes about a quarter of the greedy tokens of a random model, whose
+logits sit near ties (scripts/lm_head_quality.py).  The token is decided by a handful of ids
+near the top; only their logits need the fp16 rows, ~0.1 % of the head's bytes.
+
+Which ids: rounding to a group scale s moves a weight by at most s/2, uniformly, so a row's
+logit error is a sum of independent bounded terms with variance at most
+    sigma_i^2 = sum_g s_ig^2 |h_g|^2 / 12  <=  (max_g s_ig)^2 |h|^2 / 12 = (c_i |h| / sqrt 12)^2,
+and such a sum is sub-Gaussian with that variance: P(|error| > K sigma) <= 2 exp(-K^2 / 2),
+3e-8 at K = 6 (K_SIGMA).  With b_i = K c_i |h| / sqrt 12 every id whose INT4 logit l_i
+satisfies l_i + b_i >= M = max_j (l_j - b_j) is a candidate and gets the fp16 head's logit.
+The fp16 head's argmax t is then a candidate (l_t + b_t >= exact_t >= exact_r >= l_r - b_r
+for the r that sets M), and no other id can beat it: a non-candidate's INT4 logit is below M,
+which is at most r's exact logit, and r is a candidate.  So greedy decoding gives the fp16
+head's token unless an error passes 6 bounds (two comparisons a token: ~6e-8).  Sampling's
+top-k / top-p see the fp16 logits of every id within ~2 b of the top and the INT4 logits of
+the rest (ids e^(-2b/T) or more less likely than the top).
+
+The two kernels, after the INT4 head in the step graph (each waits on the previous kernel):
+    bound   a persistent grid; each block computes |h| (rmsnorm(x) * norm_w, as the fp16
+            head does), the max of l_i - b_i over a stride of ids, and writes it to
+            bmax[block]; block 0 also writes K |h| / sqrt 12 to bmax[grid].  No atomics, no
+            reset: the next kernel reads every block's entry.
+    rescore a persistent grid of the fp16 head's blocks (256 threads, unroll 7): stages h
+            with the fp16 head's own device functions (lm_head.head_parts), reduces bmax to M,
+            and each warp takes 32 ids at a time: a ballot of the candidates, then each
+            candidate's row dot by the whole warp, as the fp16 head computes it -- so a
+            candidate's logit is the fp16 head's bit for bit.
+Bytes: logits and bounds twice (1.2 MB each, from L2) and 7 KB a candidate.  A step whose
+logits sit near ties reads more rows (every row: the fp16 head's cost, never more).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from nq.config import ModelConfig
+from nq.kernels.build import compile_kernel, kernel_name
+from nq.kernels.common import block_rstd, dev, need, sm_count, warp_max, warp_sum
+from nq.kernels.lm_head import _ALIGN, head_parts
+from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
+from nq.ref import rms_norm
+
+K_SIGMA = 6.0          # a candidate's bound in sigmas of its INT4 logit's rounding error
+THREADS = 256          # both kernels; rescore's must be the fp16 head's (its h, bit for bit)
+UNROLL = 7             # the fp16 head's
+NEG_INF = np.float32(-np.inf)
+ONE = np.uint32(1)
+
+
+def row_bounds(scales) -> np.ndarray:
+    """fp32 (V,): each row's largest group scale, from the file's fp16 (V, H/128) scales
+    (host NumPy, in row chunks: the 7B's are 8.5 MB)."""
+    s = np.asarray(scales)
+    out = np.empty(s.shape[0], np.float32)
+    for r in range(0, s.shape[0], 16384):
+        out[r:r + 16384] = np.abs(s[r:r + 16384].astype(np.float32)).max(axis=1)
+    return out
+
+
+def ref_rescore(logits, bound, x, norm_w, eps, exact, k_sigma: float = K_SIGMA):
+    """NumPy reference: (logits with the candidates' replaced by exact . h in fp32, the
+    candidates as a bool mask).  logits fp32 (V,) of the INT4 head, bound (V,) row_bounds'."""
+    h = rms_norm(np.asarray(x, np.float32), norm_w, eps).astype(np.float32)
+    b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
+        np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
+    lo = np.asarray(logits, np.float32)
+    cand = lo + b >= (lo - b).max()
+    out = lo.copy()
+    ids = np.flatnonzero(cand)
+    out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
+    return out, cand
+
+
+def rescore_names(vocab: int, k: int, eps: float) -> tuple[str, str]:
+    return (kernel_name("lm_head_bound", v=vocab, k=k, eps=float(eps)),
+            kernel_name("lm_head_rescore", v=vocab, k=k, eps=float(eps)))
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
+    """The two kernel bodies and their signatures (the module doc)."""
+    SH, stage, row_dot = head_parts(k, THREADS, UNROLL)
+    WARPS = THREADS // 32
+    EPS = np.float32(eps)
+    INV_K = np.float32(1.0 / k)
+    SCALE = np.float32(k_sigma / math.sqrt(12.0))
+    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
+    bound_name, rescore_name = rescore_names(vocab, k, eps)
+
+    def block_max(v, red, warp, lane):
+        # v's max over the block (every thread gets it); red: a float a warp, free on entry
+        v = wmax(v)
+        if lane == 0:
+            red[warp] = v
+        cuda.syncthreads()
+        m = red[0]
+        for w in range(1, WARPS):
+            m = max(m, red[w])
+        return m
+
+    block_max = dev(block_max)
+
+    def bound_kernel(x, norm_w, logits, bound, bmax):
+        red = cuda.shared.array(WARPS, float32)
+        red2 = cuda.shared.array(WARPS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        ss = float32(0.0)
+        for e in range(tid, k, THREADS):
+            v = x[e]
+            ss += v * v
+        ss = wsum(ss)
+        if lane == 0:
+            red[warp] = ss
+        cuda.syncthreads()
+        rstd = rstd_of(red, WARPS, INV_K, EPS)
+        hh = float32(0.0)
+        for e in range(tid, k, THREADS):
+            h = (x[e] * rstd) * float32(norm_w[e])
+            hh += h * h
+        hh = wsum(hh)
+        if lane == 0:
+            red2[warp] = hh
+        cuda.syncthreads()
+        tot = float32(0.0)
+        for w in range(WARPS):
+            tot += red2[w]
+        scale = SCALE * math.sqrt(tot)          # b_i = bound[i] * scale
+        m = NEG_INF
+        for i in range(cuda.blockIdx.x * THREADS + tid, vocab, cuda.gridDim.x * THREADS):
+            m = max(m, logits[i] - bound[i] * scale)
+        cuda.syncthreads()                      # red is free again
+        m = block_max(m, red, warp, lane)
+        if tid == 0:
+            bmax[cuda.blockIdx.x] = m
+            if cuda.blockIdx.x == 0:
+                bmax[cuda.gridDim.x] = scale
+
+    def rescore_kernel(x, norm_w, exact, logits, bound, bmax, nb):
+        hA = cuda.shared.array(SH, float32, alignment=_ALIGN)
+        hB = cuda.shared.array(SH, float32, alignment=_ALIGN)
+        red = cuda.shared.array(WARPS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        griddepcontrol_wait()
+        griddepcontrol_launch_dependents()
+        stage(x, norm_w, hA, hB, red, EPS, INV_K)          # syncs the block after
+        m = NEG_INF
+        for j in range(tid, nb, THREADS):
+            m = max(m, bmax[j])
+        top = block_max(m, red, warp, lane)                 # M = max_j (l_j - b_j)
+        scale = bmax[nb]
+        nwarps = cuda.gridDim.x * WARPS
+        for base in range((cuda.blockIdx.x * WARPS + warp) * 32, vocab, nwarps * 32):
+            i = base + lane
+            cand = False
+            if i < vocab:
+                cand = logits[i] + bound[i] * scale >= top
+            mask = cuda.ballot_sync(0xFFFFFFFF, cand)
+            while mask != 0:
+                j = cuda.popc((mask & (~mask + ONE)) - ONE)   # the lowest candidate left
+                acc = row_dot(exact, base + j, lane, hA, hB)
+                if lane == 0:
+                    logits[base + j] = acc
+                mask &= mask - ONE
+
+    bound_kernel.__name__ = bound_kernel.__qualname__ = bound_name
+    rescore_kernel.__name__ = rescore_kernel.__qualname__ = rescore_name
+    return ((bound_kernel, "void(float32[::1], float16[::1], float32[::1], float32[::1], "
+                           "float32[::1])"),
+            (rescore_kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1], "
+                             "float32[::1], float32[::1], int32)"))
+
+
+@functools.lru_cache(maxsize=None)
+def rescore_kernels(vocab: int, k: int, eps: float):
+    """Both kernels compiled for sm_90 (launch bounds: THREADS)."""
+    return tuple(compile_kernel(body, sig, body.__name__, launch_bounds=(THREADS,))
+                 for body, sig in build_kernels(vocab, k, eps))
+
+
+class Rescore:
+    """The candidates of an INT4 head's logits rescored by its fp16 rows; see the module doc."""
+
+    def __init__(self, cfg: ModelConfig, grid: int | None = None,
+                 bound_grid: int | None = None, blocks_per_sm: int = 4):
+        self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
+        self.bound_kernel, self.kernel = rescore_kernels(self.vocab, self.k,
+                                                         float(cfg.rms_norm_eps))
+        sms = sm_count()
+        self.bound_grid = bound_grid or min(-(-self.vocab // THREADS), sms)
+        self.grid = grid or min(-(-self.vocab // THREADS), sms * blocks_per_sm)
+        self.grids = (self.bound_grid, self.grid)
+        self.bmax = cuda.to_device(np.zeros(self.bound_grid + 1, np.float32))
+        self.name = rescore_names(self.vocab, self.k, float(cfg.rms_norm_eps))[1]
+
+    def __call__(self, x, norm_w, exact, logits, bound, stream=0):
+        need(x, f"{self.name} x", np.float32, (self.k,), 4)
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 2)
+        need(exact, f"{self.name} exact (the fp16 head)", np.float16, (self.vocab, self.k))
+        need(logits, f"{self.name} logits", np.float32, (self.vocab,), 4)
+        need(bound, f"{self.name} bound", np.float32, (self.vocab,), 4)
+        self.bound_kernel[self.bound_grid, THREADS, stream](x, norm_w, logits, bound, self.bmax)
+        self.kernel[self.grid, THREADS, stream](x, norm_w, exact, logits, bound, self.bmax,
+                                                np.int32(self.bound_grid))
+
+
+def make_rescore(cfg: ModelConfig, **grids) -> Rescore:
+    """The rescoring launcher for cfg (grid=, bound_grid=, blocks_per_sm= to override)."""
+    return Rescore(cfg, **grids)
