@@ -213,6 +213,6 @@ def make_lm_head(cfg: ModelConfig, weight=None, **tiling):
     from nq.kernels.lm_head_int8 import Int8Rows, make_lm_head_int8
     if isinstance(weight, Int8Rows):
         return make_lm_head_int8(cfg, **tiling)
-    if isinstance(weight, Int4Rows):
-        return make_lm_head_int4(cfg, **tiling)
+    if isinstance(weight, Int4Rows):     # rescored by its fp16 rows when it carries them
+        return make_lm_head_int4(cfg, rescore=weight.exact is not None, **tiling)
     return LmHead(cfg, **tiling)

@@ -1,7 +1,8 @@
 """The INT4 lm_head GEMV, final RMSNorm fused: logits fp32 (V,) = Wlm . rmsnorm(x, w_norm).
 
 Public API (the fp16 head's, nq/kernels/lm_head.py, with the weight an `Int4Rows` pair;
-`lm_head.make_lm_head(cfg, weight)` picks this launcher for one):
+`lm_head.make_lm_head(cfg, weight)` picks this launcher for one, rescoring when the weight
+carries the fp16 rows):
 
     head = make_lm_head_int4(cfg)              # LmHeadInt4; its GEMV in .gemv (tiling, grid)
     qw, sc = head.prepare(file_qweight, file_scales)    # host numpy, once (or the GPU re-tile)
@@ -15,7 +16,10 @@ Why: the fp16 head is 1.09 GB of the 7B's ~4.49 GB a decode step reads, 0.26 ms 
 1.65 ms token at 512 context; `nq pack --lm-head int4` stores it as the projections are (INT4
 g128, ValueShuffle nibbles, fp16 group scales: nq/loader/quant.py), 0.28 GB, so a step reads
 ~0.8 GB less.  It costs accuracy the int8 head (one scale a row, 8 bits) does not:
-scripts/lm_head_quality.py measures both against the fp16 head.
+scripts/lm_head_quality.py measures both against the fp16 head.  Where the fp16 rows are at
+hand too (a tied model's embedding), each step's candidates -- the ids whose INT4 logit lies
+within its rounding bound of the top -- are rescored by them (nq/kernels/lm_head_rescore.py):
+the fp16 head's greedy token, for the INT4 head's bytes and a few rows.
 
 The kernel is the CUDA-core GEMV's (nq/kernels/int4/gemv.py, kind lm_head): qkv's body
 without the bias -- every block stages rmsnorm(x) * w_norm as digits and sums a group's
@@ -36,6 +40,7 @@ from nq.config import ModelConfig
 from nq.kernels.int4.launch import HeadGemv
 from nq.kernels.int4 import tiling as tilings
 from nq.kernels.int4.tiling import Tiling
+from nq.kernels.lm_head_rescore import make_rescore
 from nq.loader.quant import dequantize_packed
 from nq.ref import linear, rms_norm
 
@@ -44,12 +49,17 @@ BLOCKS_PER_SM = 2     # the persistent grid (head_tiling's min_blocks keeps two 
 
 class Int4Rows(NamedTuple):
     """An INT4 lm_head on the device, as its GEMV reads it: qweight uint32 (V, H/8) re-tiled
-    (`LmHeadInt4.prepare`), scales fp16 (V, H/128)."""
+    (`LmHeadInt4.prepare`), scales fp16 (V, H/128); with `exact`, the fp16 head (V, H) (the
+    tied embedding, or a file's kept fp16 lm_head) and `bound`, fp32 (V,) each row's largest
+    scale (lm_head_rescore.row_bounds): the candidates of each step are rescored by it."""
     qweight: object
     scales: object
+    exact: object = None
+    bound: object = None
 
     @property
     def nbytes(self) -> int:
+        """Bytes a step reads (the rescored rows are ~0.1 % of `exact`: not counted)."""
         return self.qweight.nbytes + self.scales.nbytes
 
     @property
@@ -72,11 +82,14 @@ class LmHeadInt4:
     """logits fp32 (V,) = dequant(weight) . rmsnorm(x, norm_w); see the module doc."""
 
     def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None,
-                 blocks_per_sm: int = BLOCKS_PER_SM, grid: int | None = None):
+                 blocks_per_sm: int = BLOCKS_PER_SM, grid: int | None = None,
+                 rescore: bool = False):
         self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
         self.gemv = HeadGemv(cfg, tiling or head_tiling(cfg), blocks_per_sm, grid)
         g = self.gemv
         self.tiling, self.grid, self.name, self.kernel = g.tiling, g.grid, g.name, g.kernel
+        # rescore: a weight's `exact` rows rescore each step's candidates (lm_head_rescore.py)
+        self.rescore = make_rescore(cfg) if rescore else None
 
     def prepare(self, qweight, scales) -> tuple[np.ndarray, np.ndarray]:
         """The file's (V, H/8) words and (V, H/128) scales -> what to upload (host NumPy)."""
@@ -84,8 +97,14 @@ class LmHeadInt4:
 
     def __call__(self, x, norm_w, weight: Int4Rows, logits, stream=0):
         self.gemv(x, norm_w, weight.qweight, weight.scales, logits, stream)
+        if self.rescore is not None:
+            if weight.exact is None or weight.bound is None:
+                raise ValueError(f"{self.name}: built to rescore with the fp16 head, but the "
+                                 "weight has no `exact` rows or `bound`")
+            self.rescore(x, norm_w, weight.exact, logits, weight.bound, stream)
 
 
 def make_lm_head_int4(cfg: ModelConfig, **tiling) -> LmHeadInt4:
-    """The INT4 head's launcher (tiling=, blocks_per_sm= or grid= to override the defaults)."""
+    """The INT4 head's launcher (tiling=, blocks_per_sm= or grid= to override the defaults;
+    rescore=True: with lm_head_rescore's two kernels after it)."""
     return LmHeadInt4(cfg, **tiling)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32
@@ -61,6 +62,12 @@ THREADS = 256          # both kernels; rescore's must be the fp16 head's (its h,
 UNROLL = 7             # the fp16 head's
 NEG_INF = np.float32(-np.inf)
 ONE = np.uint32(1)
+
+
+def rescore_enabled() -> bool:
+    """NQ_RESCORE=0 loads an INT4 head without its fp16 rows (the INT4 head's logits alone,
+    as `nq pack --lm-head int4` files of untied models always run)."""
+    return os.environ.get("NQ_RESCORE", "1") != "0"
 
 
 def row_bounds(scales) -> np.ndarray:

@@ -268,7 +268,11 @@ def _allocate(nf, g, stream, preloaded=None):
         lm_head = Int8Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
     elif nf.lm_head == "int4":   # `nq pack --lm-head int4`: re-tiled as a projection is
         from nq.kernels.lm_head_int4 import Int4Rows, head_tiling
+        from nq.kernels.lm_head_rescore import rescore_enabled, row_bounds
         lm_head = Int4Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
+        if cfg.tie_word_embeddings and rescore_enabled():   # the fp16 rows are at hand
+            lm_head = lm_head._replace(exact=arrays["embed_tokens"], bound=cuda.to_device(
+                row_bounds(nf.array("lm_head.scales")), stream=stream))
         retile_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
     else:
         lm_head = embed if cfg.tie_word_embeddings else arrays["lm_head"]
@@ -325,6 +329,9 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
                                  head_tiling(nf.config).layout()[1])
         same("lm_head qweight", w.lm_head.qweight, qw)
         same("lm_head scales", w.lm_head.scales, sc)
+        if w.lm_head.bound is not None:   # the rescoring's bounds (its rows: embed_tokens)
+            from nq.kernels.lm_head_rescore import row_bounds
+            same("lm_head bound", w.lm_head.bound, row_bounds(nf.array("lm_head.scales")))
     elif nf.lm_head == "int8":
         plain += [("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales)]
     else:
@@ -379,10 +386,16 @@ def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
                                                   np.float32), stream=stream))
     elif lm_head == "int4":      # as a projection, the fp16 head's spread (1.7 / sqrt(h))
         from nq.kernels.lm_head_int4 import Int4Rows
+        from nq.kernels.lm_head_rescore import rescore_enabled, row_bounds
         q, sc = int4(cfg.vocab_size, h)
         fill_f16(sc, next(counter), 1.7 / (4.6 * np.sqrt(h)), 0.25 * 1.7 / (4.6 * np.sqrt(h)),
                  stream)
         head = Int4Rows(q, sc)
+        if rescore_enabled():    # fp16 rows to rescore with: the embedding, or their own
+            exact = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0,
+                                                                1.7 / np.sqrt(h))
+            head = head._replace(exact=exact, bound=cuda.to_device(
+                row_bounds(sc.copy_to_host(stream=stream)), stream=stream))
     else:
         head = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0, 1.7 / np.sqrt(h))
     w = DeviceWeights(cfg, embed=embed, norm=f16((h,), 1.0, 0.1), lm_head=head, layers=layers)
