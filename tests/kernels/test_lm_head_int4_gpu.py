@@ -83,7 +83,8 @@ def test_default_kernel_does_not_spill_on_the_device():
 def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, tie):
     """A tiny model packed with `--lm-head int4` end to end: the upload re-tiles the head as
     `prepare` does (1800 rows: three slices of the stage buffer), and 32 greedy ids equal the
-    NumPy reference engine's over the file's dequantised head."""
+    NumPy reference engine's over the file's dequantised head (tied: over the fp16
+    embedding, whose rows rescore the INT4 head's candidates)."""
     from nq.config import tiny_config
     from nq.loader.format import NanoqwenFile
     from nq.loader.hf import hf_name, pack
@@ -102,7 +103,11 @@ def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, tie
     nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="int4"))
     eng = Engine.from_file(nf, max_len=128)
     assert isinstance(eng.w.lm_head, L.Int4Rows) and upload_mismatches(nf, eng.w) == []
-    ref = RefModel(cfg, load_host_weights(nf))
+    host = load_host_weights(nf)
+    if tie:   # the engine rescores a tied INT4 head's candidates with the embedding's rows
+        assert eng.w.lm_head.exact is not None
+        host["lm_head"] = np.asarray(nf.array("embed_tokens"), np.float32)
+    ref = RefModel(cfg, host)
     prompt = [5, 17, 99, 3, 1200, 42, 7]
     ref.reset()
     logits, want = ref.forward(np.array(prompt))[-1], []
