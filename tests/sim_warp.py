@@ -74,8 +74,9 @@ def patch_simulator(syncwarp: bool = False) -> None:
 
     kernelapi.FakeCUDAModule.shfl_xor_sync = \
         lambda self, mask, value, lanemask: _sim.warp_exchange(value)[_sim.lane_id() ^ lanemask]
+    # int32, as numba types the device's ballot (lane 31's bit is the sign)
     kernelapi.FakeCUDAModule.ballot_sync = lambda self, mask, predicate: np.uint32(sum(
-        1 << i for i, v in enumerate(_sim.warp_exchange(bool(predicate))) if v))
+        1 << i for i, v in enumerate(_sim.warp_exchange(bool(predicate))) if v)).view(np.int32)
     if syncwarp:
         kernelapi.FakeCUDAModule.syncwarp = lambda self, mask=0xFFFFFFFF: _sim.warp_exchange(None)
     polls = [0]

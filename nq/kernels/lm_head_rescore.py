@@ -33,7 +33,8 @@ The two kernels, after the INT4 head in the step graph (each waits on the previo
             head does), the max of l_i - b_i over a stride of ids, and writes it to
             bmax[block]; block 0 also writes K |h| / sqrt 12 to bmax[grid].  No atomics, no
             reset: the next kernel reads every block's entry.
-    rescore a persistent grid of the fp16 head's blocks (256 threads, unroll 7): stages h
+    rescore a persistent grid (a block an SM: the candidates are few, and each block stages h
+            once) of the fp16 head's blocks (256 threads, unroll 7): stages h
             with the fp16 head's own device functions (lm_head.head_parts), reduces bmax to M,
             and each warp takes 32 ids at a time: a ballot of the candidates, then each
             candidate's row dot by the whole warp, as the fp16 head computes it -- so a
@@ -48,7 +49,7 @@ import math
 import os
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
@@ -183,7 +184,9 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
             cand = False
             if i < vocab:
                 cand = logits[i] + bound[i] * scale >= top
-            mask = cuda.ballot_sync(0xFFFFFFFF, cand)
+            # numba types the ballot int32: lane 31's bit would sign-extend into the
+            # 64-bit arithmetic below and name ids past the warp's
+            mask = uint32(cuda.ballot_sync(0xFFFFFFFF, cand))
             while mask != 0:
                 j = cuda.popc((mask & (~mask + ONE)) - ONE)   # the lowest candidate left
                 acc = row_dot(exact, base + j, lane, hA, hB)
@@ -210,7 +213,7 @@ class Rescore:
     """The candidates of an INT4 head's logits rescored by its fp16 rows; see the module doc."""
 
     def __init__(self, cfg: ModelConfig, grid: int | None = None,
-                 bound_grid: int | None = None, blocks_per_sm: int = 4):
+                 bound_grid: int | None = None, blocks_per_sm: int = 1):
         self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
         self.bound_kernel, self.kernel = rescore_kernels(self.vocab, self.k,
                                                          float(cfg.rms_norm_eps))
