@@ -203,6 +203,8 @@ class RefModel:
     weights: names and shapes of docs/ARCHITECTURE.md "Host weights" (any float dtype; widened
     to fp32 once here).  A tied model may omit `lm_head`; `embed_tokens` is used for it (a
     tied model's file with a quantised lm_head gives its own, dequantised: load_host_weights).
+    With `lm_head.exact` and `lm_head.bound` (an INT4 head with fp16 rows beside it) the
+    logits are rescored as nq/kernels/lm_head_rescore.py says.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], max_len: int | None = None):
@@ -226,6 +228,11 @@ class RefModel:
                 raise ValueError(f"RefModel: lm_head has shape {np.shape(head)}, config "
                                  f"{cfg.name} expects {expected['embed_tokens']}")
             self.w["lm_head"] = self.w["embed_tokens"] if head is None else np.asarray(head, np.float32)
+        # an INT4 head rescored by fp16 rows (load_host_weights gives both for such a file)
+        self.rescore = None
+        if "lm_head.exact" in weights:
+            self.rescore = (np.asarray(weights["lm_head.exact"], np.float32),
+                            np.asarray(weights["lm_head.bound"], np.float32))
         self.cache = self.new_cache(max_len)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
@@ -285,7 +292,13 @@ class RefModel:
         if last_only:
             x = x[-1:]
         x = rms_norm(x, self.w["norm"], self.cfg.rms_norm_eps)
-        return linear(x, self.w["lm_head"])
+        logits = linear(x, self.w["lm_head"])
+        if self.rescore is not None:      # an INT4 head's candidates, as the GPU step does
+            from nq.kernels.lm_head_rescore import rescore_rows
+            exact, bound = self.rescore
+            for t in range(logits.shape[0]):
+                logits[t] = rescore_rows(logits[t], bound, x[t], exact)[0]
+        return logits
 
 
 class NumpyBackend:

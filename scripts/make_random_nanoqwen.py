@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                     help="greedy picks only tokens that decode to text on their own (lm_head "
                          "rows of the others are zero): for timing a text stream "
                          "(scripts/serve_probe.py)")
-    ap.add_argument("--lm-head", choices=["fp16", "int8", "int4"], default="fp16",
+    ap.add_argument("--lm-head", choices=["fp16", "int8", "int4", "int4+fp16"], default="fp16",
                     help="int8, int4: the lm_head as `nq pack --lm-head int8` / `int4` writes it")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]

@@ -9,6 +9,7 @@ Public API:
                                                # candidates' logits replaced by the fp16 head's
                                                # (exact fp16 (V, H): lm_head or the tied embedding)
     ref_rescore(logits, bound, x, norm_w, eps, exact)   # NumPy reference -> (logits, candidates)
+    rescore_rows(logits, bound, h, exact)      # the same from h (the reference model's head)
 
 Why: the INT4 head reads a quarter of the fp16 head's bytes (0.26 ms of a 7B token on an H100,
 docs/PERF.md 0.36) but changes about a quarter of the greedy tokens of a random model, whose
@@ -85,6 +86,12 @@ def ref_rescore(logits, bound, x, norm_w, eps, exact, k_sigma: float = K_SIGMA):
     """NumPy reference: (logits with the candidates' replaced by exact . h in fp32, the
     candidates as a bool mask).  logits fp32 (V,) of the INT4 head, bound (V,) row_bounds'."""
     h = rms_norm(np.asarray(x, np.float32), norm_w, eps).astype(np.float32)
+    return rescore_rows(logits, bound, h, exact, k_sigma)
+
+
+def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
+    """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
+    h = np.asarray(h, np.float32)
     b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
         np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
     lo = np.asarray(logits, np.float32)

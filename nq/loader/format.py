@@ -9,8 +9,10 @@ the model in memory; the reader maps the file once and hands out np.frombuffer v
 The lm_head is fp16 (`lm_head`, or the embedding when tied) or quantised into
 `lm_head.qweight` + `lm_head.scales`: with header flag bit 1, int8 rows with a per-row fp32
 scale; with bit 2, INT4 g128 in a projection's ValueShuffle form (uint32 words, fp16 group
-scales), so the projections' kernels and quantiser serve it.  Tied models keep their fp16
-embedding for the lookup beside either.  Readers from before a flag refuse such a file at the
+scales), so the projections' kernels and quantiser serve it; with bits 2 and 3 ("int4+fp16")
+the fp16 `lm_head` is kept beside the INT4 one, whose candidates it rescores each step
+(nq/kernels/lm_head_rescore.py).  Tied models keep their fp16 embedding for the lookup beside
+any of them (and it rescores a tied INT4 head).  Readers from before a flag refuse such a file at the
 flags check instead of misreading it, so the format version stays 1; the header's `needs nq`
 field names the nq that reads it, for this reader's refusals and later ones'.
 
@@ -51,14 +53,20 @@ VERIFY_CHUNK = 64 << 20          # verify() checksums and unmaps 64 MiB at a tim
 FLAG_TIED = 1                    # bit 0: tie_word_embeddings (no fp16 lm_head tensor)
 FLAG_LM_HEAD_INT8 = 2            # bit 1: lm_head.qweight int8 (V, H) + lm_head.scales fp32 (V,)
 FLAG_LM_HEAD_INT4 = 4            # bit 2: lm_head.qweight u32 (V, H/8) + .scales fp16 (V, H/128)
+FLAG_LM_HEAD_FP16_ROWS = 8       # bit 3, with bit 2: the fp16 `lm_head` kept too (untied) to
+                                 # rescore the INT4 head's candidates (lm_head_rescore.py)
 # each flag -> the first nq that reads it; a file written with flags beyond v1.0's records the
 # newest of these in its header (`needs nq`), so that a reader that does not know a flag can
 # say which nq it needs
-FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0", FLAG_LM_HEAD_INT4: "0.3.0"}
+FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0", FLAG_LM_HEAD_INT4: "0.3.0",
+              FLAG_LM_HEAD_FP16_ROWS: "0.4.0"}
 KNOWN_FLAGS = sum(FLAG_SINCE)
-LM_HEADS = ("fp16", "int8", "int4")    # what `nq pack --lm-head` writes
-# a quantised lm_head -> its header flag (fp16 has none); at most one is set in a file
-LM_HEAD_FLAGS = {"int8": FLAG_LM_HEAD_INT8, "int4": FLAG_LM_HEAD_INT4}
+LM_HEADS = ("fp16", "int8", "int4", "int4+fp16")    # what `nq pack --lm-head` writes
+INT4_HEADS = ("int4", "int4+fp16")                  # the ones with an INT4 head
+# a quantised lm_head -> its header flags (fp16 has none); a file's head bits are one of these
+LM_HEAD_FLAGS = {"int8": FLAG_LM_HEAD_INT8, "int4": FLAG_LM_HEAD_INT4,
+                 "int4+fp16": FLAG_LM_HEAD_INT4 | FLAG_LM_HEAD_FP16_ROWS}
+_HEAD_BITS = FLAG_LM_HEAD_INT8 | FLAG_LM_HEAD_INT4 | FLAG_LM_HEAD_FP16_ROWS
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # magic, version, layout, group, flags, vocab, hidden, inter, layers, heads, kv_heads, head_dim,
@@ -134,10 +142,10 @@ def _global_tensors(cfg: ModelConfig, lm_head: str) -> dict[str, tuple[np.dtype,
     if lm_head == "int8":
         out["lm_head.qweight"] = (np.dtype(np.int8), (v, h))
         out["lm_head.scales"] = (np.dtype("<f4"), (v,))
-    elif lm_head == "int4":      # a projection's form (_layer_tensors), V outputs of H inputs
+    elif lm_head in INT4_HEADS:  # a projection's form (_layer_tensors), V outputs of H inputs
         out["lm_head.qweight"] = (u32, (v, h // 8))
         out["lm_head.scales"] = (f16, (v, h // GROUP_SIZE))
-    elif not cfg.tie_word_embeddings:
+    if lm_head in ("fp16", "int4+fp16") and not cfg.tie_word_embeddings:
         out["lm_head"] = (f16, (v, h))
     return out
 
@@ -158,7 +166,7 @@ def _check_lm_head(lm_head: str) -> str:
 
 def expected_tensors(cfg: ModelConfig, lm_head: str = "fp16") -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """Every tensor a file for `cfg` must hold (meta/* aside), with dtype and shape, in file
-    order; lm_head: "fp16", "int8" or "int4" (LM_HEADS)."""
+    order; lm_head: "fp16", "int8", "int4" or "int4+fp16" (LM_HEADS)."""
     return dict(_iter_expected(cfg, _check_lm_head(lm_head)))
 
 
@@ -203,7 +211,8 @@ def write_nanoqwen(path, config: ModelConfig, tensors: Iterable[tuple[str, np.nd
     """Stream `tensors` (and `meta/<name>` byte blobs) into a .nanoqwen file at `path`.
 
     lm_head: "fp16" (an `lm_head` tensor, none when tied), "int8" or "int4" (`lm_head.qweight`
-    and `lm_head.scales`, header flag bit 1 or 2): expected_tensors(config, lm_head) lists them.
+    and `lm_head.scales`, header flag bit 1 or 2), "int4+fp16" (int4's and, untied, the fp16
+    `lm_head`; bits 2 and 3): expected_tensors(config, lm_head) lists them.
 
     Each array is written as it arrives and may be dropped by the caller right after, so peak
     memory is one tensor.  With `check` (always, outside tests of the reader's refusals) every
@@ -451,10 +460,11 @@ class NanoqwenFile:
             raise FormatError(f"{where}: unknown header flags {h.flags & ~KNOWN_FLAGS:#x} (nq "
                               f"{__version__} knows {KNOWN_FLAGS:#x}); {needs or 'this file needs a newer nq, '}"
                               "upgrade nq or re-pack with this version's `nq pack`")
-        heads = [k for k, f in LM_HEAD_FLAGS.items() if h.flags & f]
-        if len(heads) > 1:       # no writer sets two: the tensors could be read either way
-            raise _corrupt(where, f"header flags {h.flags:#x} mark the lm_head both "
-                                  f"{' and '.join(heads)}; a file holds one lm_head")
+        bits = h.flags & _HEAD_BITS
+        heads = [k for k, f in LM_HEAD_FLAGS.items() if f == bits]
+        if bits and not heads:   # no writer sets these together: the tensors are ambiguous
+            raise _corrupt(where, f"header flags {h.flags:#x} mark no lm_head nq writes "
+                                  f"({', '.join(f'{k} {f:#x}' for k, f in LM_HEAD_FLAGS.items())})")
         self.lm_head = heads[0] if heads else "fp16"
         self._entries = _decode_table(where, table, h.tensor_count)
         _check_entries(where, self._entries, h.table_offset)
@@ -565,9 +575,14 @@ class NanoqwenFile:
             return "fp16 (embed_tokens, tied)" if self.config.tie_word_embeddings else "fp16"
         tied = "; embed_tokens stays fp16 for the lookup" if self.config.tie_word_embeddings else ""
         needs = f"; needs nq >= {self.needs_nq}" if self.needs_nq else ""
-        if self.lm_head == "int4":
-            return (f"int4 (lm_head.qweight in the projections' INT4 ValueShuffle form, fp16 "
-                    f"scales a {GROUP_SIZE}-group in lm_head.scales{tied}){needs}")
+        if self.lm_head in INT4_HEADS:
+            rows = ""
+            if self.lm_head == "int4+fp16" or self.config.tie_word_embeddings:
+                src = "embed_tokens" if self.config.tie_word_embeddings else "the fp16 lm_head"
+                rows = f"; its candidates rescored by {src}"
+            return (f"{self.lm_head} (lm_head.qweight in the projections' INT4 ValueShuffle "
+                    f"form, fp16 scales a {GROUP_SIZE}-group in lm_head.scales{tied}{rows})"
+                    f"{needs}")
         return f"int8 (lm_head.qweight, one fp32 scale a row in lm_head.scales{tied}){needs}"
 
     def close(self) -> None:

@@ -425,6 +425,9 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
                 elif ours == "lm_head" and lm_head != "fp16":
                     yield from quantised_head(hf)
                     bar.update(2)
+                    if lm_head == "int4+fp16":     # kept to rescore the INT4 head with
+                        yield ours, ckpt.f16(hf, shape)
+                        bar.update(1)
                 else:
                     yield ours, ckpt.f16(hf, shape)
                     bar.update(1)

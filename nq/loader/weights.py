@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 from nq.config import ModelConfig
-from nq.loader.format import NanoqwenFile
+from nq.loader.format import INT4_HEADS, NanoqwenFile
 from nq.loader.hf import hf_name, host_names
 from nq.loader.quant import dequantize_int8_rows, dequantize_packed, fake_quantize_matrix
 
@@ -26,7 +26,7 @@ def host_tensor(nf: NanoqwenFile, name: str) -> np.ndarray:
     dequantised, anything else widened."""
     if name == "lm_head" and nf.lm_head == "int8":
         return dequantize_int8_rows(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))
-    if name == "lm_head" and nf.lm_head == "int4":   # the projections' form: their dequantiser
+    if name == "lm_head" and nf.lm_head in INT4_HEADS:   # the projections' form: their dequantiser
         return dequantize_packed(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))
     if name.endswith("_proj.weight"):
         base = name[:-len(".weight")]
@@ -38,13 +38,33 @@ def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
     """fp32 host weights under our names (docs/ARCHITECTURE.md); `lm_head` is the same array
     as `embed_tokens` when the embeddings are tied, unless the file's lm_head is quantised
     (int8, int4): then it is that, dequantised (tied or not), so the reference computes what
-    the file holds."""
+    the file holds; an INT4 head that the GPU step rescores also gives `lm_head.exact` (the
+    fp16 rows) and `lm_head.bound` (RefModel rescores as the step does)."""
     out = {name: host_tensor(nf, name) for name in host_names(nf.config)}
     if nf.lm_head != "fp16":
         out["lm_head"] = host_tensor(nf, "lm_head")
     elif nf.config.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"]
+    exact = rescore_rows_of(nf)
+    if exact is not None:   # the GPU step rescores the INT4 head's candidates with these
+        from nq.kernels.lm_head_rescore import row_bounds
+        out["lm_head.exact"] = out[exact] if exact in out else nf.array("lm_head").astype(
+            np.float32)
+        out["lm_head.bound"] = row_bounds(nf.array("lm_head.scales"))
     return out
+
+
+def rescore_rows_of(nf: NanoqwenFile) -> str | None:
+    """The host name of the fp16 rows that rescore nf's INT4 head (nq/kernels/
+    lm_head_rescore.py) -- a tied model's embedding, or "lm_head.fp16" for the fp16 `lm_head`
+    tensor an "int4+fp16" file keeps -- or None (no INT4 head, no fp16 rows beside it, or
+    NQ_RESCORE=0)."""
+    from nq.kernels.lm_head_rescore import rescore_enabled
+    if nf.lm_head not in INT4_HEADS or not rescore_enabled():
+        return None
+    if nf.config.tie_word_embeddings:
+        return "embed_tokens"
+    return "lm_head.fp16" if nf.lm_head == "int4+fp16" else None
 
 
 def fake_quantize(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

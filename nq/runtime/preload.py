@@ -43,6 +43,7 @@ import numpy as np
 
 from nq import gpu_start
 from nq.runtime import staging
+from nq.loader.weights import rescore_rows_of
 
 ALIGN = 256
 SWITCH_S = 0.0005       # the GIL's switch interval while the ring runs (Python's is 0.005)
@@ -85,6 +86,8 @@ def buffers(nf) -> list[Buffer]:
             add(f"layers.{i}.{n}", [f"layers.{i}.{n}"])
     heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head != "fp16" else
              () if nf.config.tie_word_embeddings else ("lm_head",))
+    if rescore_rows_of(nf) == "lm_head.fp16":     # an "int4+fp16" file's rescoring rows
+        heads += ("lm_head",)
     for n in ("embed_tokens", "norm") + heads:
         add(n, [n])
     return out

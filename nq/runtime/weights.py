@@ -15,6 +15,8 @@ import time
 import numpy as np
 
 from nq.config import GROUP_SIZE, ModelConfig
+from nq.loader.format import INT4_HEADS
+from nq.loader.weights import rescore_rows_of
 from nq.ptx import SIMULATOR
 
 
@@ -266,13 +268,15 @@ def _allocate(nf, g, stream, preloaded=None):
     if nf.lm_head == "int8":     # `nq pack --lm-head int8`: tied or not, its own tensors
         from nq.kernels.lm_head_int8 import Int8Rows
         lm_head = Int8Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
-    elif nf.lm_head == "int4":   # `nq pack --lm-head int4`: re-tiled as a projection is
+    elif nf.lm_head in INT4_HEADS:   # `nq pack --lm-head int4[+fp16]`: re-tiled as a projection
         from nq.kernels.lm_head_int4 import Int4Rows, head_tiling
-        from nq.kernels.lm_head_rescore import rescore_enabled, row_bounds
+        from nq.kernels.lm_head_rescore import row_bounds
         lm_head = Int4Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
-        if cfg.tie_word_embeddings and rescore_enabled():   # the fp16 rows are at hand
-            lm_head = lm_head._replace(exact=arrays["embed_tokens"], bound=cuda.to_device(
-                row_bounds(nf.array("lm_head.scales")), stream=stream))
+        rows = rescore_rows_of(nf)      # fp16 rows at hand: the candidates are rescored
+        if rows is not None:
+            lm_head = lm_head._replace(
+                exact=arrays["embed_tokens" if rows == "embed_tokens" else "lm_head"],
+                bound=cuda.to_device(row_bounds(nf.array("lm_head.scales")), stream=stream))
         retile_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
     else:
         lm_head = embed if cfg.tie_word_embeddings else arrays["lm_head"]
@@ -322,16 +326,18 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
         same(f"layers.{i}.post_attention_layernorm", L.post_norm,
              nf.array(f"layers.{i}.post_attention_layernorm"))
     plain = [("embed_tokens", w.embed), ("norm", w.norm)]
-    if nf.lm_head == "int4":      # re-tiled: against the host's layout, as the projections
+    if nf.lm_head in INT4_HEADS:  # re-tiled: against the host's layout, as the projections
         from nq.kernels.int4.layout import prepare_weights
         from nq.kernels.lm_head_int4 import head_tiling
         qw, sc = prepare_weights([(nf.array("lm_head.qweight"), nf.array("lm_head.scales"))],
                                  head_tiling(nf.config).layout()[1])
         same("lm_head qweight", w.lm_head.qweight, qw)
         same("lm_head scales", w.lm_head.scales, sc)
-        if w.lm_head.bound is not None:   # the rescoring's bounds (its rows: embed_tokens)
+        if w.lm_head.bound is not None:   # the rescoring's bounds, and its own fp16 rows
             from nq.kernels.lm_head_rescore import row_bounds
             same("lm_head bound", w.lm_head.bound, row_bounds(nf.array("lm_head.scales")))
+            if nf.lm_head == "int4+fp16" and not nf.config.tie_word_embeddings:
+                plain.append(("lm_head", w.lm_head.exact))
     elif nf.lm_head == "int8":
         plain += [("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales)]
     else:
@@ -344,9 +350,10 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
 def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
                           lm_head: str = "fp16") -> DeviceWeights:
     """Weights of cfg's shapes, made on the GPU: INT4 nibbles uniform in [-8, 7] with scales
-    that give each projection output unit scale for unit inputs, norms near 1.  lm_head="int8"
-    or "int4": the head as `nq pack --lm-head int8|int4` stores it (bytes or nibbles uniform,
-    the fp16 head's spread)."""
+    that give each projection output unit scale for unit inputs, norms near 1.  lm_head="int8",
+    "int4" or "int4+fp16": the head as `nq pack --lm-head ...` stores it (bytes or nibbles
+    uniform, the fp16 head's spread; int4+fp16 and a tied int4 with fp16 rows to rescore its
+    candidates, random ones unrelated to the INT4 rows: for timing)."""
     from numba import cuda
 
     from nq.kernels.fill import fill_f16, fill_u32
@@ -384,14 +391,16 @@ def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
         fill_u32(q.view(np.uint32), next(counter), stream)
         head = Int8Rows(q, cuda.to_device(np.full(cfg.vocab_size, 0.98 / (74 * np.sqrt(h)),
                                                   np.float32), stream=stream))
-    elif lm_head == "int4":      # as a projection, the fp16 head's spread (1.7 / sqrt(h))
+    elif lm_head in INT4_HEADS:  # as a projection, the fp16 head's spread (1.7 / sqrt(h))
         from nq.kernels.lm_head_int4 import Int4Rows
         from nq.kernels.lm_head_rescore import rescore_enabled, row_bounds
         q, sc = int4(cfg.vocab_size, h)
         fill_f16(sc, next(counter), 1.7 / (4.6 * np.sqrt(h)), 0.25 * 1.7 / (4.6 * np.sqrt(h)),
                  stream)
         head = Int4Rows(q, sc)
-        if rescore_enabled():    # fp16 rows to rescore with: the embedding, or their own
+        # fp16 rows to rescore with, as a file of this kind has them: the tied embedding or
+        # (int4+fp16) their own
+        if rescore_enabled() and (cfg.tie_word_embeddings or lm_head == "int4+fp16"):
             exact = embed if cfg.tie_word_embeddings else f16((cfg.vocab_size, h), 0.0,
                                                                 1.7 / np.sqrt(h))
             head = head._replace(exact=exact, bound=cuda.to_device(

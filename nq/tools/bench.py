@@ -399,7 +399,7 @@ def run(args) -> int:
     p0 = args.p[0]
     max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
-    if args.random and args.lm_head in ("int8", "int4"):
+    if args.random and args.lm_head not in (None, "fp16"):
         from nq.runtime.weights import random_device_weights   # Engine.random's, that head
         cfg = PRESETS[args.random]
         eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head=args.lm_head),

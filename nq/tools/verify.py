@@ -79,6 +79,7 @@ def rel(got, ref) -> float:
 def layer_weights(nf, i: int) -> dict:
     """Host fp32 weights of layer i (ARCHITECTURE.md names), projections dequantised."""
     from nq.loader.hf import host_names
+    from nq.loader.format import INT4_HEADS
     from nq.loader.weights import host_tensor
     p = f"layers.{i}."
     return {n: host_tensor(nf, n) for n in host_names(nf.config) if n.startswith(p)}
@@ -128,12 +129,12 @@ def unit_tier(eng, nf, seed: int = 0) -> list[Row]:
 
     logits = cuda.device_array(cfg.vocab_size, np.float32)
     hw = eng.w.lm_head
-    if nf.lm_head == "int4":   # the INT4 kernel's own logits (the step rescores near the top)
+    if nf.lm_head in INT4_HEADS:   # the INT4 kernel's own logits (the step rescores near the top)
         hw = hw._replace(exact=None, bound=None)
     head = lm_head.make_lm_head(cfg, hw)
     head(cuda.to_device(x), eng.w.norm, hw, logits, s)
     # exact sums but an INT4 head too wide for its digits (fp16 partials, as the GEMVs')
-    tol = TOL_INT4 if nf.lm_head == "int4" and not head.tiling.i8 else TOL_HEAD
+    tol = TOL_INT4 if nf.lm_head in INT4_HEADS and not head.tiling.i8 else TOL_HEAD
     # the file's lm_head as the reference engine reads it (int8 / int4: dequantised)
     ref = lm_head.ref_lm_head(x, np.asarray(nf.array("norm"), np.float32), eps,
                               host_tensor(nf, "lm_head"))

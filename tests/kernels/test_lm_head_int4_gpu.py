@@ -79,12 +79,13 @@ def test_default_kernel_does_not_spill_on_the_device():
         assert kern.get_local_mem_per_thread() == 0, (size, kern.get_regs_per_thread())
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, tie):
+@pytest.mark.parametrize("head,tie", [("int4", False), ("int4", True), ("int4+fp16", False)],
+                         ids=["untied", "tied", "int4+fp16"])
+def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, head, tie):
     """A tiny model packed with `--lm-head int4` end to end: the upload re-tiles the head as
     `prepare` does (1800 rows: three slices of the stage buffer), and 32 greedy ids equal the
-    NumPy reference engine's over the file's dequantised head (tied: over the fp16
-    embedding, whose rows rescore the INT4 head's candidates)."""
+    NumPy reference engine's over the file's dequantised head (tied, and `int4+fp16`: its
+    candidates rescored by the fp16 rows, the embedding's or the kept lm_head's, in both)."""
     from nq.config import tiny_config
     from nq.loader.format import NanoqwenFile
     from nq.loader.hf import hf_name, pack
@@ -100,13 +101,12 @@ def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, tie
     if tie:
         w.pop("lm_head", None)
     snap = make_hf_snapshot(tmp_path / "hf", cfg, weights={hf_name(k): v for k, v in w.items()})
-    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="int4"))
+    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head=head))
     eng = Engine.from_file(nf, max_len=128)
     assert isinstance(eng.w.lm_head, L.Int4Rows) and upload_mismatches(nf, eng.w) == []
-    host = load_host_weights(nf)
-    if tie:   # the engine rescores a tied INT4 head's candidates with the embedding's rows
-        assert eng.w.lm_head.exact is not None
-        host["lm_head"] = np.asarray(nf.array("embed_tokens"), np.float32)
+    host = load_host_weights(nf)   # tied: with the embedding's rows, to rescore as the step
+    rescored = tie or head == "int4+fp16"
+    assert (eng.w.lm_head.exact is not None) == rescored == ("lm_head.exact" in host)
     ref = RefModel(cfg, host)
     prompt = [5, 17, 99, 3, 1200, 42, 7]
     ref.reset()

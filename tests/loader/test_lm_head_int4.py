@@ -35,13 +35,16 @@ def _version(v: str) -> tuple[int, ...]:
 # ---- the names the runtime matches -----------------------------------------------------------
 def test_public_names():
     assert fm.FLAG_LM_HEAD_INT4 == 4 and fm.FLAG_SINCE[fm.FLAG_LM_HEAD_INT4] == "0.3.0"
-    assert fm.LM_HEADS == ("fp16", "int8", "int4")
-    assert fm.LM_HEAD_FLAGS == {"int8": fm.FLAG_LM_HEAD_INT8, "int4": fm.FLAG_LM_HEAD_INT4}
-    assert fm.KNOWN_FLAGS == fm.FLAG_TIED | fm.FLAG_LM_HEAD_INT8 | fm.FLAG_LM_HEAD_INT4 == 7
+    assert fm.FLAG_LM_HEAD_FP16_ROWS == 8 and fm.FLAG_SINCE[fm.FLAG_LM_HEAD_FP16_ROWS] == "0.4.0"
+    assert fm.LM_HEADS == ("fp16", "int8", "int4", "int4+fp16")
+    assert fm.LM_HEAD_FLAGS == {"int8": fm.FLAG_LM_HEAD_INT8, "int4": fm.FLAG_LM_HEAD_INT4,
+                                "int4+fp16": fm.FLAG_LM_HEAD_INT4 | fm.FLAG_LM_HEAD_FP16_ROWS}
+    assert fm.KNOWN_FLAGS == (fm.FLAG_TIED | fm.FLAG_LM_HEAD_INT8 | fm.FLAG_LM_HEAD_INT4
+                              | fm.FLAG_LM_HEAD_FP16_ROWS) == 15
     # this nq reads every flag it writes, and the package says the same version as the module
     assert max(map(_version, fm.FLAG_SINCE.values())) <= _version(nq.__version__)
     toml = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^version = "([^"]+)"', toml, re.M).group(1) == nq.__version__ == "0.3.0"
+    assert re.search(r'^version = "([^"]+)"', toml, re.M).group(1) == nq.__version__ == "0.4.0"
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -112,16 +115,19 @@ def test_the_needs_field_is_the_newest_flags():
     assert fm._needs_nq(fm.FLAG_TIED) == b""
 
 
+@pytest.mark.parametrize("bits", [fm.FLAG_LM_HEAD_INT8 | fm.FLAG_LM_HEAD_INT4,
+                                  fm.FLAG_LM_HEAD_FP16_ROWS,
+                                  fm.FLAG_LM_HEAD_INT8 | fm.FLAG_LM_HEAD_FP16_ROWS])
 @pytest.mark.parametrize("lm_head", ["int8", "int4"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_refuses_both_quantised_flags(tmp_path, lm_head, tie):
+def test_refuses_head_flags_no_writer_sets(tmp_path, lm_head, tie, bits):
     cfg = tiny_config(num_layers=1, tie=tie)
     path = write_nanoqwen(tmp_path / "m.nanoqwen", cfg, iter(tensors_for(cfg, lm_head)),
                           lm_head=lm_head)
-    flags = fm.FLAG_LM_HEAD_INT8 | fm.FLAG_LM_HEAD_INT4 | (fm.FLAG_TIED if tie else 0)
+    flags = bits | (fm.FLAG_TIED if tie else 0)
     reseal(path, header={"flags": flags})
-    with pytest.raises(FormatError, match=rf"m\.nanoqwen: header flags {flags:#x} mark the lm_head "
-                                          r"both int8 and int4; a file holds one lm_head; the "
+    with pytest.raises(FormatError, match=rf"m\.nanoqwen: header flags {flags:#x} mark no lm_head "
+                                          r"nq writes \(int8 0x2, int4 0x4, int4\+fp16 0xc\); the "
                                           r"file is corrupt, re-pack with `nq pack`"):
         NanoqwenFile(path)
 
@@ -188,8 +194,11 @@ def test_pack_int4_equals_quantised_source(tmp_path, monkeypatch, capsys, dtype,
     for name in ref.names():
         if name != "lm_head":
             assert np.array_equal(nf.array(name), ref.array(name)), name
-    # the reference reads the dequantised head (tied too), the rest as before
+    # the reference reads the dequantised head (tied too), the rest as before; a tied one's
+    # candidates would be rescored by the embedding (the next test): not here
+    monkeypatch.setenv("NQ_RESCORE", "0")
     host, host16 = load_host_weights(nf), load_host_weights(ref)
+    assert "lm_head.exact" not in host
     assert host["lm_head"].dtype == np.float32
     assert np.array_equal(host["lm_head"], dequantize_packed(q, s))
     assert not np.shares_memory(host["lm_head"], host["embed_tokens"])
@@ -246,7 +255,8 @@ def test_the_cli_offers_every_lm_head(tmp_path, tiny_snapshot, capsys):
     with pytest.raises(SystemExit):
         main(["pack", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{fp16,int8,int4}" in text and "INT4 g128" in text and "nq >= 0.3.0" in text
+    assert "{fp16,int8,int4,int4+fp16}" in text and "INT4 g128" in text and "nq >= 0.3.0" in text
+    assert "nq >= 0.4.0" in text and "rescores" in text
     assert "scripts/lm_head_quality.py" in text and "nq >= 0.2.0" in text
 
 
@@ -272,3 +282,44 @@ def test_random_file_script_writes_a_quantised_head(tmp_path, lm_head):
     assert 0.5 < head[256:text].std() * np.sqrt(cfg.hidden_size) < 2
     with pytest.raises(SystemExit):
         mod.main(["tiny", str(out), "--lm-head", "int2"])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_pack_int4_fp16_keeps_the_rows_that_rescore(tmp_path, tie):
+    """`--lm-head int4+fp16`: the INT4 head of `int4` and, untied, the fp16 lm_head beside it
+    (bits 2 and 3, needs nq 0.4.0); tied, the embedding serves.  The reference then rescores
+    the INT4 head's candidates with those rows (as the GPU step does), so its greedy token is
+    the fp16 head's where the INT4 head alone picks another."""
+    from nq.kernels.lm_head_rescore import row_bounds
+    from nq.loader.weights import rescore_rows_of
+    cfg = tiny_config(num_layers=1, tie=tie)
+    snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=3)
+    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="int4+fp16"),
+                      verify=True)
+    i4 = NanoqwenFile(pack(snap, tmp_path / "i4.nanoqwen", progress=False, lm_head="int4"))
+    f16 = NanoqwenFile(pack(snap, tmp_path / "f16.nanoqwen", progress=False))
+    assert nf.lm_head == "int4+fp16" and nf.needs_nq == "0.4.0"
+    assert nf.header.flags & (fm.FLAG_LM_HEAD_INT4 | fm.FLAG_LM_HEAD_FP16_ROWS) == 12
+    assert set(nf.names()) == set(i4.names()) | ({"lm_head"} if not tie else set())
+    for name in i4.names():
+        assert np.array_equal(nf.array(name), i4.array(name)), name
+    if not tie:
+        assert np.array_equal(nf.array("lm_head"), f16.array("lm_head"))
+    assert rescore_rows_of(nf) == ("embed_tokens" if tie else "lm_head.fp16")
+    assert rescore_rows_of(i4) == ("embed_tokens" if tie else None)   # untied int4: no rows
+    host = load_host_weights(nf)
+    rows = host["embed_tokens"] if tie else np.asarray(f16.array("lm_head"), np.float32)
+    np.testing.assert_array_equal(host["lm_head.exact"], rows)
+    np.testing.assert_array_equal(host["lm_head.bound"], row_bounds(nf.array("lm_head.scales")))
+    assert "int4+fp16" in nf.describe() and "rescored by" in nf.describe()
+    # the reference: candidates' logits from the fp16 rows, the rest the INT4 head's
+    ids = [5, 9, 2, 77, 300, 41]
+    got = RefModel(cfg, host).forward(ids)
+    plain = RefModel(cfg, {k: v for k, v in host.items() if not k.startswith("lm_head.")})
+    int4 = plain.forward(ids)
+    want = RefModel(cfg, load_host_weights(f16)).forward(ids)
+    for t in range(len(ids)):
+        cand = got[t] != int4[t]
+        assert 0 < cand.sum() < cand.size / 2
+        np.testing.assert_allclose(got[t][cand], want[t][cand], rtol=1e-4, atol=1e-4)
+        assert np.argmax(got[t]) == np.argmax(want[t])

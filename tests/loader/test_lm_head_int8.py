@@ -186,7 +186,7 @@ def test_pack_int8_equals_quantised_source(tmp_path, tie, capsys):
 
 
 def test_pack_refuses_an_unknown_lm_head(tmp_path, tiny_snapshot, capsys):
-    with pytest.raises(LoadError, match="lm_head='bf16': choose one of fp16, int8, int4$"):
+    with pytest.raises(LoadError, match=r"lm_head='bf16': choose one of fp16, int8, int4, int4\+fp16$"):
         pack(tiny_snapshot, tmp_path / "m.nanoqwen", progress=False, lm_head="bf16")
     with pytest.raises(SystemExit):
         main(["pack", str(tiny_snapshot), str(tmp_path / "m.nanoqwen"), "--lm-head", "int2"])
