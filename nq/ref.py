@@ -294,7 +294,6 @@ class RefModel:
         x = rms_norm(x, self.w["norm"], self.cfg.rms_norm_eps)
         logits = linear(x, self.w["lm_head"])
         if self.rescore is not None:      # an INT4 head's candidates, as the GPU step does
-            from nq.kernels.lm_head_rescore import rescore_rows
             exact, bound = self.rescore
             for t in range(logits.shape[0]):
                 logits[t] = rescore_rows(logits[t], bound, x[t], exact)[0]
@@ -377,3 +376,20 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             a = 1.0 + 0.1 * rng.standard_normal(shape)
         w[name] = a.astype(np.float32)
     return w
+
+
+# ---- the INT4 lm_head's rescoring (nq/kernels/lm_head_rescore.py has the why) -----------------
+K_SIGMA = 6.0          # a candidate's bound in sigmas of its INT4 logit's rounding error
+
+
+def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
+    """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
+    h = np.asarray(h, np.float32)
+    b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
+        np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
+    lo = np.asarray(logits, np.float32)
+    cand = lo + b >= (lo - b).max()
+    out = lo.copy()
+    ids = np.flatnonzero(cand)
+    out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
+    return out, cand

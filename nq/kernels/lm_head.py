@@ -31,10 +31,9 @@ from numba import cuda, float32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import (STATIC_SMEM_LIMIT, block_rstd, dev, loop_chunks, need,
-                               row_chunk_loads, sm_count, warp_sum)
+from nq.kernels.common import head_parts, need, sm_count
 from nq.ptx import (SIMULATOR, cp_async_bulk_prefetch_l2, griddepcontrol_launch_dependents,
-                    griddepcontrol_wait, ld_shared_v4_f32, unpack_f16x2_to_f32)
+                    griddepcontrol_wait)
 from nq.ref import linear, rms_norm
 
 _ALIGN = None if SIMULATOR else 16
@@ -48,100 +47,6 @@ def ref_lm_head(x, norm_w, eps, weight):
 def lm_head_name(vocab: int, k: int, eps: float, threads: int, unroll: int) -> str:
     """e.g. lm_head_fp16_v152064_k3584_t256_u7_eps1em06."""
     return kernel_name("lm_head_fp16", v=vocab, k=k, t=threads, u=unroll, eps=float(eps))
-
-
-def head_parts(k: int, threads: int, unroll: int):
-    """The fp16 head's device functions, shared with the INT4 head's exact rescoring
-    (lm_head_rescore.py), whose logits must be these bit for bit: (SH, stage, row_dot).
-
-    stage(x, norm_w, hA, hB, red, eps, inv_k) -> h = rmsnorm(x) * norm_w in fp32 shared
-    memory (SH floats in each of hA, hB; red: a float a warp), the block synced after;
-    row_dot(weight, row, lane, hA, hB) -> the row's dot with h, summed over the warp (every
-    lane gets it)."""
-    if k % 8 or threads % 32:
-        raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
-    if not 1 <= unroll <= 8:
-        raise ValueError("lm_head: unroll must be 1..8")
-    CH = k // 8                  # 16-byte chunks per row
-    NCL = -(-CH // 32)           # chunks per lane
-    U = unroll
-    # floats in each of hA, hB: 4 a chunk the lane loop can name (common.loop_chunks); the
-    # 7B's 448 chunks are 14 x 32 with unroll 7, so its kernel is unchanged
-    SH = loop_chunks(CH, U) * 4
-    if 2 * SH * 4 + 64 > STATIC_SMEM_LIMIT:
-        raise ValueError(f"lm_head: hidden={k} needs {2 * SH * 4} bytes of shared memory at "
-                         f"unroll {unroll}; use a smaller unroll")
-    WARPS = threads // 32
-
-    def dot_chunk(w0, w1, w2, w3, hA, hB, c, acc):
-        a0, a1, a2, a3 = ld_shared_v4_f32(hA, c * 4)
-        b0, b1, b2, b3 = ld_shared_v4_f32(hB, c * 4)
-        p0, p1 = unpack_f16x2_to_f32(w0)
-        p2, p3 = unpack_f16x2_to_f32(w1)
-        p4, p5 = unpack_f16x2_to_f32(w2)
-        p6, p7 = unpack_f16x2_to_f32(w3)
-        acc += p0 * a0 + p1 * a1 + p2 * a2 + p3 * a3
-        return acc + (p4 * b0 + p5 * b1 + p6 * b2 + p7 * b3)
-
-    dot_chunk, wsum, rstd_of = dev(dot_chunk), dev(warp_sum), dev(block_rstd)
-    load_u = row_chunk_loads(CH, U, 8)
-
-    def dot1(w, hA, hB, c, acc):
-        if c < CH:
-            return dot_chunk(w[0], w[1], w[2], w[3], hA, hB, c, acc)
-        return acc
-
-    def dot_u(ws, hA, hB, lane, c0, acc):
-        b = c0 * 32 + lane
-        l0, l1, l2, l3, l4, l5, l6, l7 = ws
-        acc = dot1(l0, hA, hB, b, acc)
-        if U > 1:
-            acc = dot1(l1, hA, hB, b + 32, acc)
-        if U > 2:
-            acc = dot1(l2, hA, hB, b + 64, acc)
-        if U > 3:
-            acc = dot1(l3, hA, hB, b + 96, acc)
-        if U > 4:
-            acc = dot1(l4, hA, hB, b + 128, acc)
-        if U > 5:
-            acc = dot1(l5, hA, hB, b + 160, acc)
-        if U > 6:
-            acc = dot1(l6, hA, hB, b + 192, acc)
-        if U > 7:
-            acc = dot1(l7, hA, hB, b + 224, acc)
-        return acc
-
-    dot1, dot_u = dev(dot1), dev(dot_u)
-
-    def stage(x, norm_w, hA, hB, red, eps, inv_k):
-        tid = cuda.threadIdx.x
-        ss = float32(0.0)
-        for e in range(tid, k, threads):
-            v = x[e]
-            ss += v * v
-        ss = wsum(ss)
-        if (tid & 31) == 0:
-            red[tid >> 5] = ss
-        cuda.syncthreads()
-        rstd = rstd_of(red, WARPS, inv_k, eps)
-        for e in range(tid, k, threads):
-            h = (x[e] * rstd) * float32(norm_w[e])
-            c = e >> 3
-            if (e & 7) < 4:
-                hA[c * 4 + (e & 3)] = h
-            else:
-                hB[c * 4 + (e & 3)] = h
-        cuda.syncthreads()
-
-    def row_dot(weight, row, lane, hA, hB):
-        acc = float32(0.0)
-        for c0 in range(0, NCL, U):
-            # issue up to U 16-byte loads, then the math (U words x 4 in registers)
-            ws = load_u(weight, row, lane, c0)
-            acc = dot_u(ws, hA, hB, lane, c0, acc)
-        return wsum(acc)
-
-    return SH, dev(stage), dev(row_dot)
 
 
 @functools.lru_cache(maxsize=None)

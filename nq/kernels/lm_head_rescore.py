@@ -4,6 +4,7 @@ decide the token, at the INT4 head's bytes.
 Public API:
 
     bound = row_bounds(file_scales)            # host: fp32 (V,), each row's largest group scale
+                                               # (nq.loader.quant's; rescore_rows, K_SIGMA: nq.ref's)
     r = make_rescore(cfg)                      # Rescore; its two kernels' grids in .grids
     r(x, norm_w, exact, logits, bound, stream) # after the INT4 head wrote logits: the
                                                # candidates' logits replaced by the fp16 head's
@@ -36,7 +37,7 @@ The two kernels, after the INT4 head in the step graph (each waits on the previo
             reset: the next kernel reads every block's entry.
     rescore a persistent grid (a block an SM: the candidates are few, and each block stages h
             once) of the fp16 head's blocks (256 threads, unroll 7): stages h
-            with the fp16 head's own device functions (lm_head.head_parts), reduces bmax to M,
+            with the fp16 head's own device functions (common.head_parts), reduces bmax to M,
             and each warp takes 32 ids at a time: a ballot of the candidates, then each
             candidate's row dot by the whole warp, as the fp16 head computes it -- so a
             candidate's logit is the fp16 head's bit for bit.
@@ -47,39 +48,24 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import block_rstd, dev, need, sm_count, warp_max, warp_sum
-from nq.kernels.lm_head import _ALIGN, head_parts
-from nq.ptx import griddepcontrol_launch_dependents, griddepcontrol_wait
-from nq.ref import rms_norm
+from nq.kernels.common import block_rstd, dev, head_parts, need, sm_count, warp_max, warp_sum
+from nq.ptx import SIMULATOR, griddepcontrol_launch_dependents, griddepcontrol_wait
+from nq.loader.quant import row_bounds
+from nq.ref import K_SIGMA, rescore_rows, rms_norm
 
-K_SIGMA = 6.0          # a candidate's bound in sigmas of its INT4 logit's rounding error
 THREADS = 256          # both kernels; rescore's must be the fp16 head's (its h, bit for bit)
 UNROLL = 7             # the fp16 head's
+__all__ = ["K_SIGMA", "Rescore", "build_kernels", "make_rescore", "ref_rescore", "rescore_kernels",
+           "rescore_names", "rescore_rows", "row_bounds"]
 NEG_INF = np.float32(-np.inf)
+ALIGN16 = None if SIMULATOR else 16
 ONE = np.uint32(1)
-
-
-def rescore_enabled() -> bool:
-    """NQ_RESCORE=0 loads an INT4 head without its fp16 rows (the INT4 head's logits alone,
-    as `nq pack --lm-head int4` files of untied models always run)."""
-    return os.environ.get("NQ_RESCORE", "1") != "0"
-
-
-def row_bounds(scales) -> np.ndarray:
-    """fp32 (V,): each row's largest group scale, from the file's fp16 (V, H/128) scales
-    (host NumPy, in row chunks: the 7B's are 8.5 MB)."""
-    s = np.asarray(scales)
-    out = np.empty(s.shape[0], np.float32)
-    for r in range(0, s.shape[0], 16384):
-        out[r:r + 16384] = np.abs(s[r:r + 16384].astype(np.float32)).max(axis=1)
-    return out
 
 
 def ref_rescore(logits, bound, x, norm_w, eps, exact, k_sigma: float = K_SIGMA):
@@ -87,19 +73,6 @@ def ref_rescore(logits, bound, x, norm_w, eps, exact, k_sigma: float = K_SIGMA):
     candidates as a bool mask).  logits fp32 (V,) of the INT4 head, bound (V,) row_bounds'."""
     h = rms_norm(np.asarray(x, np.float32), norm_w, eps).astype(np.float32)
     return rescore_rows(logits, bound, h, exact, k_sigma)
-
-
-def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
-    """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
-    h = np.asarray(h, np.float32)
-    b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
-        np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
-    lo = np.asarray(logits, np.float32)
-    cand = lo + b >= (lo - b).max()
-    out = lo.copy()
-    ids = np.flatnonzero(cand)
-    out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
-    return out, cand
 
 
 def rescore_names(vocab: int, k: int, eps: float) -> tuple[str, str]:
@@ -171,8 +144,8 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
                 bmax[cuda.gridDim.x] = scale
 
     def rescore_kernel(x, norm_w, exact, logits, bound, bmax, nb):
-        hA = cuda.shared.array(SH, float32, alignment=_ALIGN)
-        hB = cuda.shared.array(SH, float32, alignment=_ALIGN)
+        hA = cuda.shared.array(SH, float32, alignment=ALIGN16)
+        hB = cuda.shared.array(SH, float32, alignment=ALIGN16)
         red = cuda.shared.array(WARPS, float32)
         tid = cuda.threadIdx.x
         lane = tid & 31

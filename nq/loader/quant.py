@@ -179,3 +179,14 @@ def dequantize_int8_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     for r in range(0, q.shape[0], CHUNK_ROWS):
         out[r:r + CHUNK_ROWS] = q[r:r + CHUNK_ROWS] * scales[r:r + CHUNK_ROWS, None].astype(np.float32)
     return out
+
+
+def row_bounds(scales) -> np.ndarray:
+    """fp32 (V,): each row's largest group scale, from the file's fp16 (V, H/128) scales
+    (host NumPy, in row chunks: the 7B's are 8.5 MB) -- an INT4 lm_head's rounding bound,
+    nq/kernels/lm_head_rescore.py."""
+    s = np.asarray(scales)
+    out = np.empty(s.shape[0], np.float32)
+    for r in range(0, s.shape[0], 16384):
+        out[r:r + 16384] = np.abs(s[r:r + 16384].astype(np.float32)).max(axis=1)
+    return out

@@ -9,6 +9,7 @@ can be compared on identical weights.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -16,7 +17,8 @@ import numpy as np
 from nq.config import ModelConfig
 from nq.loader.format import INT4_HEADS, NanoqwenFile
 from nq.loader.hf import hf_name, host_names
-from nq.loader.quant import dequantize_int8_rows, dequantize_packed, fake_quantize_matrix
+from nq.loader.quant import (dequantize_int8_rows, dequantize_packed, fake_quantize_matrix,
+                             row_bounds)
 
 _PROJ_WEIGHT = re.compile(r"(^|\.)(q|k|v|o|gate|up|down)_proj\.weight$")
 
@@ -47,7 +49,6 @@ def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
         out["lm_head"] = out["embed_tokens"]
     exact = rescore_rows_of(nf)
     if exact is not None:   # the GPU step rescores the INT4 head's candidates with these
-        from nq.kernels.lm_head_rescore import row_bounds
         out["lm_head.exact"] = out[exact] if exact in out else nf.array("lm_head").astype(
             np.float32)
         out["lm_head.bound"] = row_bounds(nf.array("lm_head.scales"))
@@ -59,7 +60,6 @@ def rescore_rows_of(nf: NanoqwenFile) -> str | None:
     lm_head_rescore.py) -- a tied model's embedding, or "lm_head.fp16" for the fp16 `lm_head`
     tensor an "int4+fp16" file keeps -- or None (no INT4 head, no fp16 rows beside it, or
     NQ_RESCORE=0)."""
-    from nq.kernels.lm_head_rescore import rescore_enabled
     if nf.lm_head not in INT4_HEADS or not rescore_enabled():
         return None
     if nf.config.tie_word_embeddings:
@@ -85,3 +85,9 @@ def hf_to_host(cfg: ModelConfig, hf_weights: dict[str, np.ndarray]) -> dict[str,
     if cfg.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"]
     return out
+
+
+def rescore_enabled() -> bool:
+    """NQ_RESCORE=0 loads an INT4 head without its fp16 rows (the INT4 head's logits alone,
+    as `nq pack --lm-head int4` files of untied models always run)."""
+    return os.environ.get("NQ_RESCORE", "1") != "0"

@@ -270,7 +270,7 @@ def _allocate(nf, g, stream, preloaded=None):
         lm_head = Int8Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
     elif nf.lm_head in INT4_HEADS:   # `nq pack --lm-head int4[+fp16]`: re-tiled as a projection
         from nq.kernels.lm_head_int4 import Int4Rows, head_tiling
-        from nq.kernels.lm_head_rescore import row_bounds
+        from nq.loader.quant import row_bounds
         lm_head = Int4Rows(arrays["lm_head.qweight"], arrays["lm_head.scales"])
         rows = rescore_rows_of(nf)      # fp16 rows at hand: the candidates are rescored
         if rows is not None:
@@ -334,7 +334,7 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
         same("lm_head qweight", w.lm_head.qweight, qw)
         same("lm_head scales", w.lm_head.scales, sc)
         if w.lm_head.bound is not None:   # the rescoring's bounds, and its own fp16 rows
-            from nq.kernels.lm_head_rescore import row_bounds
+            from nq.loader.quant import row_bounds
             same("lm_head bound", w.lm_head.bound, row_bounds(nf.array("lm_head.scales")))
             if nf.lm_head == "int4+fp16" and not nf.config.tie_word_embeddings:
                 plain.append(("lm_head", w.lm_head.exact))
@@ -393,7 +393,8 @@ def random_device_weights(cfg: ModelConfig, seed: int = 0, stream=0,
                                                   np.float32), stream=stream))
     elif lm_head in INT4_HEADS:  # as a projection, the fp16 head's spread (1.7 / sqrt(h))
         from nq.kernels.lm_head_int4 import Int4Rows
-        from nq.kernels.lm_head_rescore import rescore_enabled, row_bounds
+        from nq.loader.weights import rescore_enabled
+        from nq.loader.quant import row_bounds
         q, sc = int4(cfg.vocab_size, h)
         fill_f16(sc, next(counter), 1.7 / (4.6 * np.sqrt(h)), 0.25 * 1.7 / (4.6 * np.sqrt(h)),
                  stream)
