@@ -54,7 +54,7 @@ from numba import cuda, float32, uint32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import block_rstd, dev, head_parts, need, sm_count, warp_max, warp_sum
+from nq.kernels.common import dev, head_parts, need, sm_count, warp_max, warp_sum
 from nq.ptx import SIMULATOR, griddepcontrol_launch_dependents, griddepcontrol_wait
 from nq.loader.quant import row_bounds
 from nq.ref import K_SIGMA, rescore_rows, rms_norm
@@ -83,12 +83,12 @@ def rescore_names(vocab: int, k: int, eps: float) -> tuple[str, str]:
 @functools.lru_cache(maxsize=None)
 def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
     """The two kernel bodies and their signatures (the module doc)."""
-    SH, stage, row_dot = head_parts(k, THREADS, UNROLL)
+    SH, stage, row_dot, x_rstd = head_parts(k, THREADS, UNROLL)
     WARPS = THREADS // 32
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
     SCALE = np.float32(k_sigma / math.sqrt(12.0))
-    wsum, wmax, rstd_of = dev(warp_sum), dev(warp_max), dev(block_rstd)
+    wsum, wmax = dev(warp_sum), dev(warp_max)
     bound_name, rescore_name = rescore_names(vocab, k, eps)
 
     def block_max(v, red, warp, lane):
@@ -112,15 +112,7 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
         warp = tid >> 5
         griddepcontrol_wait()
         griddepcontrol_launch_dependents()
-        ss = float32(0.0)
-        for e in range(tid, k, THREADS):
-            v = x[e]
-            ss += v * v
-        ss = wsum(ss)
-        if lane == 0:
-            red[warp] = ss
-        cuda.syncthreads()
-        rstd = rstd_of(red, WARPS, INV_K, EPS)
+        rstd = x_rstd(x, red, EPS, INV_K)          # the fp16 head's own
         hh = float32(0.0)
         for e in range(tid, k, THREADS):
             h = (x[e] * rstd) * float32(norm_w[e])
