@@ -1,4 +1,4 @@
-"""What a quantised lm_head (`nq pack --lm-head int8|int4`) does to the logits, on the CPU.
+"""What a quantised lm_head (`nq pack --lm-head int8|int4|int4+fp16`) does to the logits, on the CPU.
 
     python3 scripts/lm_head_quality.py                        # 0.5B shape, 2 layers, 100 prompts
     python3 scripts/lm_head_quality.py --size 7b --init ref   # the 7B's width (untied head)
@@ -13,8 +13,10 @@ for each quantised head: top-1 agreement, and |head - fp16| over the fp16 logits
 (max - min), its max (and the median over positions of a position's max, the figure `nq
 verify` quotes for the engine against the reference) and mean; the largest fp16 top-2 gap
 among the flips says how near a tie a position must be for the quantised head to change the
-greedy token.  For
-scale, the same figures for the fp16 head against the fp32 source it was rounded from (the
+greedy token.  `int4+fp16` is the INT4 head with each position's candidates rescored by the
+fp16 rows, as the GPU step does (nq/kernels/lm_head_rescore.py): its agreement should be 100 %
+(a miss needs a 6-sigma rounding error), and its last column counts the rows a step reads
+for it (7 KB each at the 7B's width).  For scale, the same figures for the fp16 head against the fp32 source it was rounded from (the
 rounding every default pack already carries).
 
 With a trained model, the question random weights cannot settle (docs/PERF.md 0.8, 0.36):
@@ -46,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nq.config import PRESETS  # noqa: E402
 from nq.loader.quant import (dequantize_int8_rows, dequantize_packed,  # noqa: E402
-                             quantize_int8_rows, quantize_pack)
-from nq.ref import KVCache, RefModel, random_weights, rms_norm  # noqa: E402
+                             quantize_int8_rows, quantize_pack, row_bounds)
+from nq.ref import KVCache, RefModel, random_weights, rescore_rows, rms_norm  # noqa: E402
 
 
 def model_weights(cfg, init: str, seed: int) -> dict:
@@ -85,10 +87,14 @@ def int4_searched(src: np.ndarray, clips=np.linspace(0.6, 1.0, 21)) -> np.ndarra
 
 def heads(src: np.ndarray, kinds) -> tuple[np.ndarray, dict]:
     """(fp16 head, {kind: quantised head}) as fp32 (V, H) from the source head src: what the
-    packs store, dequantised (int4s: `int4_searched`, an experiment)."""
+    packs store, dequantised (int4s: `int4_searched`, an experiment; int4+fp16: (the INT4
+    head, its row bounds), whose candidates `measure` rescores with the fp16 rows)."""
+    def rescored():
+        q, sc = quantize_pack(src)
+        return dequantize_packed(q, sc), row_bounds(sc)
     quant = {"int8": lambda: dequantize_int8_rows(*quantize_int8_rows(src)),
              "int4": lambda: dequantize_packed(*quantize_pack(src)),
-             "int4s": lambda: int4_searched(src)}
+             "int4s": lambda: int4_searched(src), "int4+fp16": rescored}
     return src.astype(np.float16).astype(np.float32), {k: quant[k]() for k in kinds}
 
 
@@ -143,8 +149,8 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
     quantise; fp32_source: src is the unrounded source (a random model), else the file's fp16."""
     t0 = time.perf_counter()
     w16, wq = heads(src, kinds)
-    st = {k: {"agree": 0, "rel_max": 0.0, "rel_sum": 0.0, "flips": [], "pos_max": []}
-          for k in kinds}
+    st = {k: {"agree": 0, "rel_max": 0.0, "rel_sum": 0.0, "flips": [], "pos_max": [],
+              "cands": []} for k in kinds}
     total, base_agree, base_max, spreads, gaps = 0, 0, 0.0, [], []
     for ids in windows:
         h = final_hidden(model, ids)
@@ -153,7 +159,15 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
         top2 = np.sort(l16, axis=1)[:, -2:]
         gap = (top2[:, 1] - top2[:, 0]) / spread
         for k, wk in wq.items():
-            lq, r = h @ wk.T, st[k]
+            r = st[k]
+            if k == "int4+fp16":     # the INT4 logits, their candidates rescored (the step's)
+                wk, bound = wk
+                lq = h @ wk.T
+                for t in range(len(lq)):
+                    lq[t], cand = rescore_rows(lq[t], bound, h[t], w16)
+                    r["cands"].append(int(cand.sum()))
+            else:
+                lq = h @ wk.T
             d = np.abs(lq - l16) / spread[:, None]
             r["rel_max"] = max(r["rel_max"], float(d.max()))
             r["rel_sum"] += float(d.mean(axis=1).sum())
@@ -173,7 +187,7 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
              "flip_gaps": r["flips"], "base_agree": base_agree if fp32_source else None,
              "base_max": base_max, "pos_max": float(np.median(r["pos_max"])),
              "spread": float(np.median(spreads)), "gap_median": float(np.median(gaps)),
-             "seconds": time.perf_counter() - t0}
+             "cands": r["cands"], "seconds": time.perf_counter() - t0}
             for k, r in st.items()]
 
 
@@ -187,18 +201,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--prompt-len", type=int, default=16, help="positions a prompt (each measured)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--head", action="append", choices=["int8", "int4", "int4s"],
-                    help="quantised heads to measure (repeatable; default int8 and int4; "
-                         "int4s: int4 with a least-squares clip a group, an experiment)")
+    ap.add_argument("--head", action="append", choices=["int8", "int4", "int4s", "int4+fp16"],
+                    help="quantised heads to measure (repeatable; default int8, int4 and "
+                         "int4+fp16; int4s: int4 with a least-squares clip a group, an "
+                         "experiment; int4+fp16: int4 with its candidates rescored by the fp16 "
+                         "rows, as the step does -- its last column counts them)")
     ap.add_argument("--model", help="a packed trained model (.nanoqwen, fp16 head) instead of "
                                     "random ones; needs --text")
     ap.add_argument("--text", help="with --model: a UTF-8 text file the windows are cut from")
     args = ap.parse_args(argv)
-    kinds = tuple(args.head or ["int8", "int4"])
+    kinds = tuple(args.head or ["int8", "int4", "int4+fp16"])
     print("| model | head | positions | vs fp16: top-1 agreement | max abs(dlogit)/spread (median "
           "of a position's max) | mean | largest flipped top-2 gap/spread | fp16 vs fp32 source: agreement, max | median spread "
-          "| median top-2 gap/spread |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
+          "| median top-2 gap/spread | rescored ids a position (median, max) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |")
     if args.model:
         label, model, src, windows = file_case(args.model, args.text, args.prompts,
                                                args.prompt_len)
@@ -221,7 +237,9 @@ def row(r: dict) -> None:
           f"{r['rel_max']:.2e} ({r['pos_max']:.1e}) | {r['rel_mean']:.2e} | {flips} | "
           + ("- | " if r["base_agree"] is None else
              f"{100 * r['base_agree'] / r['positions']:.2f} %, {r['base_max']:.1e} | ") +
-          f"{r['spread']:.3g} | {r['gap_median']:.2e} |", flush=True)
+          f"{r['spread']:.3g} | {r['gap_median']:.2e} | "
+          + (f"{np.median(r['cands']):.0f}, {max(r['cands'])} |" if r["cands"] else "- |"),
+          flush=True)
     print(f"  ({r['seconds']:.0f} s)", file=sys.stderr)
 
 

@@ -29,7 +29,12 @@ def test_a_packed_model_on_text(packed, capsys):
                            "--prompt-len", "12"]) == 0
     out = capsys.readouterr().out
     rows = [r for r in out.splitlines() if r.startswith("| ") and "---" not in r][1:]
-    assert [r.split(" | ")[1] for r in rows] == ["int8", "int4"], out
+    assert [r.split(" | ")[1] for r in rows] == ["int8", "int4", "int4+fp16"], out
+    rescored = rows[2].split(" | ")
+    assert rescored[3].startswith("100.00 %"), out          # the fp16 head's greedy tokens
+    median, most = rescored[10].rstrip(" |").split(", ")
+    assert 1 <= float(median) <= int(most) < 512, out       # some rows, far from all
+    assert rows[0].split(" | ")[10].startswith("-")
     for r in rows:
         cells = r.split(" | ")
         assert cells[2] == "36"                                # 3 windows x 12 positions
