@@ -419,8 +419,8 @@ def run(args) -> int:
     head_kind = ("" if not hasattr(head, "scales") else
                  ", lm_head int8" if head.qweight.dtype == np.int8 else ", lm_head int4")
     from nq.kernels.int4 import tiling
-    env["i8"] = tiling.I8                         # NQ_I8: "1" (default), "0" or "all"
-    i8 = {"0": ", no i8", "1": "", "all": ", i8 all"}[tiling.I8]   # departures from NQ_I8=1
+    env["i8"] = tiling.I8                         # NQ_I8: "1" (default) or "0"
+    i8 = {"0": ", no i8", "1": ""}[tiling.I8]     # a departure from NQ_I8=1
     model = (f"{cfg.name} INT4 g128" + head_kind + i8
              + (" (random)" if args.random else ""))
     ceiling = copy_ceiling_gbs()

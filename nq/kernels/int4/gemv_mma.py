@@ -79,7 +79,7 @@ silu(g) * u in fp32 and one fp16 store, as gemv.py's put_swiglu.  rstd is gemv.p
 arithmetic too (a lane's sum of squares over its groups, the warp's butterfly, the warps' sums
 in order), equal to the bit where the two kernels have as many warps.
 
-i8 (`MmaTiling.i8`, every kind; gate_up's default, tiling.py's NQ_I8 for the rest): the
+i8 (`MmaTiling.i8`, every kind; gate_up's default, down's lost: tiling.py's epitaph): the
 weights' nibbles moved to the top of their bytes (16 n as a signed byte, 3 instructions a word
 against the fp16 dequant's 9) times the activations as integers, x = rni(v * 2^14) staged as
 three signed-byte digits in three planes (stage_digits), on `mma.sync.m16n8k32.s8`: lane (g, t)

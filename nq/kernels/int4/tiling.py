@@ -31,8 +31,13 @@ exactly), which makes the default step fp32-accurate: the decode tier at the 7B 
 4.78e-4 of the spread (median / max; target 5e-4) against 8.8e-4 / 1.1e-3 with fp16, for
 +0.000 ms a step in the 7B (H100, 2026-12-07: `qkv_rope.i8=0` -0.000 / +0.001 / +0.000 at 512 /
 8K / 32K) and -0.038 / -0.028 at the 14B's width (docs/PERF.md 0.30).  `NQ_I8` (`I8`, read once
-at import) picks: "1" (the default) gate_up, attn_o_proj and the CUDA-core qkv, "0" none, "all"
-every tensor-core tiling too (the experiment of docs/PERF.md 0.27).
+at import) picks: "1" (the default) gate_up, attn_o_proj and the CUDA-core qkv, "0" none.
+
+Retired: NQ_I8=all (every tensor-core tiling with i8 too: down's and o_proj's, the experiment
+of docs/PERF.md 0.27).  down with i8 lost in the step on both machines: +0.031..+0.041 ms on
+the H100 three times (0.27-0.29), +0.027 / +0.034 at 512 / 8K on the H200 (0.37), because
+down's block stages all of K in digits for the two tiles it serves.  `MmaTiling.i8` stays, for
+gate_up, and `step_variants.py "down.i8=1"` can still ask for it.
 
 Retired: NQ_MMA_QKV=1 (`--fp32-accurate`), the "fp32-accurate step" of 2026-12-02: qkv and
 qkv_rope on the tensor cores (their mma layout's rows in RoPE-pair order, which the prefill
@@ -60,10 +65,11 @@ if os.environ.get("NQ_MMA_QKV", "0") == "1":   # retired (module doc); old scrip
                   "fp32-accurate (qkv's activations as digits summed exactly by dp4a, "
                   "docs/PERF.md 0.30); the tensor-core qkv is at commit 29184bc")
 I8 = os.environ.get("NQ_I8", "1")                             # where i8 is default (module doc)
-if I8 not in ("0", "1", "all"):
-    raise ValueError(f"NQ_I8={I8!r}: use 1 (gate_up and attn_o_proj, the default), 0 (no i8) "
-                     f"or all (every tensor-core GEMV)")
-I8_KINDS = {"0": (), "1": ("gate_up",), "all": MMA_KINDS}[I8]  # default_tiling's i8 kinds
+if I8 not in ("0", "1"):
+    raise ValueError(f"NQ_I8={I8!r}: use 1 (gate_up, attn_o_proj and qkv, the default) or 0 "
+                     f"(no i8); `all` (down and o_proj too) lost on both machines and is retired "
+                     f"(docs/PERF.md 0.37)")
+I8_KINDS = {"0": (), "1": ("gate_up",)}[I8]                   # default_tiling's i8 kinds
 O_I8 = I8 != "0"                                               # attn_o_proj's default
 CORE_I8_KINDS = ("qkv", "qkv_rope") if I8 != "0" else ()       # CUDA-core tilings with i8
 NORM_KINDS = ("gate_up", "qkv", "qkv_rope", "lm_head")   # RMSNorm in the prologue (they

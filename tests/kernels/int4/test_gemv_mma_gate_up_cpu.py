@@ -254,8 +254,8 @@ def test_the_switch_moves_gemvs_the_upload_and_the_prefill(tiny_nanoqwen, switch
 
 def test_the_i8_switch_moves_the_defaults_not_the_layouts():
     """NQ_I8 (read at import): by default gate_up of the tensor-core GEMVs takes i8, and the
-    CUDA-core qkv_rope its digits; "all" every tensor-core default too; "0" none.  The
-    upload's layouts stay; a value it does not know is refused."""
+    CUDA-core qkv_rope its digits; "0" none.  The upload's layouts stay; a value it does not
+    know is refused, "all" (retired) saying so."""
     script = ("from nq.kernels.int4 import tiling as T\n"
               "for kind, n, k in [('gate_up', 18944, 3584), ('down', 3584, 18944), "
               "('o_proj', 3584, 3584), ('qkv_rope', 4608, 3584), ('down', 5120, 27648)]:\n"
@@ -269,18 +269,17 @@ def test_the_i8_switch_moves_the_defaults_not_the_layouts():
         res = subprocess.run([sys.executable, "-c", script], env=e, cwd=ROOT,
                              capture_output=True, text=True)
         outs[tuple(env.items())] = [line.split(maxsplit=3) for line in res.stdout.splitlines()]
-        if env.get("NQ_I8") == "yes":
-            assert res.returncode != 0 and "NQ_I8='yes': use 1" in res.stderr, res.stderr
+        if env.get("NQ_I8") in ("yes", "all"):
+            assert res.returncode != 0 and f"NQ_I8='{env['NQ_I8']}': use 1" in res.stderr
+            assert "retired" in res.stderr, res.stderr
         else:
             assert res.returncode == 0, res.stderr
-    default, off, every = outs[()], outs[(("NQ_I8", "0"),)], outs[(("NQ_I8", "all"),)]
+    default, off = outs[()], outs[(("NQ_I8", "0"),)]
     # gate_up's and (on the CUDA cores: gemv_digits.py) qkv_rope's
     assert [r[2] for r in default[:5]] == ["1", "0", "0", "1", "0"]
     assert [r[2] for r in off[:5]] == ["0", "0", "0", "0", "0"]
-    assert [r[2] for r in every[:5]] == ["1", "1", "1", "1", "1"]
-    assert default[5] == every[5] == ["o_i8", "1"] and off[5] == ["o_i8", "0"]
-    for out in (off, every):
-        assert [r[3] for r in out[:5]] == [r[3] for r in default[:5]]   # the same layouts
+    assert default[5] == ["o_i8", "1"] and off[5] == ["o_i8", "0"]
+    assert [r[3] for r in off[:5]] == [r[3] for r in default[:5]]   # the same layouts
 
 
 def test_the_retired_qkv_switch_only_warns():
