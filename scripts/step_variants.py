@@ -16,9 +16,8 @@ weights in the wrong order, which is fine for timing random weights and nothing 
 `kind.mma=0` / `kind.mma=1` first switches o_proj, down or gate_up to the shape's CUDA-core /
 tensor-core tiling, `tiling.mma_tiling`; gate_up.mma=1 is what NQ_MMA_GATE_UP=1 makes default)
 or `attn` (keywords of nq.kernels.attention.decode_launcher: consumers, nstage,
-rows_per_copy, min_pps, early, fresh -- e.g. "attn.fresh=1", the last page copied before
-the wait too; and max_splits, the split kernel's grid width a kv head, up to the engine's
-default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
+rows_per_copy, min_pps, early, ppc -- e.g. "attn.consumers=2"; and max_splits, the split
+kernel's grid width a kv head, up to the engine's default), or rope.fused=1 (the qkv_rope GEMV instead of qkv + rope_kv;
 its tiling: qkv_rope.field=value), or pdl.full=NAME[+NAME...] (the graph's edges into kernels
 whose names contain NAME left as full dependencies, the rest programmatic: where PDL costs).
 The baseline is timed first and last (drift between them is printed).  --rounds R times the

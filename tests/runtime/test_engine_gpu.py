@@ -275,23 +275,6 @@ def test_fused_o_proj_in_the_step(model, capsys):
                               {"fuse_o": 1, "o_tpw": 4}, {"fuse_o": 2}), decode_tier)
 
 
-def test_fresh_row_attention_in_the_step(model, capsys):
-    """The step whose split kernel copies the last page before the wait too and patches the
-    row qkv_rope writes from its own loads (attn.fresh=1, a race the patch must win on every
-    step): the default step's greedy ids and logits, and nq verify's decode tier passes."""
-    from nq.tools import references, verify
-    name, nf, eng, ref = model
-
-    def decode_tier(eng):
-        prompts = np.random.default_rng(7).integers(0, min(nf.config.vocab_size, 500), (2, 12)).tolist()
-        row = verify.decode_tier(eng, references.NumpyReference(nf), prompts, 40)
-        with capsys.disabled():
-            print(f"\n{name} attn.fresh=1: decode tier {row.detail}")
-        assert row.passed, row
-
-    step_variants_agree(eng, ({"fresh": 1},), decode_tier)
-
-
 def test_qkv_rope_early_in_the_step(model):
     """The step whose qkv_rope loads step 1 of its weights before the wait too, or not (the
     7B's default is early=1; the other form is the variant): the default step's greedy ids and

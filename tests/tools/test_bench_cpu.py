@@ -299,7 +299,7 @@ def test_step_variants_parses_variants():
     assert tilings == {"down": MmaTiling(warps=8, threads=1024, min_blocks=1)}
     assert attn == {"early": False, "min_pps": 2} and rope is True
     assert sv.parse_variant("gate_up.threads=256", defaults)[0]["gate_up"].threads == 256
-    assert sv.parse_variant("attn.fresh=1", defaults)[1] == {"fresh": 1}
+    assert sv.parse_variant("attn.consumers=2", defaults)[1] == {"consumers": 2}
     # pdl.full: the edges into kernels so named stay full (run() takes it out of attn's keywords)
     assert sv.parse_variant("pdl.full=gate_up+qkv", defaults)[1] == {"pdl_full": "gate_up+qkv"}
     # mma=0 switches to the CUDA-core tiling first, then its fields apply

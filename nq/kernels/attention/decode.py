@@ -57,10 +57,6 @@ End of CTA: consumers 1..nca-1 leave (m, l, acc) in their own page slot of the l
 copy writes it again) and arrive on a merge mbarrier (count (nca-1)*32); consumer 0 waits on it,
 merges and writes one partial per split (plan.py: part_ml (m, l), part_acc).
 
-Fresh row (`fresh`, with early): the page this step's qkv_rope writes a row of is copied
-before the wait like the others, and the consumer that takes it overwrites that row in its slot
-from loads issued beside q's after the wait, so no copy waits on the upstream kernel.
-
 PDL: no early griddepcontrol.launch_dependents by default (`trigger` puts one at each CTA's
 start, for attn_o_proj, whose blocks load their weights before they wait) -- attn_combine can
 do nothing before this kernel ends, and its waiting CTAs sharing the SMs made the split 1.5x slower at 8K (docs/PERF.md
@@ -109,8 +105,7 @@ SPLIT_SIG_TMA = ("void(float32[::1], int32[::1], int32[::1], float16[:, :, :, :,
 @functools.cache
 def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
-               ppc: int = 0, tma: bool = False, tma_from: int = 0, trigger: bool = False,
-               fresh: bool = False):
+               ppc: int = 0, tma: bool = False, tma_from: int = 0, trigger: bool = False):
     """The kernel body for one set of baked-in constants (split_name spells them).
 
     Legend: GQA query heads a kv head, D head_dim, NC consumer warps (= pages a stage), NST
@@ -120,14 +115,13 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_tensor_5d_g2s, cvta_to_shared_u32_at,
                         fence_mbarrier_init,
                         fence_proxy_async_shared, griddepcontrol_launch_dependents,
-                        griddepcontrol_wait, ld_global_cg_v4_u32, ldmatrix_x4,
+                        griddepcontrol_wait, ldmatrix_x4,
                         ldmatrix_x4_trans, mbarrier_arrive, mbarrier_arrive_expect_tx,
                         mbarrier_init, mbarrier_try_wait_parity, mbarrier_wait_parity,
                         mma_sync_m16n8k16_f16_f32, pack_f16x2_from_f32, unpack_f16x2_to_f32)
 
     EARLY = bool(early)
     TRIGGER = bool(trigger)  # launch the dependents at the CTA's start (attn_o_proj's weights)
-    FRESH = bool(fresh) and EARLY  # the last page copied before the wait too, its new row patched
     PPC = int(ppc)           # > 0: a split's pages over min(NC, pps // PPC) consumers (`nca`)
     TMA = bool(tma)          # tensor-map copies into swizzled slots (plan.py), not bulk copies
     GQA, D, NC, NST, RPC = gqa, head_dim, consumers, nstage, rows_per_copy
@@ -144,7 +138,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
     NCOPY = 2 * PAGE // RPC            # copies per page (lanes 0..NCOPY-1 issue one each)
     COPY_BYTES = RPC * ROW_BYTES
     ROW_WORDS = D // 2
-    CH = D // 8                        # 16-byte chunks of one token row
     QSCALE = float32(LOG2E / math.sqrt(D))
     NEG = float32(NEG_BIG)
     ZERO = float32(0.0)
@@ -182,8 +175,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
         # step (the last page of the context) are written by nothing in the step -- only by
         # the previous replay's argmax and by host copies between replays -- so the split plan
         # and those pages' copies go ahead of the wait; the consumers wait before reading q,
-        # the producer before copying the last page -- with FRESH not even then: the last
-        # page's copy goes ahead too, and its consumer patches the new row after its wait.
+        # the producer before copying the last page.
         split = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         length = state[STATE_POS] + 1
@@ -228,7 +220,7 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     pass
                 p0 = p_begin + it * nca
                 npg = min(nca, p_end - p0)
-                if EARLY and not FRESH and p0 + npg >= n_pages:
+                if EARLY and p0 + npg >= n_pages:
                     griddepcontrol_wait()  # this stage holds the page rope_kv writes
                 if lane == 0:
                     mbarrier_arrive_expect_tx(bar0 + 8 * stage, npg * PAGE_TX)
@@ -254,19 +246,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
             c = warp
             if c >= nca:
                 return     # a consumer the plan does not use (PPC): no barrier counts it
-            # FRESH: the consumer that takes the context's last page patches into its slot the
-            # K and V row rope_kv writes this step (the page itself was copied before the wait,
-            # that row maybe stale): lane i < 2 * CH loads 16 bytes of it, K chunk i (i < CH) or
-            # V chunk i - CH, in the same L2 round trip as q's loads, not a copy after the wait.
-            last = n_pages - 1
-            mine = FRESH and split == n_splits - 1 and (last - p_begin) % nca == c
-            fr0 = fr1 = fr2 = fr3 = Z
-            fpid = table[last] if mine else 0
             if EARLY:
                 griddepcontrol_wait()  # q comes from rope_kv
-            if mine and lane < 2 * CH:
-                fr0, fr1, fr2, fr3 = ld_global_cg_v4_u32(
-                    kv, (fpid, kvh, lane // CH, (length - 1) % PAGE, 8 * (lane % CH)))
             g = lane // 4
             t = lane % 4
             row_ok = g < GQA
@@ -325,7 +306,6 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                     nv = min(PAGE, length - pg * PAGE)  # valid tokens of this page
                     slot = (stage * NC + c) * sl
                     base = stage0 + slot
-                    patch = FRESH and pg == last        # this page holds the new row
                     if nv < PAGE:
                         # Zero the stale V rows nv..15 (tail page only): 0 * NaN = NaN in P V.
                         for i in range(lane, (PAGE - nv) * ROW_WORDS, 32):
@@ -339,22 +319,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                                 r = PAGE + nv + i // ROW_WORDS
                                 byte = slot + r * ROW_BYTES + (r // RPC) * PAD
                                 smu[w0 + byte // 4 + i % ROW_WORDS] = Z
-                    if patch and lane < 2 * CH:
-                        # the new row: K row nv - 1 or V row PAGE + nv - 1, 16-byte chunk ch
-                        row = (lane // CH) * PAGE + nv - 1
-                        ch = lane % CH
-                        if tm:
-                            byte = (slot + (ch // 8) * TMA_HALF_BYTES + row * 128
-                                    + ((ch % 8) ^ (row % 8)) * 16)
-                        else:
-                            byte = slot + row * ROW_BYTES + (row // RPC) * PAD + ch * 16
-                        wi = w0 + byte // 4
-                        smu[wi] = fr0
-                        smu[wi + 1] = fr1
-                        smu[wi + 2] = fr2
-                        smu[wi + 3] = fr3
-                    if nv < PAGE or patch:
-                        cuda.syncwarp(FULL)      # the zeroed / patched rows before ldmatrix
+                    if nv < PAGE:
+                        cuda.syncwarp(FULL)      # the zeroed rows before ldmatrix
                     for j in range(16):
                         sc[j] = ZERO
                     for kstep in range(KSTEPS):
@@ -422,8 +388,8 @@ def split_body(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int
                             pa0, pa1, pa2, pa3, v2, v3, acc[j + 2] * alpha, acc[j + 3] * alpha,
                             ZERO, ZERO)
                         acc[j + 2], acc[j + 3] = d0 + d2, d1 + d3
-                    if nv < PAGE or patch:
-                        # The zeroing (and patching) stores were generic-proxy writes; order
+                    if nv < PAGE:
+                        # The zeroing stores were generic-proxy writes; order
                         # them before any later bulk copy into this slot.
                         fence_proxy_async_shared()
                 # Every consumer thread arrives (count nca*32): each thread's own reads of the

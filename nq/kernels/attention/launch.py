@@ -15,7 +15,7 @@ from nq.kernels.common import STATIC_SMEM_LIMIT, allow_smem
 
 
 def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-               early, ppc=0, tma=False, tma_from=0, trigger=False, fresh=False) -> str:
+               early, ppc=0, tma=False, tma_from=0, trigger=False) -> str:
     """e.g. attn_split_gqa7_d128_kv4_c1_st3_rpc2_splits66_minpps2_early1: consumers (c),
     stages (st), rows per copy (rpc); ppc the pages a consumer, tma the tensor-map copies and
     tfrom the pages a split they start at (`decode_launcher`)."""
@@ -28,8 +28,6 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
         extra["tfrom"] = tma_from
     if trigger:
         extra["trig"] = True
-    if fresh:
-        extra["fresh"] = True
     return kernel_name("attn_split", gqa=gqa, d=head_dim, kv=num_kv, c=consumers, st=nstage,
                        rpc=rows_per_copy, splits=max_splits, minpps=min_pps, early=bool(early),
                        **extra)
@@ -39,12 +37,11 @@ def split_name(gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_spli
 def split_kernel(gqa: int, head_dim: int, num_kv: int, consumers: int, nstage: int,
                  rows_per_copy: int, max_splits: int, min_pps: int, early: bool,
                  ppc: int = 0, tma: bool = False, tma_from: int = 0,
-                 trigger: bool = False, fresh: bool = False):
+                 trigger: bool = False):
     """attn_split compiled for sm_90, launched as [(max_splits, num_kv), (consumers + 1) * 32,
     stream, smem_bytes(...)]."""
     key = (gqa, head_dim, num_kv, consumers, nstage, rows_per_copy, max_splits, min_pps,
-           bool(early), int(ppc), bool(tma), int(tma_from) if tma else 0, bool(trigger),
-           bool(fresh))
+           bool(early), int(ppc), bool(tma), int(tma_from) if tma else 0, bool(trigger))
     sig = SPLIT_SIG_TMA if tma else SPLIT_SIG
     return compile_kernel(split_body(*key), sig, split_name(*key), fastmath=True)
 
@@ -54,7 +51,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
                     rows_per_copy: int = ROWS_PER_COPY, min_pps: int = MIN_PPS,
                     early: bool = False, ppc: int = 0,
                     tma: bool = False, tma_from: int = 0, merge: bool = True,
-                    trigger: bool = False, fresh: bool = False):
+                    trigger: bool = False):
     """Check the arguments once; return `launch(stream=0)` running attn_split then attn_combine.
 
     q (num_heads*head_dim,) f32 (rope_kv's output), state int32 (STATE_LEN,), table int32
@@ -81,13 +78,10 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     merge: False -- attn_split alone, its partials left for attn_o_proj (o_proj.py), which
     merges them itself; o is then not written.  trigger: the split kernel launches its
     dependents at each CTA's start (for attn_o_proj, whose weights then load before it waits).
-    fresh (needs early): the page rope_kv writes this step is copied before the wait too, and
-    the consumer that takes it patches the new K and V row into its slot from 16-byte loads
-    issued beside q's, so no copy waits on the upstream kernel.
+    (`fresh`, the last page copied before the wait too and its new row patched from loads
+    beside q's, tied in the step on the H100 three times and on the H200: retired after
+    83f4990, which holds it.)
     """
-    if fresh and not early:
-        raise ValueError("attention: fresh patches the last page that early copies before the "
-                         "wait; pass early=True")
     gqa, d, hq, hkv = cfg.gqa_ratio, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     check_attention_args(cfg, q, state, table, kv_layer, o, part_acc, part_ml)
     if not 1 <= consumers <= 8 or not 1 <= nstage <= 8 or rows_per_copy not in (1, 2, 4, 8, 16, 32):
@@ -102,7 +96,7 @@ def decode_launcher(cfg, q, state, table, kv_layer, o, part_acc, part_ml, *,
     ms = part_acc.shape[0]
     split = split_kernel(gqa, d, hkv, consumers, nstage, rows_per_copy, ms, min_pps, bool(early),
                          ppc=int(ppc), tma=bool(tma), tma_from=int(tma_from),
-                         trigger=bool(trigger), fresh=bool(fresh))
+                         trigger=bool(trigger))
     combiner = combine.combine_kernel(d, ms, min_pps) if merge else None
     merge_threads = combine.combine_threads(d)
     acc_flat, ml_flat = combine.flat_partials(part_acc, part_ml)

@@ -65,20 +65,6 @@ def test_split_ptx_early():
     assert_no_local_memory(ptx)
 
 
-def test_split_ptx_fresh():
-    # fresh: the consumers' wait alone (the last page's copies go before it too); the new row's
-    # one 16-byte L2 load a lane; the engine's tensor-map build keeps its registers' bound
-    body = decode.split_body(7, 128, 4, 4, plan.NSTAGE, 2, 66, 2, True, ppc=2, tma=True,
-                             fresh=True)
-    ptx = compile_ptx_sm90(body, decode.SPLIT_SIG_TMA, fastmath=True)
-    assert count(ptx, "griddepcontrol.wait") == 1
-    assert count(ptx, "ld.global.cg.v4.u32") == 1
-    assert_no_local_memory(ptx)
-    if have_ptxas():
-        regs, spills = ptxas_report(ptx)
-        assert spills == 0 and regs <= 200
-
-
 def test_split_ptx_ppc():
     # ppc: the engine's kernel (4 consumers, ppc 2) keeps the page loop's work and no local
     # memory; the consumer count a split uses is computed at run time
@@ -160,8 +146,6 @@ def test_argument_check_refuses_with_what_it_wants():
                              ("kv_layer", ok["kv_layer"].astype(np.float32), "kv_layer is")):
         with pytest.raises(ValueError, match=match):
             plan.check_attention_args(cfg, **dict(ok, **{name: bad}))
-    with pytest.raises(ValueError, match="pass early=True"):
-        launch.decode_launcher(cfg, *ok.values(), fresh=True)
 
 
 # ---- the kernels under the CUDA simulator -------------------------------------------------------
@@ -195,51 +179,31 @@ SIM_SCRIPT = textwrap.dedent('''
         pool[np.setdiff1d(np.arange(n_pages), table[:need])] = np.nan
         q = (rng.standard_normal(cfg.q_size) * 2).astype(np.float32)
         ref = attention.attention_reference(q.reshape(cfg.num_heads, cfg.head_dim), k, v)
-        # fresh: the pool as this step's rope_kv leaves it, for the kernel's loads of the new
-        # row; the pool its copies read holds NaN there (a copy that raced the row's write)
-        FRESH[0] = cuda.to_device(pool.copy())
-        pool[table[need - 1], :, :, (length - 1) % PAGE] = np.nan
         args = (cuda.to_device(q), make_state(pos=length - 1), cuda.to_device(table),
                 cuda.to_device(pool))
         return args, ref
 
-    import nq.ptx
-    FRESH = [None]
-    cg_load = nq.ptx.ld_global_cg_v4_u32
-
-    def fresh_load(arr, idx):
-        """The new row's 16 bytes as rope_kv wrote them (the split body imports this name)."""
-        return cg_load(FRESH[0], idx)
-
-    nq.ptx.ld_global_cg_v4_u32 = fresh_load
-
     seen = [0]
 
     def case(cfg, length, ms, nc, nst, rpc, seed, early=False, min_pps=1, ppc=0,
-             tma=False, tma_from=0, fresh=False):
+             tma=False, tma_from=0):
         seen[0] += 1
         if seen[0] - 1 not in PICK:   # only the cases numbered in PICK (the order below) run
             return
-        args, ref = inputs(cfg, length, seed) if fresh else stale_free(cfg, length, seed)
+        args, ref = inputs(cfg, length, seed)
         o = cuda.to_device(np.full(cfg.q_size, np.nan, np.float16))
         pa, pm = attention.decode_workspace(cfg, ms)
         pa.copy_to_device(np.full(pa.shape, np.nan, np.float32))  # unused splits stay NaN
         launch = attention.decode_launcher(cfg, *args, o, pa, pm, consumers=nc, nstage=nst,
                                            rows_per_copy=rpc, early=early, min_pps=min_pps,
-                                           ppc=ppc, tma=tma, tma_from=tma_from,
-                                           fresh=fresh)
+                                           ppc=ppc, tma=tma, tma_from=tma_from)
         launch()
         got = o.copy_to_host().astype(np.float64).reshape(ref.shape)
         err = np.abs(got - ref) / (1e-3 + 2e-3 * np.abs(ref))  # the GPU test's tolerance
         name = (f"g{cfg.gqa_ratio}d{cfg.head_dim}_len{length}_s{ms}_c{nc}_st{nst}_r{rpc}"
                 f"_e{int(early)}_p{min_pps}" + (f"_ppc{ppc}" if ppc else "") + ("_tma" if tma else "")
-                + (f"_from{tma_from}" if tma_from else "") + ("_fresh" if fresh else ""))
+                + (f"_from{tma_from}" if tma_from else ""))
         print(name, float(err.max()) if np.isfinite(got).all() else float("inf"), flush=True)
-
-    def stale_free(cfg, length, seed):
-        """inputs() with the new row's values in the pool the copies read (no fresh patch)."""
-        args, ref = inputs(cfg, length, seed)
-        return (*args[:3], FRESH[0]), ref
 
     g2 = tiny_config(head_dim=64, num_heads=2, num_kv_heads=1)
     g7 = tiny_config(head_dim=64, num_heads=14, num_kv_heads=2)
@@ -268,22 +232,15 @@ SIM_SCRIPT = textwrap.dedent('''
     # of 3 pages takes the tensor path, splits of 1 page the bulk path
     case(g8, 3 * 16 - 2, 1, 2, 2, 2, 18, early=True, tma=True, tma_from=3)
     case(g8, 3 * 16 - 2, 3, 2, 2, 2, 19, early=True, tma=True, tma_from=3)
-    # fresh (the last page copied before the wait, its new row patched from the loads beside
-    # q's; the copies see NaN in that row): the engine's options at d128 -- 7 pages, 2 splits of
-    # 4 + 3 over 2 consumers, the last page on consumer 0 of the second stage, tail 9; a full
-    # last page (tail 16) on consumer 1; the bulk copies' padded rows at d64, two kv heads
-    case(g8, 6 * 16 + 9, 2, 4, 4, 2, 20, early=True, min_pps=2, ppc=2, tma=True, fresh=True)
-    case(g8, 4 * 16, 1, 4, 2, 2, 21, early=True, min_pps=2, ppc=2, tma=True, fresh=True)
-    case(g7, 40, 2, 1, 3, 2, 22, early=True, min_pps=2, fresh=True)
 ''')
 
 # ~10 s a case on 2 cores (the simulator runs each mma / ldmatrix as a 32-thread rendezvous
 # in Python).  CI's tier: one token, four consumers, GQA 8 at d128, the engine's options (old
 # and new: cases 6, 7), ppc's one-of-four, the tensor-map copies at d128 and d64, tma_from's
-# switch and fresh; the long tier (`pytest -m long`) the rest.  (The cluster merge's two
-# cases went with it, after 342710b.)
-SIM_PICK = (1, 3, 5, 6, 7, 8, 10, 12, 13, 15, 17)
-SIM_PICK_LONG = (0, 2, 4, 9, 11, 14, 16)
+# switch; the long tier (`pytest -m long`) the rest.  (The cluster merge's two cases went with
+# it, after 342710b; the fresh row's three, after 83f4990.)
+SIM_PICK = (1, 3, 5, 6, 7, 8, 10, 12, 13)
+SIM_PICK_LONG = (0, 2, 4, 9, 11, 14)
 
 
 def _split_and_combine_under_the_simulator(pick):
@@ -368,7 +325,7 @@ def test_engine_options_are_launcher_keywords():
              if p.kind is p.KEYWORD_ONLY}
     assert set(ATTN_OPTIONS) <= knobs == {"consumers", "nstage", "rows_per_copy", "min_pps", "early",
                                          "ppc", "tma", "tma_from", "merge",
-                                         "trigger", "fresh"}
+                                         "trigger"}
 
 
 def test_step_attention_options_take_an_experiment_over_the_defaults():
