@@ -51,7 +51,7 @@ class Int4Rows(NamedTuple):
     """An INT4 lm_head on the device, as its GEMV reads it: qweight uint32 (V, H/8) re-tiled
     (`LmHeadInt4.prepare`), scales fp16 (V, H/128); with `exact`, the fp16 head (V, H) (the
     tied embedding, or a file's kept fp16 lm_head) and `bound`, fp32 (V,) each row's largest
-    scale (lm_head_rescore.row_bounds): the candidates of each step are rescored by it."""
+    scale (nq.loader.quant.row_bounds): the candidates of each step are rescored by it."""
     qweight: object
     scales: object
     exact: object = None

@@ -47,24 +47,24 @@ def load_host_weights(nf: NanoqwenFile) -> dict[str, np.ndarray]:
         out["lm_head"] = host_tensor(nf, "lm_head")
     elif nf.config.tie_word_embeddings:
         out["lm_head"] = out["embed_tokens"]
-    exact = rescore_rows_of(nf)
-    if exact is not None:   # the GPU step rescores the INT4 head's candidates with these
-        out["lm_head.exact"] = out[exact] if exact in out else nf.array("lm_head").astype(
-            np.float32)
+    rows = rescore_rows_of(nf)
+    if rows is not None:    # the GPU step rescores the INT4 head's candidates with these
+        # (out["lm_head"] is the dequantised INT4 head: the kept fp16 one comes from the file)
+        out["lm_head.exact"] = (out["embed_tokens"] if rows == "embed_tokens" else
+                                nf.array(rows).astype(np.float32))
         out["lm_head.bound"] = row_bounds(nf.array("lm_head.scales"))
     return out
 
 
 def rescore_rows_of(nf: NanoqwenFile) -> str | None:
-    """The host name of the fp16 rows that rescore nf's INT4 head (nq/kernels/
-    lm_head_rescore.py) -- a tied model's embedding, or "lm_head.fp16" for the fp16 `lm_head`
-    tensor an "int4+fp16" file keeps -- or None (no INT4 head, no fp16 rows beside it, or
-    NQ_RESCORE=0)."""
+    """The file tensor holding the fp16 rows that rescore nf's INT4 head (nq/kernels/
+    lm_head_rescore.py) -- "embed_tokens" (tied), or "lm_head", which an "int4+fp16" file
+    keeps -- or None (no INT4 head, no fp16 rows beside it, or NQ_RESCORE=0)."""
     if nf.lm_head not in INT4_HEADS or not rescore_enabled():
         return None
     if nf.config.tie_word_embeddings:
         return "embed_tokens"
-    return "lm_head.fp16" if nf.lm_head == "int4+fp16" else None
+    return "lm_head" if nf.lm_head == "int4+fp16" else None
 
 
 def fake_quantize(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

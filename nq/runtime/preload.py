@@ -86,7 +86,7 @@ def buffers(nf) -> list[Buffer]:
             add(f"layers.{i}.{n}", [f"layers.{i}.{n}"])
     heads = (("lm_head.qweight", "lm_head.scales") if nf.lm_head != "fp16" else
              () if nf.config.tie_word_embeddings else ("lm_head",))
-    if rescore_rows_of(nf) == "lm_head.fp16":     # an "int4+fp16" file's rescoring rows
+    if rescore_rows_of(nf) == "lm_head":     # an "int4+fp16" file's rescoring rows
         heads += ("lm_head",)
     for n in ("embed_tokens", "norm") + heads:
         add(n, [n])

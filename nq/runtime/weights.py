@@ -275,7 +275,7 @@ def _allocate(nf, g, stream, preloaded=None):
         rows = rescore_rows_of(nf)      # fp16 rows at hand: the candidates are rescored
         if rows is not None:
             lm_head = lm_head._replace(
-                exact=arrays["embed_tokens" if rows == "embed_tokens" else "lm_head"],
+                exact=arrays[rows],
                 bound=cuda.to_device(row_bounds(nf.array("lm_head.scales")), stream=stream))
         retile_rows(lm_head.qweight, head_tiling(cfg).layout()[1])
     else:
@@ -336,7 +336,7 @@ def upload_mismatches(nf, w: DeviceWeights) -> list[str]:
         if w.lm_head.bound is not None:   # the rescoring's bounds, and its own fp16 rows
             from nq.loader.quant import row_bounds
             same("lm_head bound", w.lm_head.bound, row_bounds(nf.array("lm_head.scales")))
-            if nf.lm_head == "int4+fp16" and not nf.config.tie_word_embeddings:
+            if rescore_rows_of(nf) == "lm_head":
                 plain.append(("lm_head", w.lm_head.exact))
     elif nf.lm_head == "int8":
         plain += [("lm_head.qweight", w.lm_head.qweight), ("lm_head.scales", w.lm_head.scales)]

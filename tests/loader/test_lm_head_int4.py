@@ -305,7 +305,7 @@ def test_pack_int4_fp16_keeps_the_rows_that_rescore(tmp_path, tie):
         assert np.array_equal(nf.array(name), i4.array(name)), name
     if not tie:
         assert np.array_equal(nf.array("lm_head"), f16.array("lm_head"))
-    assert rescore_rows_of(nf) == ("embed_tokens" if tie else "lm_head.fp16")
+    assert rescore_rows_of(nf) == ("embed_tokens" if tie else "lm_head")
     assert rescore_rows_of(i4) == ("embed_tokens" if tie else None)   # untied int4: no rows
     host = load_host_weights(nf)
     rows = host["embed_tokens"] if tie else np.asarray(f16.array("lm_head"), np.float32)
