@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nq.config import ModelConfig
-from nq.kernels.int4.launch import HeadGemv
+from nq.kernels.int4.launch import HeadBoundGemv, HeadGemv
 from nq.kernels.int4 import tiling as tilings
 from nq.kernels.int4.tiling import Tiling
 from nq.kernels.lm_head_rescore import make_rescore
@@ -83,28 +83,34 @@ class LmHeadInt4:
 
     def __init__(self, cfg: ModelConfig, tiling: Tiling | None = None,
                  blocks_per_sm: int = BLOCKS_PER_SM, grid: int | None = None,
-                 rescore: bool = False):
+                 rescore: bool = False, rescore_grid: int | None = None):
         self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
-        self.gemv = HeadGemv(cfg, tiling or head_tiling(cfg), blocks_per_sm, grid)
+        # rescore: a weight's `exact` rows rescore each step's candidates (lm_head_rescore.py),
+        # and the GEMV bounds them as it writes the logits
+        gemv = HeadBoundGemv if rescore else HeadGemv
+        self.gemv = gemv(cfg, tiling or head_tiling(cfg), blocks_per_sm, grid)
         g = self.gemv
         self.tiling, self.grid, self.name, self.kernel = g.tiling, g.grid, g.name, g.kernel
-        # rescore: a weight's `exact` rows rescore each step's candidates (lm_head_rescore.py)
-        self.rescore = make_rescore(cfg) if rescore else None
+        self.rescore = make_rescore(cfg, g.grid, grid=rescore_grid) if rescore else None
 
     def prepare(self, qweight, scales) -> tuple[np.ndarray, np.ndarray]:
         """The file's (V, H/8) words and (V, H/128) scales -> what to upload (host NumPy)."""
         return self.gemv.prepare([(qweight, scales)])
 
     def __call__(self, x, norm_w, weight: Int4Rows, logits, stream=0):
-        self.gemv(x, norm_w, weight.qweight, weight.scales, logits, stream)
-        if self.rescore is not None:
-            if weight.exact is None or weight.bound is None:
-                raise ValueError(f"{self.name}: built to rescore with the fp16 head, but the "
-                                 "weight has no `exact` rows or `bound`")
-            self.rescore(x, norm_w, weight.exact, logits, weight.bound, stream)
+        if self.rescore is None:
+            self.gemv(x, norm_w, weight.qweight, weight.scales, logits, stream)
+            return
+        if weight.exact is None or weight.bound is None:
+            raise ValueError(f"{self.name}: built to rescore with the fp16 head, but the "
+                             "weight has no `exact` rows or `bound`")
+        self.gemv(x, norm_w, weight.qweight, weight.scales, logits, weight.bound,
+                  self.rescore.bmax, stream)
+        self.rescore(x, norm_w, weight.exact, logits, weight.bound, stream)
 
 
 def make_lm_head_int4(cfg: ModelConfig, **tiling) -> LmHeadInt4:
     """The INT4 head's launcher (tiling=, blocks_per_sm= or grid= to override the defaults;
-    rescore=True: with lm_head_rescore's two kernels after it)."""
+    rescore=True: bounding the rescoring as it writes, and lm_head_rescore's kernel after it;
+    rescore_grid= that kernel's grid)."""
     return LmHeadInt4(cfg, **tiling)

@@ -5,10 +5,12 @@ Public API:
 
     bound = row_bounds(file_scales)            # host: fp32 (V,), each row's largest group scale
                                                # (nq.loader.quant's; rescore_rows, K_SIGMA: nq.ref's)
-    r = make_rescore(cfg)                      # Rescore; its two kernels' grids in .grids
-    r(x, norm_w, exact, logits, bound, stream) # after the INT4 head wrote logits: the
-                                               # candidates' logits replaced by the fp16 head's
-                                               # (exact fp16 (V, H): lm_head or the tied embedding)
+    r = make_rescore(cfg, nb)                  # Rescore, after an INT4 head of nb blocks
+    head(x, norm_w, qw, sc, logits, bound, r.bmax, stream)   # int4/launch.py's HeadBoundGemv:
+                                               # the logits, and r.bmax the blocks' bound maxima
+    r(x, norm_w, exact, logits, bound, stream) # the candidates' logits replaced by the fp16
+                                               # head's (exact fp16 (V, H): lm_head or the
+                                               # tied embedding)
     ref_rescore(logits, bound, x, norm_w, eps, exact)   # NumPy reference -> (logits, candidates)
     rescore_rows(logits, bound, h, exact)      # the same from h (the reference model's head)
 
@@ -30,39 +32,43 @@ head's token unless an error passes 6 bounds (two comparisons a token: ~6e-8).  
 top-k / top-p see the fp16 logits of every id within ~2 b of the top and the INT4 logits of
 the rest (ids e^(-2b/T) or more less likely than the top).
 
-The two kernels, after the INT4 head in the step graph (each waits on the previous kernel):
-    bound   a persistent grid; each block computes |h| (rmsnorm(x) * norm_w, as the fp16
-            head does), the max of l_i - b_i over a stride of ids, and writes it to
-            bmax[block]; block 0 also writes K |h| / sqrt 12 to bmax[grid].  No atomics, no
-            reset: the next kernel reads every block's entry.
+Two passes, in two kernels:
+    bound   the INT4 head's own epilogue (gemv.py's lm_head_bound kind): each block computes
+            s = K |h| / sqrt 12 after staging h, keeps the max of l_i - bound_i * s over the
+            rows it writes, and puts it in bmax[block]; block 0 also puts s in bmax[grid].  No
+            atomics, no reset: the next kernel reads every block's entry.  (It was a kernel of
+            its own, reading every logit again behind one more boundary: ~10 us of the
+            +0.025 ms the rescoring first cost on the H200, docs/PERF.md 0.37-0.38.)
     rescore a persistent grid (a block an SM: the candidates are few, and each block stages h
-            once) of the fp16 head's blocks (256 threads, unroll 7): stages h
-            with the fp16 head's own device functions (common.head_parts), reduces bmax to M,
-            and each warp takes 32 ids at a time: a ballot of the candidates, then each
-            candidate's row dot by the whole warp, as the fp16 head computes it -- so a
-            candidate's logit is the fp16 head's bit for bit.
-Bytes: logits and bounds twice (1.2 MB each, from L2) and 7 KB a candidate.  A step whose
+            once) of the fp16 head's blocks (256 threads, unroll 7): stages h with the fp16
+            head's own device functions (common.head_parts) *before* its
+            griddepcontrol.wait -- x is the last layer's output, complete before the INT4 head
+            let this kernel launch (the head triggers only after its own wait) -- so after
+            the wait only M = max of the blocks' entries is left before the candidates: a
+            warp takes 32 ids at a time, a ballot of the candidates, then each candidate's
+            row dot by the whole warp, as the fp16 head computes it -- so a candidate's logit
+            is the fp16 head's bit for bit.
+Bytes: logits and bounds once more (1.2 MB each, from L2) and 7 KB a candidate.  A step whose
 logits sit near ties reads more rows (every row: the fp16 head's cost, never more).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32, uint32
 
 from nq.config import ModelConfig
 from nq.kernels.build import compile_kernel, kernel_name
-from nq.kernels.common import dev, head_parts, need, sm_count, warp_max, warp_sum
+from nq.kernels.common import dev, head_parts, need, sm_count, warp_max
 from nq.ptx import SIMULATOR, griddepcontrol_launch_dependents, griddepcontrol_wait
 from nq.loader.quant import row_bounds
 from nq.ref import K_SIGMA, rescore_rows, rms_norm
 
-THREADS = 256          # both kernels; rescore's must be the fp16 head's (its h, bit for bit)
+THREADS = 256          # the fp16 head's (its h, bit for bit)
 UNROLL = 7             # the fp16 head's
-__all__ = ["K_SIGMA", "Rescore", "build_kernels", "make_rescore", "ref_rescore", "rescore_kernels",
-           "rescore_names", "rescore_rows", "row_bounds"]
+__all__ = ["K_SIGMA", "Rescore", "build_kernel", "make_rescore", "ref_rescore", "rescore_kernel",
+           "rescore_name", "rescore_rows", "row_bounds"]
 NEG_INF = np.float32(-np.inf)
 ALIGN16 = None if SIMULATOR else 16
 ONE = np.uint32(1)
@@ -75,21 +81,18 @@ def ref_rescore(logits, bound, x, norm_w, eps, exact, k_sigma: float = K_SIGMA):
     return rescore_rows(logits, bound, h, exact, k_sigma)
 
 
-def rescore_names(vocab: int, k: int, eps: float) -> tuple[str, str]:
-    return (kernel_name("lm_head_bound", v=vocab, k=k, eps=float(eps)),
-            kernel_name("lm_head_rescore", v=vocab, k=k, eps=float(eps)))
+def rescore_name(vocab: int, k: int, eps: float) -> str:
+    return kernel_name("lm_head_rescore", v=vocab, k=k, eps=float(eps))
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
-    """The two kernel bodies and their signatures (the module doc)."""
-    SH, stage, row_dot, x_rstd = head_parts(k, THREADS, UNROLL)
+def build_kernel(vocab: int, k: int, eps: float):
+    """The rescoring kernel's body and its signature (the module doc)."""
+    SH, stage, row_dot, _ = head_parts(k, THREADS, UNROLL)
     WARPS = THREADS // 32
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)
-    SCALE = np.float32(k_sigma / math.sqrt(12.0))
-    wsum, wmax = dev(warp_sum), dev(warp_max)
-    bound_name, rescore_name = rescore_names(vocab, k, eps)
+    wmax = dev(warp_max)
 
     def block_max(v, red, warp, lane):
         # v's max over the block (every thread gets it); red: a float a warp, free on entry
@@ -104,37 +107,6 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
 
     block_max = dev(block_max)
 
-    def bound_kernel(x, norm_w, logits, bound, bmax):
-        red = cuda.shared.array(WARPS, float32)
-        red2 = cuda.shared.array(WARPS, float32)
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
-        griddepcontrol_wait()
-        griddepcontrol_launch_dependents()
-        rstd = x_rstd(x, red, EPS, INV_K)          # the fp16 head's own
-        hh = float32(0.0)
-        for e in range(tid, k, THREADS):
-            h = (x[e] * rstd) * float32(norm_w[e])
-            hh += h * h
-        hh = wsum(hh)
-        if lane == 0:
-            red2[warp] = hh
-        cuda.syncthreads()
-        tot = float32(0.0)
-        for w in range(WARPS):
-            tot += red2[w]
-        scale = SCALE * math.sqrt(tot)          # b_i = bound[i] * scale
-        m = NEG_INF
-        for i in range(cuda.blockIdx.x * THREADS + tid, vocab, cuda.gridDim.x * THREADS):
-            m = max(m, logits[i] - bound[i] * scale)
-        cuda.syncthreads()                      # red is free again
-        m = block_max(m, red, warp, lane)
-        if tid == 0:
-            bmax[cuda.blockIdx.x] = m
-            if cuda.blockIdx.x == 0:
-                bmax[cuda.gridDim.x] = scale
-
     def rescore_kernel(x, norm_w, exact, logits, bound, bmax, nb):
         hA = cuda.shared.array(SH, float32, alignment=ALIGN16)
         hB = cuda.shared.array(SH, float32, alignment=ALIGN16)
@@ -142,9 +114,9 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
-        griddepcontrol_wait()
+        stage(x, norm_w, hA, hB, red, EPS, INV_K)          # syncs the block after; x is
+        griddepcontrol_wait()                               # older than the head (module doc)
         griddepcontrol_launch_dependents()
-        stage(x, norm_w, hA, hB, red, EPS, INV_K)          # syncs the block after
         m = NEG_INF
         for j in range(tid, nb, THREADS):
             m = max(m, bmax[j])
@@ -166,35 +138,30 @@ def build_kernels(vocab: int, k: int, eps: float, k_sigma: float = K_SIGMA):
                     logits[base + j] = acc
                 mask &= mask - ONE
 
-    bound_kernel.__name__ = bound_kernel.__qualname__ = bound_name
-    rescore_kernel.__name__ = rescore_kernel.__qualname__ = rescore_name
-    return ((bound_kernel, "void(float32[::1], float16[::1], float32[::1], float32[::1], "
-                           "float32[::1])"),
-            (rescore_kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1], "
-                             "float32[::1], float32[::1], int32)"))
+    rescore_kernel.__name__ = rescore_kernel.__qualname__ = rescore_name(vocab, k, eps)
+    return (rescore_kernel, "void(float32[::1], float16[::1], float16[:, ::1], float32[::1], "
+                            "float32[::1], float32[::1], int32)")
 
 
 @functools.lru_cache(maxsize=None)
-def rescore_kernels(vocab: int, k: int, eps: float):
-    """Both kernels compiled for sm_90 (launch bounds: THREADS)."""
-    return tuple(compile_kernel(body, sig, body.__name__, launch_bounds=(THREADS,))
-                 for body, sig in build_kernels(vocab, k, eps))
+def rescore_kernel(vocab: int, k: int, eps: float):
+    """The kernel compiled for sm_90 (launch bounds: THREADS)."""
+    body, sig = build_kernel(vocab, k, eps)
+    return compile_kernel(body, sig, body.__name__, launch_bounds=(THREADS,))
 
 
 class Rescore:
-    """The candidates of an INT4 head's logits rescored by its fp16 rows; see the module doc."""
+    """The candidates of an INT4 head's logits rescored by its fp16 rows, after a
+    HeadBoundGemv of `nb` blocks wrote the logits and `bmax`; see the module doc."""
 
-    def __init__(self, cfg: ModelConfig, grid: int | None = None,
-                 bound_grid: int | None = None, blocks_per_sm: int = 1):
+    def __init__(self, cfg: ModelConfig, nb: int, grid: int | None = None,
+                 blocks_per_sm: int = 1):
         self.vocab, self.k = cfg.vocab_size, cfg.hidden_size
-        self.bound_kernel, self.kernel = rescore_kernels(self.vocab, self.k,
-                                                         float(cfg.rms_norm_eps))
-        sms = sm_count()
-        self.bound_grid = bound_grid or min(-(-self.vocab // THREADS), sms)
-        self.grid = grid or min(-(-self.vocab // THREADS), sms * blocks_per_sm)
-        self.grids = (self.bound_grid, self.grid)
-        self.bmax = cuda.to_device(np.zeros(self.bound_grid + 1, np.float32))
-        self.name = rescore_names(self.vocab, self.k, float(cfg.rms_norm_eps))[1]
+        self.kernel = rescore_kernel(self.vocab, self.k, float(cfg.rms_norm_eps))
+        self.nb = int(nb)
+        self.grid = grid or min(-(-self.vocab // THREADS), sm_count() * blocks_per_sm)
+        self.bmax = cuda.to_device(np.zeros(self.nb + 1, np.float32))
+        self.name = rescore_name(self.vocab, self.k, float(cfg.rms_norm_eps))
 
     def __call__(self, x, norm_w, exact, logits, bound, stream=0):
         need(x, f"{self.name} x", np.float32, (self.k,), 4)
@@ -202,11 +169,11 @@ class Rescore:
         need(exact, f"{self.name} exact (the fp16 head)", np.float16, (self.vocab, self.k))
         need(logits, f"{self.name} logits", np.float32, (self.vocab,), 4)
         need(bound, f"{self.name} bound", np.float32, (self.vocab,), 4)
-        self.bound_kernel[self.bound_grid, THREADS, stream](x, norm_w, logits, bound, self.bmax)
         self.kernel[self.grid, THREADS, stream](x, norm_w, exact, logits, bound, self.bmax,
-                                                np.int32(self.bound_grid))
+                                                np.int32(self.nb))
 
 
-def make_rescore(cfg: ModelConfig, **grids) -> Rescore:
-    """The rescoring launcher for cfg (grid=, bound_grid=, blocks_per_sm= to override)."""
-    return Rescore(cfg, **grids)
+def make_rescore(cfg: ModelConfig, nb: int, **grids) -> Rescore:
+    """The rescoring launcher for cfg, after an INT4 head of nb blocks (grid=,
+    blocks_per_sm= to override)."""
+    return Rescore(cfg, nb, **grids)

@@ -75,8 +75,12 @@ def test_default_kernel_does_not_spill_on_the_device():
     """head_tiling's min_blocks caps its registers; read the local memory of what the
     device's JIT built."""
     for size in ("7b", "0.5b", "14b", "32b"):
-        kern = L.make_lm_head_int4(PRESETS[size]).kernel
-        assert kern.get_local_mem_per_thread() == 0, (size, kern.get_regs_per_thread())
+        for rescore in (False, True):    # the plain head, and the one bounding its rescoring
+            kern = L.make_lm_head_int4(PRESETS[size], rescore=rescore).kernel
+            print(size, rescore, "registers", kern.get_regs_per_thread(),
+                  "local", kern.get_local_mem_per_thread())
+            assert kern.get_local_mem_per_thread() == 0, (size, rescore,
+                                                          kern.get_regs_per_thread())
 
 
 @pytest.mark.parametrize("head,tie", [("int4", False), ("int4", True), ("int4+fp16", False)],

@@ -47,15 +47,31 @@ def test_the_reference_keeps_the_fp16_argmax_where_int4_loses_it():
 
 
 def test_both_kernels_compile_for_sm90():
-    from nq.kernels.lm_head_rescore import build_kernels
+    """The rescoring kernel, and the INT4 head that bounds it (gemv.py's lm_head_bound): the
+    rescore stages h before its wait (x is older than the head), the head's bound pass loads
+    each written row's bound and has no local memory."""
+    from nq.kernels.int4 import gemv
+    from nq.kernels.int4.tiling import head_tiling
+    from nq.kernels.lm_head_rescore import build_kernel
     cfg = PRESETS["7b"]
-    (bound, bsig), (rescore, rsig) = build_kernels(cfg.vocab_size, cfg.hidden_size,
-                                                   float(cfg.rms_norm_eps))
-    for body, sig in ((bound, bsig), (rescore, rsig)):
-        ptx = ptx_util.compile_ptx_sm90(body, sig)
-        assert "griddepcontrol.wait" in ptx
-        ptx_util.assert_no_local_memory(ptx)
+    body, sig = build_kernel(cfg.vocab_size, cfg.hidden_size, float(cfg.rms_norm_eps))
+    ptx = ptx_util.compile_ptx_sm90(body, sig)
+    ptx_util.assert_no_local_memory(ptx)
     assert "vote.sync.ballot" in ptx and "ld.global.nc.v4.u32" in ptx
+    # the staging's loads of x come before the wait: the first griddepcontrol.wait follows a
+    # global load and a bar.sync (the staging's)
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] and "bar.sync" in ptx[:wait]
+    t = head_tiling(cfg.hidden_size)
+    plain, psig = gemv.build_kernel("lm_head", cfg.vocab_size, cfg.hidden_size, t, 1e-6)
+    bounded, bsig = gemv.build_kernel("lm_head_bound", cfg.vocab_size, cfg.hidden_size, t, 1e-6)
+    ptx_b = ptx_util.compile_ptx_sm90(bounded, bsig, launch_bounds=(t.threads, t.min_blocks))
+    ptx_p = ptx_util.compile_ptx_sm90(plain, psig, launch_bounds=(t.threads, t.min_blocks))
+    ptx_util.assert_no_local_memory(ptx_b)
+    assert "griddepcontrol.wait" in ptx_b
+    # the bound pass's maxima (the digits' staging has its own absmax ones in both)
+    assert ptx_util.count(ptx_b, "max.f32") > ptx_util.count(ptx_p, "max.f32")
+    assert ptx_util.count(ptx_b, "dp4a") == ptx_util.count(ptx_p, "dp4a")
 
 
 SIM_SCRIPT = textwrap.dedent('''
@@ -66,7 +82,7 @@ SIM_SCRIPT = textwrap.dedent('''
     import sim_warp
     sim_warp.patch_simulator()
     from nq.kernels.lm_head import LmHead
-    from nq.kernels.lm_head_rescore import Rescore, ref_rescore, row_bounds
+    from nq.kernels.lm_head_rescore import ref_rescore, row_bounds
     from nq.loader.quant import dequantize_packed, quantize_pack
     rng = np.random.default_rng(3)
     D = cuda.to_device
@@ -81,21 +97,34 @@ SIM_SCRIPT = textwrap.dedent('''
     qw, sc = quantize_pack(w.astype(np.float32))
     deq = dequantize_packed(qw, sc)
     nw = (1 + 0.1 * rng.standard_normal(256)).astype(np.float16)
-    head, rescore = LmHead(C, grid=2), Rescore(C, grid=2, bound_grid=2)
+    from nq.kernels.int4.tiling import Tiling
+    from nq.kernels.lm_head_int4 import Int4Rows, LmHeadInt4
+    # grid 3 < the row blocks: a block walks several, and the bounds' max spans the blocks
+    t = Tiling(ks=2, rows=1, threads=64, i8=1)
+    head, int4_head = LmHead(C, grid=2), LmHeadInt4(C, tiling=t, grid=3)
+    rescored = LmHeadInt4(C, tiling=t, grid=3, rescore=True, rescore_grid=2)
     bound = row_bounds(sc)
-    worst = dict(exact=0.0, untouched=0.0, argmax=0.0)
+    rows = Int4Rows(*(D(a) for a in int4_head.prepare(qw, sc)))
+    rows_x = rows._replace(exact=D(w), bound=D(bound))
+    worst = dict(exact=0.0, untouched=0.0, argmax=0.0, scale=0.0, bmax=0.0)
     lost = 0
     for trial in range(6):
         x = (rng.standard_normal(256) * 2).astype(np.float32)
         fp16 = D(np.full(72, np.nan, np.float32))
         head(D(x), D(nw), D(w), fp16)
         fp16 = fp16.copy_to_host()
-        h = x / np.sqrt(np.mean(x * x) + 1e-6) * nw.astype(np.float32)
-        int4 = (deq @ h).astype(np.float32)
-        out = D(int4)
-        rescore(D(x), D(nw), D(w), out, D(bound))
+        out4 = D(np.full(72, np.nan, np.float32))
+        int4_head(D(x), D(nw), rows, out4)
+        int4 = out4.copy_to_host()
+        out = D(np.full(72, np.nan, np.float32))
+        rescored(D(x), D(nw), rows_x, out)
         got = out.copy_to_host()
         ref, cand = ref_rescore(int4, bound, x, nw, 1e-6, w)
+        h = x / np.sqrt(np.mean(x * x) + 1e-6) * nw.astype(np.float32)
+        s = 6 * np.linalg.norm(h) / np.sqrt(12)
+        bmax = rescored.rescore.bmax.copy_to_host()
+        worst["scale"] = max(worst["scale"], abs(bmax[3] / s - 1))
+        worst["bmax"] = max(worst["bmax"], float(abs(bmax[:3].max() - (int4 - bound * s).max())))
         worst["exact"] = max(worst["exact"], float(np.abs(got[cand] - fp16[cand]).max()))
         worst["untouched"] = max(worst["untouched"], float(np.abs(got[~cand] - int4[~cand]).max()))
         worst["argmax"] += float(np.argmax(got) != np.argmax(fp16))
@@ -117,3 +146,4 @@ def test_kernels_under_the_simulator():
     assert errs["argmax"] == 0.0, stdout         # the fp16 head's greedy token every time
     assert errs["lost"] >= 1, stdout             # where the INT4 head alone lost it
     assert 0 < errs["share"] < 0.5, stdout
+    assert errs["scale"] < 1e-5 and errs["bmax"] < 1e-4, stdout   # the head's bound pass

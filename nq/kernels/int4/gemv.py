@@ -1,8 +1,10 @@
-"""The CUDA-core INT4 GEMV kernels of a decode step: one factory, six kinds.
+"""The CUDA-core INT4 GEMV kernels of a decode step: one factory, six kinds
+(and lm_head's variant that also bounds its rescoring, lm_head_bound).
 
     qkv      out fp32 (N,)  = Wqkv . rmsnorm(x, w_in) + bias         N = q + 2 kv
     lm_head  out fp32 (V,)  = Wlm . rmsnorm(x, w_norm)               the INT4 head (no bias;
-             `nq pack --lm-head int4`, nq/kernels/lm_head_int4.py)
+             `nq pack --lm-head int4`, nq/kernels/lm_head_int4.py); lm_head_bound also
+             writes the rescoring's per-block bound maxima (nq/kernels/lm_head_rescore.py)
     qkv_rope qkv, then rope_kv's job in the epilogue: rotated q fp32 -> q_out, rotated k and
              v fp16 -> the KV page table[pos//16], slot pos%16 (nq/kernels/rope_kv.py)
     o_proj   x   fp32 (H,) += Wo . a                                 a fp16 (attention output)
@@ -72,6 +74,7 @@ from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch
                     griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32,
                     ld_global_nc_v4_f32, ld_global_nc_v4_u32, ld_shared_v4_u32_at, lop3_b32,
                     pack_f16x2_from_f32, st_global_u16, unpack_f16x2_to_f32)
+from nq.ref import K_SIGMA
 
 _ALIGN = None if SIMULATOR else 16   # the simulator refuses alignment=; numba honours it
 
@@ -453,13 +456,45 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if ROWS >= 4:
                     put_qkv(out, bias, row0 + 3, a3 * rstd)
         sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float16[::1], float32[::1])"
-    elif kind == "lm_head":
+    elif kind in ("lm_head", "lm_head_bound"):
         # qkv's body without the bias, on a persistent grid (the launcher's: a few blocks an
         # SM): a block stages rmsnorm(x) once, then walks row blocks b, b + gridDim.x, ...,
-        # issuing the next one's first loads before this one's stores
+        # issuing the next one's first loads before this one's stores.  lm_head_bound adds
+        # the rescoring's bound pass (nq/kernels/lm_head_rescore.py) to the walk: each
+        # writer keeps the max of l_i - bound_i * s over its rows, s = K_SIGMA |h| / sqrt 12,
+        # and the block's max goes to bmax[block] (block 0 also writes s to bmax[gridDim]),
+        # so the rescoring kernel after it reads gridDim + 1 floats instead of a third kernel
+        # reading every logit again.
         BLOCKS = -(-n_out // (SEGMENTS * ROWS))
+        BOUND = kind == "lm_head_bound"
+        SIGMA = np.float32(K_SIGMA / math.sqrt(12.0))
+        NEG_INF = np.float32(-np.inf)
 
-        def kernel(x, norm_w, qw, sc, out):
+        def h_scale(x, norm_w, rstd, red):
+            """K_SIGMA |h| / sqrt 12, h = rmsnorm(x) * norm_w as the rescoring's reference
+            computes it: every thread gets it (red: free on entry, the block syncs)."""
+            tid = cuda.threadIdx.x
+            hh = float32(0.0)
+            for e in range(tid, norm_w.shape[0], THREADS):   # (not unrolled: few registers
+                h = (x[e] * rstd) * float32(norm_w[e])        # beside the loads in flight)
+                hh += h * h
+            hh = wsum(hh)
+            cuda.syncthreads()                  # every warp has read red (rstd)
+            if (tid & 31) == 0:
+                red[tid >> 5] = hh
+            cuda.syncthreads()
+            tot = float32(0.0)
+            for w in range(WARPS):
+                tot += red[w]
+            return SIGMA * math.sqrt(tot)
+
+        def put_bounded(out, bound, row, v, m, s):
+            if row < n_out:
+                out[row] = v
+                m = max(m, v - bound[row] * s)
+            return m
+
+        def head(x, norm_w, qw, sc, out, bound, bmax):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
@@ -470,6 +505,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             norm_to_l2(norm_w)
             early()
             rstd = stage(x, norm_w, act, invf, red)
+            s = h_scale(x, norm_w, rstd, red) if BOUND else float32(0.0)
+            m = NEG_INF
             while b < BLOCKS:
                 acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
                 b += cuda.gridDim.x
@@ -478,15 +515,46 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     cur, nxt1 = first_loads(qw, sc, nrow0, j)
                 if j == 0:
                     a0, a1, a2, a3 = acc
-                    put_head(out, row0, a0 * rstd)
-                    if ROWS >= 2:
-                        put_head(out, row0 + 1, a1 * rstd)
-                    if ROWS >= 3:
-                        put_head(out, row0 + 2, a2 * rstd)
-                    if ROWS >= 4:
-                        put_head(out, row0 + 3, a3 * rstd)
+                    if BOUND:
+                        m = put_bounded(out, bound, row0, a0 * rstd, m, s)
+                        if ROWS >= 2:
+                            m = put_bounded(out, bound, row0 + 1, a1 * rstd, m, s)
+                        if ROWS >= 3:
+                            m = put_bounded(out, bound, row0 + 2, a2 * rstd, m, s)
+                        if ROWS >= 4:
+                            m = put_bounded(out, bound, row0 + 3, a3 * rstd, m, s)
+                    else:
+                        put_head(out, row0, a0 * rstd)
+                        if ROWS >= 2:
+                            put_head(out, row0 + 1, a1 * rstd)
+                        if ROWS >= 3:
+                            put_head(out, row0 + 2, a2 * rstd)
+                        if ROWS >= 4:
+                            put_head(out, row0 + 3, a3 * rstd)
                 row0 = nrow0
-        sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
+            if BOUND:   # the block's max (the lanes j != 0 hold -inf)
+                m = wmax(m)
+                cuda.syncthreads()              # red (h_scale's) is read by every warp
+                if (cuda.threadIdx.x & 31) == 0:
+                    red[cuda.threadIdx.x >> 5] = m
+                cuda.syncthreads()
+                if cuda.threadIdx.x == 0:
+                    for w in range(1, WARPS):
+                        m = max(m, red[w])
+                    bmax[cuda.blockIdx.x] = m
+                    if cuda.blockIdx.x == 0:
+                        bmax[cuda.gridDim.x] = s
+
+        h_scale, put_bounded, head = dev(h_scale), dev(put_bounded), dev(head)
+        if BOUND:
+            def kernel(x, norm_w, qw, sc, out, bound, bmax):
+                head(x, norm_w, qw, sc, out, bound, bmax)
+            sig = ("void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], "
+                   "float32[::1], float32[::1], float32[::1])")
+        else:
+            def kernel(x, norm_w, qw, sc, out):
+                head(x, norm_w, qw, sc, out, out, out)
+            sig = "void(float32[::1], float16[::1], uint32[:, ::1], float16[:, ::1], float32[::1])"
     elif kind == "qkv_rope":
         def kernel(x, norm_w, qw, sc, bias, state, inv_freq, table, kv, q_out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)

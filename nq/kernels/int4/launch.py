@@ -103,6 +103,23 @@ class HeadGemv(_Gemv):
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out)
 
 
+class HeadBoundGemv(HeadGemv):
+    """The INT4 lm_head that also bounds its rescoring (gemv.py's lm_head_bound kind,
+    nq/kernels/lm_head_rescore.py): bmax fp32 (grid + 1,) gets each block's max of
+    logit_i - bound_i * s and, last, s."""
+
+    kind = "lm_head_bound"
+
+    def __call__(self, x, norm_w, qw, sc, out, bound, bmax, stream=0):
+        self._check_weights(qw, sc)
+        need(x, f"{self.name} x", np.float32, (self.k,))
+        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
+        need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
+        need(bound, f"{self.name} bound", np.float32, (self.n_out,), 4)
+        need(bmax, f"{self.name} bmax", np.float32, (self.grid + 1,), 4)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out, bound, bmax)
+
+
 class QkvRopeGemv(_Gemv):
     """qkv's GEMV with rope_kv's job as its epilogue; reads qkv's prepared weights as they are
     (the same `prepare`, and the default tiling keeps qkv's ks)."""

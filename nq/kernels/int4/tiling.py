@@ -57,7 +57,7 @@ import warnings
 from nq.config import GROUP_SIZE
 from nq.kernels.common import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
-KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope", "lm_head")
+KINDS = ("qkv", "o_proj", "gate_up", "down", "qkv_rope", "lm_head", "lm_head_bound")
 MMA_KINDS = ("o_proj", "down", "gate_up")   # kinds the tensor-core kernel takes
 MMA_GATE_UP = os.environ.get("NQ_MMA_GATE_UP", "1") != "0"   # gate_up on it (module doc)
 if os.environ.get("NQ_MMA_QKV", "0") == "1":   # retired (module doc); old scripts still run
@@ -72,8 +72,8 @@ if I8 not in ("0", "1"):
 I8_KINDS = {"0": (), "1": ("gate_up",)}[I8]                   # default_tiling's i8 kinds
 O_I8 = I8 != "0"                                               # attn_o_proj's default
 CORE_I8_KINDS = ("qkv", "qkv_rope") if I8 != "0" else ()       # CUDA-core tilings with i8
-NORM_KINDS = ("gate_up", "qkv", "qkv_rope", "lm_head")   # RMSNorm in the prologue (they
-#                                                             stage rmsnorm(x))
+NORM_KINDS = ("gate_up", "qkv", "qkv_rope", "lm_head",   # RMSNorm in the prologue (they
+              "lm_head_bound")                          # stage rmsnorm(x))
 TILE = 16                        # rows of an mma tile (m16)
 
 
@@ -295,7 +295,7 @@ def default_tiling(kind: str, n_out: int, k: int, sms: int | None = None,
                    mma: bool = True) -> Tiling | MmaTiling:
     """The tiling for one GEMV shape (`measured_tiling` says how it is chosen); a tensor-core
     tiling of I8_KINDS stages its activations as digits (`with_i8`; NQ_I8, module doc)."""
-    if kind == "lm_head":
+    if kind in ("lm_head", "lm_head_bound"):
         return head_tiling(k)
     t = measured_tiling(kind, n_out, k, sms, mma)
     if isinstance(t, Tiling):

@@ -83,7 +83,7 @@ def test_magic_number_dequant_is_exact_for_every_nibble():
 ptx_util = pytest.importorskip("ptx_util")
 
 SEVEN_B = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (18944, 3584), "down": (3584, 18944),
-           "qkv_rope": (4608, 3584), "lm_head": (152064, 3584)}
+           "qkv_rope": (4608, 3584), "lm_head": (152064, 3584), "lm_head_bound": (152064, 3584)}
 HEADS_7B = (28, 4, 128)  # qkv_rope's (num_heads, num_kv_heads, head_dim)
 
 
