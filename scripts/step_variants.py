@@ -144,11 +144,15 @@ def main(argv=None) -> int:
                     help="time the baseline and the variants this many times in turn and "
                          "report differences paired within a round")
     ap.add_argument("--leave-out", action="store_true")
+    ap.add_argument("--region", default="",
+                    help="regions (eng.regions' names, comma-separated) also timed alone for "
+                         "each variant at each context, as `nq bench` times them")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from nq.runtime.engine import Engine
     from nq.runtime.graphs import CapturedGraph
     from nq.runtime.weights import gemvs
+    from nq.tools.bench import at_context, region_ms
 
     ctxs = [int(c) for c in a.ctx.split(",")]
     cfg = PRESETS[a.random]
@@ -177,11 +181,16 @@ def main(argv=None) -> int:
         row = {"variant": name, "round": rnd, "regs": regs(eng)}
         for c in ctxs:
             row[c] = itl(eng, c, a.steps)
+            for region in filter(None, a.region.split(",")):
+                at_context(eng, c, ahead=8)
+                row[f"{region}@{c}"] = region_ms(eng, region, replays=100)
         results.append(row)
         base = [r for r in results if r["variant"] == "baseline" and r["round"] == rnd][0]
+        alone = "".join(f"  {k} alone {v:.4f} ms" for k, v in row.items()
+                        if isinstance(k, str) and "@" in k)
         print(f"{name:48s} " + "  ".join(f"@{c}: {row[c]:.4f} ms ({row[c] - base[c]:+.4f})"
                                          for c in ctxs)
-              + f"  regs {row['regs']}  [{time.perf_counter() - t1:.1f} s]", flush=True)
+              + alone + f"  regs {row['regs']}  [{time.perf_counter() - t1:.1f} s]", flush=True)
 
     for rnd in range(a.rounds):
         run("baseline", None, None, rnd=rnd)

@@ -93,6 +93,9 @@ class Tiling:
     #                      (needs prefetch and two steps or more); 0: at the main loop's start
     i8: int = 0          # 1: the activations staged as three signed-byte digits and summed
     #                      exactly by dp4a (gemv_digits.py: fp32-accurate); 0: fp16 partials
+    resident: int = 0    # qkv / qkv_rope: 1: the block's weight rows bulk-copied into (dynamic)
+    #                      shared memory before griddepcontrol.wait and read there (gemv.py
+    #                      "Resident rows"); no weight registers held across the wait
 
     @property
     def lanes(self) -> int:
@@ -110,7 +113,8 @@ class Tiling:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + ("_e1" if self.early else "") + ("_i8" if self.i8 else ""))
+                + ("_e1" if self.early else "") + ("_i8" if self.i8 else "")
+                + ("_res" if self.resident else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +193,24 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
     if staged > STATIC_SMEM_LIMIT:
         raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
                          f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
+    if t.resident:
+        if kind not in ("qkv", "qkv_rope") or int(t.resident) != 1 or t.early:
+            raise ValueError(f"{kind}: tiling {t.tag()}: resident=1 is for qkv and qkv_rope, "
+                             f"with early=0 (the rows are all copied before the wait)")
+        rows = resident_smem_bytes(kind, k, t)
+        if rows + staged > SMEM_OPTIN_LIMIT:
+            raise ValueError(f"{kind}: tiling {t.tag()} holds {rows} bytes of weight rows a "
+                             f"block beside {staged} staged, over sm_90's {SMEM_OPTIN_LIMIT}; "
+                             f"use fewer threads or resident=0")
+
+
+def resident_smem_bytes(kind: str, k: int, t: Tiling) -> int:
+    """Dynamic shared memory of a resident=1 block (0 otherwise): its mbarrier (16 bytes) and
+    its weight rows, K/2 bytes each."""
+    if not t.resident:
+        return 0
+    slots = t.rows * (2 if kind == "gate_up" else 1)
+    return 16 + (t.threads // t.lanes) * slots * (k // 2)
 
 
 def core_staged_bytes(k: int, t: Tiling) -> int:
