@@ -47,6 +47,16 @@ gemv_digits.py's instead: the activations as three signed-byte digits, the produ
 exactly by dp4a (1e-6 of the output's norm, against ~1e-3 above), at the same speed in the 7B
 step and faster at the 14B's and 32B's widths (docs/PERF.md 0.30).
 
+Resident rows (`Tiling.resident`, qkv and qkv_rope, opt-in): before griddepcontrol.wait,
+thread 0 arms one mbarrier and bulk-copies each of the block's weight rows (K/2 bytes, the
+uploaded layout as it is) into dynamic shared memory, and every thread copies a share of the
+rows' scale bits into a static array; after the staging the block waits on the barrier and
+the main loop reads words and scales from shared memory -- the same values in the same order,
+so the same bits.  Why: the register kernel holds its weights in flight across the wait (124
+registers at 384 threads on the H200, one block an SM), so a qkv kernel cannot start beside the
+kernel before it; with no weight registers across the wait two 256-thread blocks fit an SM,
+and a block can hold its 57 KB of rows long before its inputs exist (docs/PERF.md 0.38).
+
 qkv_rope is qkv with rope_kv's job as its epilogue (rope_epilogue.py says how it stays bit
 for bit qkv + rope_kv): a thread owns one RoPE pair, its rows=2 slots the pair's two rows
 (`weight_row`), so it reads qkv's uploaded weights as they are.
