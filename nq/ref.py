@@ -267,12 +267,15 @@ class RefModel:
                            linear(h, w[p + "up_proj.weight"])))
         return x + linear(m, w[p + "down_proj.weight"])
 
-    def forward(self, ids, cache: KVCache | None = None, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: KVCache | None = None, last_only: bool = False,
+                alt_band: float | None = None):
         """Token ids (T,) at positions cache.length.. -> logits (T, vocab) fp32.
 
         T > 1 is a prefill, T == 1 a decode step; both are the same computation.  Uses the
         model's own cache when none is given.  `last_only` returns (1, vocab) for the last
         position, sparing a (T, vocab) matrix (2.5 GB for 4096 tokens of a 152k vocabulary).
+        With `alt_band` (a fraction of each position's logit spread) it returns (logits, alt):
+        a rescored INT4 head's alternatives (rescore_alternatives), or the logits twice.
         """
         cache = self.cache if cache is None else cache
         ids = np.asarray(ids).reshape(-1)
@@ -295,8 +298,19 @@ class RefModel:
         logits = linear(x, self.w["lm_head"])
         if self.rescore is not None:      # an INT4 head's candidates, as the GPU step does
             exact, bound = self.rescore
+            alts = []
             for t in range(logits.shape[0]):
-                logits[t] = rescore_rows(logits[t], bound, x[t], exact)[0]
+                if alt_band is None:
+                    logits[t] = rescore_rows(logits[t], bound, x[t], exact)[0]
+                else:
+                    spread = float(logits[t].max() - logits[t].min())
+                    logits[t], alt = rescore_alternatives(logits[t], bound, x[t], exact,
+                                                          alt_band * spread)
+                    alts.append(alt)
+            if alt_band is not None:
+                return logits, np.stack(alts)
+        if alt_band is not None:
+            return logits, logits
         return logits
 
 
@@ -393,3 +407,25 @@ def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
     ids = np.flatnonzero(cand)
     out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
     return out, cand
+
+
+def rescore_alternatives(logits, bound, h, exact, band: float, k_sigma: float = K_SIGMA):
+    """rescore_rows' logits, and beside them `alt`: the same, except that every id whose
+    candidacy is decided by at most `band` (|l_i + b_i - M| <= band, an absolute logit
+    margin) carries its other value (the INT4 logit where rescore_rows gave the fp16 one, and
+    the other way round).  An engine whose INT4 logits, h or M differ from the reference's by
+    rounding may choose either for those ids; `nq verify` accepts either."""
+    h = np.asarray(h, np.float32)
+    b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
+        np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
+    lo = np.asarray(logits, np.float32)
+    top = (lo - b).max()
+    cand = lo + b >= top
+    near = np.abs(lo + b - top) <= band
+    out = lo.copy()
+    ids = np.flatnonzero(cand | near)
+    ex = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
+    out[ids] = np.where(cand[ids], ex, lo[ids])
+    alt = out.copy()
+    alt[ids] = np.where(near[ids], np.where(cand[ids], lo[ids], ex), out[ids])
+    return out, alt

@@ -42,6 +42,19 @@ class NumpyReference:
         self.model.reset()
         return np.asarray(self.model.forward(np.asarray(ids)), np.float64)
 
+    def all_logits_pair(self, ids, band: float) -> tuple[np.ndarray, np.ndarray]:
+        """all_logits and its alternatives (nq.ref.rescore_alternatives; band: a fraction of
+        each position's spread): what a rescored INT4 head may give at ids on the candidates'
+        edge.  Without a rescored head the two are the same."""
+        self.model.reset()
+        out, alt = self.model.forward(np.asarray(ids), alt_band=band)
+        return np.asarray(out, np.float64), np.asarray(alt, np.float64)
+
+    def last_logits_pair(self, prompt, band: float) -> tuple[np.ndarray, np.ndarray]:
+        self.model.reset()
+        out, alt = self.model.forward(np.asarray(prompt), alt_band=band)
+        return np.asarray(out[-1], np.float64), np.asarray(alt[-1], np.float64)
+
     def greedy(self, prompts, n) -> list[Greedy]:
         out = []
         for prompt in prompts:
@@ -66,7 +79,8 @@ class TorchReference:
         import transformers
 
         from nq.loader.hf import hf_name, host_names
-        from nq.loader.weights import host_tensor
+        from nq.loader.quant import row_bounds
+        from nq.loader.weights import host_tensor, rescore_enabled, rescore_rows_of
 
         cfg = nf.config
         hcfg = transformers.Qwen2Config(**cfg.to_hf())
@@ -86,28 +100,74 @@ class TorchReference:
         if nf.lm_head != "fp16" and cfg.tie_word_embeddings:   # its own head, untied
             self.model.lm_head.weight = torch.nn.Parameter(
                 torch.from_numpy(host_tensor(nf, "lm_head")).to(device), requires_grad=False)
+        # an INT4 head the GPU step rescores: its candidates get the fp16 rows here too
+        # (nq.ref.rescore_rows, in torch on every position)
+        self.rescore = None
+        rows = rescore_rows_of(nf) if rescore_enabled() else None
+        if rows is not None:
+            exact = (params[hf_name("embed_tokens")].data if rows == "embed_tokens" else
+                     torch.from_numpy(nf.array(rows).astype(np.float32)).to(device))
+            bound = torch.from_numpy(row_bounds(nf.array("lm_head.scales"))).to(device)
+            self.rescore = (exact, bound)
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    def _rescored(self, out, band=None):
+        """The model output's logits (B, T, V), an INT4 head's candidates rescored by the fp16
+        rows as nq.ref.rescore_rows does; with band, (logits, alternatives) as
+        nq.ref.rescore_alternatives gives them (band: a fraction of each position's spread)."""
+        torch = self.torch
+        lo = out.logits.float()
+        if self.rescore is None:
+            return lo if band is None else (lo, lo)
+        from nq.ref import K_SIGMA
+        exact, bound = self.rescore
+        h = out.hidden_states[-1].float()                     # after the final norm
+        b = K_SIGMA * bound * (h.double().pow(2).sum(-1, keepdim=True) / 12.0).sqrt().float()
+        top = (lo - b).amax(-1, keepdim=True)
+        cand = lo + b >= top
+        ex = h @ exact.T
+        res = torch.where(cand, ex, lo)
+        if band is None:
+            return res
+        spread = lo.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True)
+        near = (lo + b - top).abs() <= band * spread
+        return res, torch.where(near, torch.where(cand, lo, ex), res)
+
+    def _run(self, ids, **kw):
+        return self.model(ids, output_hidden_states=self.rescore is not None, **kw)
 
     def last_logits(self, prompt) -> np.ndarray:
         torch = self.torch
         with torch.no_grad():
             ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device=self.device)
-            return self.model(ids).logits[0, -1].double().cpu().numpy()
+            return self._rescored(self._run(ids))[0, -1].double().cpu().numpy()
 
     def all_logits(self, ids) -> np.ndarray:
         torch = self.torch
         with torch.no_grad():
             t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
-            return self.model(t).logits[0].double().cpu().numpy()
+            return self._rescored(self._run(t))[0].double().cpu().numpy()
+
+    def all_logits_pair(self, ids, band: float) -> tuple[np.ndarray, np.ndarray]:
+        """NumpyReference.all_logits_pair's."""
+        torch = self.torch
+        with torch.no_grad():
+            t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
+            out, alt = self._rescored(self._run(t), band)
+            return out[0].double().cpu().numpy(), alt[0].double().cpu().numpy()
+
+    def last_logits_pair(self, prompt, band: float) -> tuple[np.ndarray, np.ndarray]:
+        out, alt = self.all_logits_pair(prompt, band)
+        return out[-1], alt[-1]
 
     def greedy(self, prompts, n) -> list[Greedy]:
         torch = self.torch
         with torch.no_grad():
             ids = torch.as_tensor(np.asarray(prompts, np.int64), device=self.device)
-            out = self.model(ids, use_cache=True)
-            logits = out.logits[:, -1].float()
+            out = self._run(ids, use_cache=True)
+            logits = self._rescored(out)[:, -1]
             runs = [Greedy([], [], []) for _ in prompts]
             for _ in range(n):
                 top = torch.topk(logits, 2, dim=-1)
@@ -116,9 +176,9 @@ class TorchReference:
                 gap = (top.values[:, 0] - top.values[:, 1]).cpu().numpy()
                 for r, t, gp, sp in zip(runs, tok.cpu().numpy(), gap, spread):
                     r.ids.append(int(t)), r.gaps.append(float(gp)), r.spreads.append(float(sp))
-                out = self.model(tok[:, None], use_cache=True,
-                                 **{self.cache_kw: getattr(out, self.cache_kw)})
-                logits = out.logits[:, -1].float()
+                out = self._run(tok[:, None], use_cache=True,
+                                **{self.cache_kw: getattr(out, self.cache_kw)})
+                logits = self._rescored(out)[:, -1]
         return runs
 
 

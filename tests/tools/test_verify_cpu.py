@@ -130,3 +130,60 @@ def test_decode_tier_feeds_the_reference_tokens_not_the_engine_s(tiny_nanoqwen):
     rows = verify.decode_tier(OwnChoice(), references.NumpyReference(nf),
                               np.random.default_rng(2).integers(0, 490, (2, 5)).tolist(), 5)
     assert not rows.passed and rows.error > verify.TOL_DECODE, rows
+
+
+@pytest.mark.parametrize("head,tie", [("int4", True), ("int4+fp16", False)],
+                         ids=["tied-int4", "int4+fp16"])
+def test_references_rescore_an_int4_head_as_the_step_does(tmp_path, head, tie):
+    """transformers' reference and nq.ref's give a rescored INT4 head's logits alike: the
+    candidates from the fp16 rows (the step's), the rest from the INT4 head -- so `nq verify`
+    compares the engine with what it computes, not with the INT4 head alone (which changes
+    ~a quarter of a random model's greedy tokens).  Their alternatives (ALT_BAND) differ from
+    the logits only at ids on the candidates' edge."""
+    from nq.config import tiny_config
+    from nq.loader.format import NanoqwenFile
+    from nq.loader.hf import hf_name, pack
+    from nq.loader.synth import make_hf_snapshot
+    from nq.ref import random_weights
+
+    cfg = tiny_config(num_layers=2, vocab_size=1800, tie=tie)
+    w = random_weights(cfg, 3)
+    if tie:
+        w.pop("lm_head", None)
+    snap = make_hf_snapshot(tmp_path / "hf", cfg, weights={hf_name(k): v for k, v in w.items()})
+    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head=head))
+    npr, thr = references.NumpyReference(nf), references.TorchReference(nf, "cpu")
+    assert npr.model.rescore is not None and thr.rescore is not None
+    ids = [5, 17, 99, 3, 1200, 42, 7, 8, 900]
+    a, b = npr.all_logits(ids), thr.all_logits(ids)
+    spread = a.max(-1) - a.min(-1)
+    assert (np.abs(a - b).max(-1) / spread).max() < 1e-4
+    got, alt = thr.all_logits_pair(ids, verify.ALT_BAND)
+    np.testing.assert_array_equal(got, b)
+    # the INT4 head alone, and every id from the fp16 rows (bounds so wide all are candidates)
+    saved = thr.rescore
+    thr.rescore = None
+    plain = thr.all_logits(ids)
+    thr.rescore = (saved[0], saved[1] * 1e6)
+    exact = thr.all_logits(ids)
+    thr.rescore = saved
+    tol = 1e-5 * spread[:, None]
+    cand = np.abs(b - exact) <= tol
+    assert cand.any() and (cand.sum(-1) < 0.5 * cfg.vocab_size).all()
+    assert (np.abs(b - plain)[~cand] <= tol.repeat(cfg.vocab_size, 1)[~cand]).all()
+    # alternatives: at a few ids on the edge, each the value the logits did not take there
+    edge = alt != got
+    assert 0 < edge.sum() < cand.sum()
+    other = np.where(cand, plain, exact)
+    assert (np.abs(alt - other)[edge] <= tol.repeat(cfg.vocab_size, 1)[edge]).all()
+    npa, npalt = npr.all_logits_pair(ids, verify.ALT_BAND)
+    assert (np.abs(npa - got).max(-1) / spread).max() < 1e-4
+    assert npalt.shape == alt.shape
+
+
+def test_logit_error_takes_the_nearer_alternative():
+    ref = np.array([0.0, 1.0, 10.0])
+    got = np.array([0.0, 1.5, 10.0])
+    assert verify.logit_error(got, ref) == pytest.approx(0.05)
+    assert verify.logit_error(got, ref, np.array([0.0, 1.5, 10.0])) == 0.0
+    assert verify.logit_error(got, ref, np.array([0.0, 3.0, 10.0])) == pytest.approx(0.05)
