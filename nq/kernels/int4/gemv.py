@@ -300,34 +300,48 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row_smem(wbase, ssc, li + 3, row0 + (3 % ROWS) < n_out, s, j)
         return r0, r1, r2, r3
 
+    def res_row(b, li):
+        # slot row li of block b: (its weight row, whether it exists)
+        row0 = (b * SEGMENTS + li // SLOTS) * ROWS
+        return weight_row(row0, li % SLOTS), row0 + ((li % SLOTS) % ROWS) < n_out
+
+    def res_scale(sc, b, e):
+        # the scale bits of entry e of the block's ssc (0 past the rows): a load, not yet used
+        wr, ok = res_row(b, min(e, RES_ROWS * GROUPS - 1) // GROUPS)
+        return ld_global_nc_u16(sc, (wr, e % GROUPS)) if ok and e < RES_ROWS * GROUPS else uint16(0)
+
     def resident_rows(qw, sc, dyn, ssc):
-        """Before the wait: the block's RES_ROWS weight rows into `dyn` by bulk copies (thread
-        0 arms one mbarrier for their bytes and issues a copy a row: a few hundred cycles,
-        beside the kernel before), every row's scales' bits into `ssc` by all threads.
-        Returns the rows' shared address; the block waits on the barrier (`resident_wait`)
-        after a __syncthreads has published its init."""
+        """Before the wait: the block's RES_ROWS weight rows into `dyn` by bulk copies (a
+        thread a row, counted off one mbarrier that thread 0 arms; a __syncthreads_count
+        between orders the init before the copies and counts the rows), every row's scales'
+        bits into `ssc` by all threads, four loads in flight a thread.  Returns the rows'
+        shared address; the block waits on the barrier (`resident_wait`)."""
         tid = cuda.threadIdx.x
         base = cvta_to_shared_u32(dyn)
         b = cuda.blockIdx.x
         if tid == 0:
-            n = 0
-            for li in range(RES_ROWS):
-                row0 = (b * SEGMENTS + li // SLOTS) * ROWS
-                if row0 + ((li % SLOTS) % ROWS) < n_out:
-                    n += 1
             mbarrier_init(base, uint32(1))
             fence_mbarrier_init()
+        wr, ok = res_row(b, min(tid, RES_ROWS - 1))
+        mine = ok and tid < RES_ROWS
+        n = cuda.syncthreads_count(mine)
+        if mine:
+            cp_async_bulk_g2s(base + uint32(RES_OFF + tid * ROW_BYTES), qw, (wr, 0),
+                              uint32(ROW_BYTES), base)
+        if tid == 0:   # (bytes that land first count the tx below zero: the phase waits for it)
             mbarrier_arrive_expect_tx(base, uint32(n * ROW_BYTES))
-            for li in range(RES_ROWS):
-                row0 = (b * SEGMENTS + li // SLOTS) * ROWS
-                if row0 + ((li % SLOTS) % ROWS) < n_out:
-                    cp_async_bulk_g2s(base + uint32(RES_OFF + li * ROW_BYTES), qw,
-                                      (weight_row(row0, li % SLOTS), 0), uint32(ROW_BYTES), base)
-        for e in range(tid, RES_ROWS * GROUPS, THREADS):
-            li = e // GROUPS
-            row0 = (b * SEGMENTS + li // SLOTS) * ROWS
-            if row0 + ((li % SLOTS) % ROWS) < n_out:
-                ssc[e] = ld_global_nc_u16(sc, (weight_row(row0, li % SLOTS), e % GROUPS))
+        for e0 in range(tid, RES_ROWS * GROUPS, 4 * THREADS):
+            s0 = res_scale(sc, b, e0)
+            s1 = res_scale(sc, b, e0 + THREADS)
+            s2 = res_scale(sc, b, e0 + 2 * THREADS)
+            s3 = res_scale(sc, b, e0 + 3 * THREADS)
+            ssc[e0] = s0
+            if e0 + THREADS < RES_ROWS * GROUPS:
+                ssc[e0 + THREADS] = s1
+            if e0 + 2 * THREADS < RES_ROWS * GROUPS:
+                ssc[e0 + 2 * THREADS] = s2
+            if e0 + 3 * THREADS < RES_ROWS * GROUPS:
+                ssc[e0 + 3 * THREADS] = s3
         return base + uint32(RES_OFF)
 
     def resident_wait(wbase):
@@ -510,8 +524,9 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_head,
                              put_swiglu, put_residual))
     rows_chunk = dev(slot_rows(chunk, SLOTS))   # dot_step's (gemv_digits.slot_rows)
-    load_row_smem, load_step_smem, resident_rows, resident_wait = (
-        dev(f) for f in (load_row_smem, load_step_smem, resident_rows, resident_wait))
+    res_row, res_scale, load_row_smem, load_step_smem, resident_rows, resident_wait = (
+        dev(f) for f in (res_row, res_scale, load_row_smem, load_step_smem, resident_rows,
+                         resident_wait))
     first_loads = dev(first_loads)   # (after load_step's dev)
     step_loads = load_step_smem if RESIDENT else load_step   # mainloop's
     # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)

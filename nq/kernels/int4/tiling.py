@@ -197,6 +197,9 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
         if kind not in ("qkv", "qkv_rope") or int(t.resident) != 1 or t.early:
             raise ValueError(f"{kind}: tiling {t.tag()}: resident=1 is for qkv and qkv_rope, "
                              f"with early=0 (the rows are all copied before the wait)")
+        if t.rows > t.lanes:
+            raise ValueError(f"{kind}: tiling {t.tag()}: resident=1 copies a row a thread, so "
+                             f"rows ({t.rows}) must not exceed a row's lanes ({t.lanes})")
         rows = resident_smem_bytes(kind, k, t)
         if rows + staged > SMEM_OPTIN_LIMIT:
             raise ValueError(f"{kind}: tiling {t.tag()} holds {rows} bytes of weight rows a "

@@ -349,8 +349,8 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
              # the activations as digits (Tiling.i8, gemv_digits.py: both kernels sum by dp4a)
              (64, 256, dict(threads=64, ks=2, i8=1), (16,)),
              # and the weight rows resident in shared memory (Tiling.resident: bulk copies
-             # before the wait), two steps; qkv_rope's second block half empty
-             (64, 256, dict(threads=128, ks=1, i8=1, resident=1, prefetch=0), (16,))]
+             # before the wait); qkv_rope's second block half empty
+             (64, 256, dict(threads=128, ks=2, i8=1, resident=1, prefetch=0), (16,))]
     for d, k, tk, positions in cases:
         tag = f"d{d}" + ("i8" if tk.get("i8") else "") + ("r" if tk.get("resident") else "")
         if not any(f"{tag}_pos{p}" in PICK for p in positions):
