@@ -68,7 +68,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
@@ -324,7 +324,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             fence_mbarrier_init()
         wr, ok = res_row(b, min(tid, RES_ROWS - 1))
         mine = ok and tid < RES_ROWS
-        n = cuda.syncthreads_count(mine)
+        n = cuda.syncthreads_count(int32(1) if mine else int32(0))
         if mine:
             cp_async_bulk_g2s(base + uint32(RES_OFF + tid * ROW_BYTES), qw, (wr, 0),
                               uint32(ROW_BYTES), base)
