@@ -417,7 +417,9 @@ def run(args) -> int:
     cfg = eng.cfg
     head = getattr(eng.w, "lm_head", None)     # an Int8Rows or Int4Rows pair, or fp16 rows
     head_kind = ("" if not hasattr(head, "scales") else
-                 ", lm_head int8" if head.qweight.dtype == np.int8 else ", lm_head int4")
+                 ", lm_head int8" if head.qweight.dtype == np.int8 else
+                 ", lm_head int4 rescored" if getattr(head, "exact", None) is not None else
+                 ", lm_head int4")
     from nq.kernels.int4 import tiling
     env["i8"] = tiling.I8                         # NQ_I8: "1" (default) or "0"
     i8 = {"0": ", no i8", "1": ""}[tiling.I8]     # a departure from NQ_I8=1
