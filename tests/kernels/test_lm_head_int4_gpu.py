@@ -90,22 +90,14 @@ def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, hea
     `prepare` does (1800 rows: three slices of the stage buffer), and 32 greedy ids equal the
     NumPy reference engine's over the file's dequantised head (tied, and `int4+fp16`: its
     candidates rescored by the fp16 rows, the embedding's or the kept lm_head's, in both)."""
-    from nq.config import tiny_config
-    from nq.loader.format import NanoqwenFile
-    from nq.loader.hf import hf_name, pack
-    from nq.loader.synth import make_hf_snapshot
+    from conftest import packed_with_head
     from nq.loader.weights import load_host_weights
-    from nq.ref import RefModel, random_weights
+    from nq.ref import RefModel
     from nq.runtime.engine import Engine
     from nq.runtime.weights import upload_mismatches
     from nq.sample import SamplingParams
 
-    cfg = tiny_config(num_layers=2, vocab_size=1800, tie=tie)
-    w = random_weights(cfg, 3)
-    if tie:
-        w.pop("lm_head", None)
-    snap = make_hf_snapshot(tmp_path / "hf", cfg, weights={hf_name(k): v for k, v in w.items()})
-    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head=head))
+    cfg, nf = packed_with_head(tmp_path, head, tie)
     eng = Engine.from_file(nf, max_len=128)
     assert isinstance(eng.w.lm_head, L.Int4Rows) and upload_mismatches(nf, eng.w) == []
     host = load_host_weights(nf)   # tied: with the embedding's rows, to rescore as the step

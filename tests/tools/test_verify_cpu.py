@@ -140,18 +140,9 @@ def test_references_rescore_an_int4_head_as_the_step_does(tmp_path, head, tie):
     compares the engine with what it computes, not with the INT4 head alone (which changes
     ~a quarter of a random model's greedy tokens).  Their alternatives (ALT_BAND) differ from
     the logits only at ids on the candidates' edge."""
-    from nq.config import tiny_config
-    from nq.loader.format import NanoqwenFile
-    from nq.loader.hf import hf_name, pack
-    from nq.loader.synth import make_hf_snapshot
-    from nq.ref import random_weights
+    from conftest import packed_with_head
 
-    cfg = tiny_config(num_layers=2, vocab_size=1800, tie=tie)
-    w = random_weights(cfg, 3)
-    if tie:
-        w.pop("lm_head", None)
-    snap = make_hf_snapshot(tmp_path / "hf", cfg, weights={hf_name(k): v for k, v in w.items()})
-    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head=head))
+    cfg, nf = packed_with_head(tmp_path, head, tie)
     npr, thr = references.NumpyReference(nf), references.TorchReference(nf, "cpu")
     assert npr.model.rescore is not None and thr.rescore is not None
     ids = [5, 17, 99, 3, 1200, 42, 7, 8, 900]
