@@ -48,7 +48,7 @@ exactly by dp4a (1e-6 of the output's norm, against ~1e-3 above), at the same sp
 step and faster at the 14B's and 32B's widths (docs/PERF.md 0.30).
 
 Resident rows (`Tiling.resident`, qkv and qkv_rope, opt-in): before griddepcontrol.wait,
-thread 0 arms one mbarrier and bulk-copies each of the block's weight rows (K/2 bytes, the
+thread 0 arms one mbarrier, thread i bulk-copies the block's weight row i (K/2 bytes, the
 uploaded layout as it is) into dynamic shared memory, and every thread copies a share of the
 rows' scale bits into a static array; after the staging the block waits on the barrier and
 the main loop reads words and scales from shared memory -- the same values in the same order,
