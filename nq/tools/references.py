@@ -113,17 +113,20 @@ class TorchReference:
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
 
-    def _rescored(self, out, band=None):
-        """The model output's logits (B, T, V), an INT4 head's candidates rescored by the fp16
-        rows as nq.ref.rescore_rows does; with band, (logits, alternatives) as
-        nq.ref.rescore_alternatives gives them (band: a fraction of each position's spread)."""
+    def _rescored(self, out, band=None, last=False):
+        """The model output's logits (B, T, V), or (B, 1, V) of the last position, an INT4
+        head's candidates rescored by the fp16 rows as nq.ref.rescore_rows does; with band,
+        (logits, alternatives) as nq.ref.rescore_alternatives gives them (band: a fraction of
+        each position's spread)."""
         torch = self.torch
-        lo = out.logits.float()
+        lo = out.logits[:, -1:] if last else out.logits
+        lo = lo.float()
         if self.rescore is None:
             return lo if band is None else (lo, lo)
         from nq.ref import K_SIGMA
         exact, bound = self.rescore
-        h = out.hidden_states[-1].float()                     # after the final norm
+        h = out.hidden_states[-1]                             # after the final norm
+        h = (h[:, -1:] if last else h).float()
         b = K_SIGMA * bound * (h.double().pow(2).sum(-1, keepdim=True) / 12.0).sqrt().float()
         top = (lo - b).amax(-1, keepdim=True)
         cand = lo + b >= top
@@ -142,7 +145,7 @@ class TorchReference:
         torch = self.torch
         with torch.no_grad():
             ids = torch.as_tensor(np.asarray(prompt, np.int64)[None], device=self.device)
-            return self._rescored(self._run(ids))[0, -1].double().cpu().numpy()
+            return self._rescored(self._run(ids), last=True)[0, -1].double().cpu().numpy()
 
     def all_logits(self, ids) -> np.ndarray:
         torch = self.torch
@@ -167,7 +170,7 @@ class TorchReference:
         with torch.no_grad():
             ids = torch.as_tensor(np.asarray(prompts, np.int64), device=self.device)
             out = self._run(ids, use_cache=True)
-            logits = self._rescored(out)[:, -1]
+            logits = self._rescored(out, last=True)[:, -1]
             runs = [Greedy([], [], []) for _ in prompts]
             for _ in range(n):
                 top = torch.topk(logits, 2, dim=-1)
@@ -178,7 +181,7 @@ class TorchReference:
                     r.ids.append(int(t)), r.gaps.append(float(gp)), r.spreads.append(float(sp))
                 out = self._run(tok[:, None], use_cache=True,
                                 **{self.cache_kw: getattr(out, self.cache_kw)})
-                logits = self._rescored(out)[:, -1]
+                logits = self._rescored(out, last=True)[:, -1]
         return runs
 
 

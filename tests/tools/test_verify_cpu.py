@@ -170,6 +170,9 @@ def test_references_rescore_an_int4_head_as_the_step_does(tmp_path, head, tie):
     npa, npalt = npr.all_logits_pair(ids, verify.ALT_BAND)
     assert (np.abs(npa - got).max(-1) / spread).max() < 1e-4
     assert npalt.shape == alt.shape
+    # greedy runs (the graph tier's) pick the rescored head's tokens in both
+    np.testing.assert_allclose(thr.last_logits(ids), b[-1], rtol=0, atol=1e-5 * spread[-1])
+    assert thr.greedy([ids], 6)[0].ids == npr.greedy([ids], 6)[0].ids
 
 
 def test_logit_error_takes_the_nearer_alternative():
