@@ -90,7 +90,7 @@ def test_engine_with_an_int4_head_file_greedy_equals_the_reference(tmp_path, hea
     `prepare` does (1800 rows: three slices of the stage buffer), and 32 greedy ids equal the
     NumPy reference engine's over the file's dequantised head (tied, and `int4+fp16`: its
     candidates rescored by the fp16 rows, the embedding's or the kept lm_head's, in both)."""
-    from conftest import packed_with_head
+    from head_files import packed_with_head
     from nq.loader.weights import load_host_weights
     from nq.ref import RefModel
     from nq.runtime.engine import Engine

@@ -140,7 +140,7 @@ def test_references_rescore_an_int4_head_as_the_step_does(tmp_path, head, tie):
     compares the engine with what it computes, not with the INT4 head alone (which changes
     ~a quarter of a random model's greedy tokens).  Their alternatives (ALT_BAND) differ from
     the logits only at ids on the candidates' edge."""
-    from conftest import packed_with_head
+    from head_files import packed_with_head
 
     cfg, nf = packed_with_head(tmp_path, head, tie)
     npr, thr = references.NumpyReference(nf), references.TorchReference(nf, "cpu")
