@@ -41,4 +41,3 @@ def tiny_nanoqwen(tmp_path_factory, tiny_snapshot):
     """tiny_snapshot packed into a .nanoqwen file (path)."""
     from nq.loader.hf import pack
     return pack(tiny_snapshot, tmp_path_factory.mktemp("nq") / "tiny.nanoqwen", progress=False)
-
