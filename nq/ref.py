@@ -396,13 +396,21 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 K_SIGMA = 6.0          # a candidate's bound in sigmas of its INT4 logit's rounding error
 
 
-def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
-    """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
+def _candidates(logits, bound, h, k_sigma):
+    """The rule of nq/kernels/lm_head_rescore.py: (INT4 logits l, the margins l_i + b_i - M,
+    h) with b_i = k_sigma * bound_i * |h| / sqrt 12 and M = max_j (l_j - b_j); an id is a
+    candidate where its margin is >= 0."""
     h = np.asarray(h, np.float32)
     b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
         np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
     lo = np.asarray(logits, np.float32)
-    cand = lo + b >= (lo - b).max()
+    return lo, lo + b - (lo - b).max(), h
+
+
+def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
+    """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
+    lo, margin, h = _candidates(logits, bound, h, k_sigma)
+    cand = margin >= 0
     out = lo.copy()
     ids = np.flatnonzero(cand)
     out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
@@ -415,13 +423,9 @@ def rescore_alternatives(logits, bound, h, exact, band: float, k_sigma: float = 
     margin) carries its other value (the INT4 logit where rescore_rows gave the fp16 one, and
     the other way round).  An engine whose INT4 logits, h or M differ from the reference's by
     rounding may choose either for those ids; `nq verify` accepts either."""
-    h = np.asarray(h, np.float32)
-    b = np.float32(k_sigma) * np.asarray(bound, np.float32) * np.float32(
-        np.sqrt(np.dot(h.astype(np.float64), h) / 12.0))
-    lo = np.asarray(logits, np.float32)
-    top = (lo - b).max()
-    cand = lo + b >= top
-    near = np.abs(lo + b - top) <= band
+    lo, margin, h = _candidates(logits, bound, h, k_sigma)
+    cand = margin >= 0
+    near = np.abs(margin) <= band
     out = lo.copy()
     ids = np.flatnonzero(cand | near)
     ex = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)

@@ -166,12 +166,12 @@ def row_chunk_loads(n_chunks: int, unroll: int, per_chunk: int):
 
 def head_parts(k: int, threads: int, unroll: int):
     """The fp16 head's device functions, shared with the INT4 head's exact rescoring
-    (lm_head_rescore.py), whose logits must be these bit for bit: (SH, stage, row_dot, x_rstd).
+    (lm_head_rescore.py), whose logits must be these bit for bit: (SH, stage, row_dot).
 
     stage(x, norm_w, hA, hB, red, eps, inv_k) -> h = rmsnorm(x) * norm_w in fp32 shared
     memory (SH floats in each of hA, hB; red: a float a warp), the block synced after;
     row_dot(weight, row, lane, hA, hB) -> the row's dot with h, summed over the warp (every
-    lane gets it); x_rstd(x, red, eps, inv_k) -> stage's 1/rms(x), the block synced."""
+    lane gets it)."""
     if k % 8 or threads % 32:
         raise ValueError(f"lm_head: hidden={k} must be a multiple of 8, threads of 32")
     if not 1 <= unroll <= 8:
@@ -261,4 +261,4 @@ def head_parts(k: int, threads: int, unroll: int):
             acc = dot_u(ws, hA, hB, lane, c0, acc)
         return wsum(acc)
 
-    return SH, dev(stage), dev(row_dot), x_rstd
+    return SH, dev(stage), dev(row_dot)

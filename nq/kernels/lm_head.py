@@ -52,7 +52,7 @@ def lm_head_name(vocab: int, k: int, eps: float, threads: int, unroll: int) -> s
 @functools.lru_cache(maxsize=None)
 def build_kernel(vocab: int, k: int, eps: float, threads: int = 256, unroll: int = 7):
     """The kernel body named lm_head_name(...) and its signature."""
-    SH, stage, row_dot, _ = head_parts(k, threads, unroll)
+    SH, stage, row_dot = head_parts(k, threads, unroll)
     WARPS = threads // 32
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)

@@ -88,7 +88,7 @@ def rescore_name(vocab: int, k: int, eps: float) -> str:
 @functools.lru_cache(maxsize=None)
 def build_kernel(vocab: int, k: int, eps: float):
     """The rescoring kernel's body and its signature (the module doc)."""
-    SH, stage, row_dot, _ = head_parts(k, THREADS, UNROLL)
+    SH, stage, row_dot = head_parts(k, THREADS, UNROLL)
     WARPS = THREADS // 32
     EPS = np.float32(eps)
     INV_K = np.float32(1.0 / k)

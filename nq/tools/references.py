@@ -52,7 +52,7 @@ class NumpyReference:
 
     def last_logits_pair(self, prompt, band: float) -> tuple[np.ndarray, np.ndarray]:
         self.model.reset()
-        out, alt = self.model.forward(np.asarray(prompt), alt_band=band)
+        out, alt = self.model.forward(np.asarray(prompt), last_only=True, alt_band=band)
         return np.asarray(out[-1], np.float64), np.asarray(alt[-1], np.float64)
 
     def greedy(self, prompts, n) -> list[Greedy]:
@@ -153,16 +153,16 @@ class TorchReference:
             t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
             return self._rescored(self._run(t))[0].double().cpu().numpy()
 
-    def all_logits_pair(self, ids, band: float) -> tuple[np.ndarray, np.ndarray]:
-        """NumpyReference.all_logits_pair's."""
+    def all_logits_pair(self, ids, band: float, last: bool = False):
+        """NumpyReference.all_logits_pair's (last: the last position's, (1, V) each)."""
         torch = self.torch
         with torch.no_grad():
             t = torch.as_tensor(np.asarray(ids, np.int64)[None], device=self.device)
-            out, alt = self._rescored(self._run(t), band)
+            out, alt = self._rescored(self._run(t), band, last=last)
             return out[0].double().cpu().numpy(), alt[0].double().cpu().numpy()
 
     def last_logits_pair(self, prompt, band: float) -> tuple[np.ndarray, np.ndarray]:
-        out, alt = self.all_logits_pair(prompt, band)
+        out, alt = self.all_logits_pair(prompt, band, last=True)
         return out[-1], alt[-1]
 
     def greedy(self, prompts, n) -> list[Greedy]:

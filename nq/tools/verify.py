@@ -268,18 +268,6 @@ def logit_error(got, ref, alt=None) -> float:
     return float(d.max() / max(float(ref.max() - ref.min()), 1e-30))
 
 
-def pair(reference, ids, last: bool):
-    """(logits, alternatives) of a reference (all positions, or the last), or (logits, None)
-    from one that gives no alternatives."""
-    if last:
-        if hasattr(reference, "last_logits_pair"):
-            return reference.last_logits_pair(ids, ALT_BAND)
-        return reference.last_logits(ids), None
-    if hasattr(reference, "all_logits_pair"):
-        return reference.all_logits_pair(ids, ALT_BAND)
-    return reference.all_logits(ids), None
-
-
 def decode_tier(backend, reference, prompts, n) -> Row:
     """Teacher-forced decode: the reference's n greedy tokens after each prompt are fed to the
     engine's decode step one at a time (its own choices never enter), and the logits of every
@@ -288,9 +276,9 @@ def decode_tier(backend, reference, prompts, n) -> Row:
     errs = []
     for prompt, run in zip(prompts, reference.greedy(prompts, n)):
         fed = run.ids[:-1]
-        ref, alt = pair(reference, list(prompt) + fed, last=False)
+        ref, alt = reference.all_logits_pair(list(prompt) + fed, ALT_BAND)
         ref = ref[len(prompt):]
-        alt = [None] * len(ref) if alt is None else alt[len(prompt):]
+        alt = alt[len(prompt):]
         backend.reset()
         backend.prefill(prompt)
         errs += [logit_error(backend.decode(tok), r, a) for tok, r, a in zip(fed, ref, alt)]
@@ -318,7 +306,7 @@ def prefill_tier(backend, reference, lengths, seed: int = 0, vocab: int = 32000)
         backend.reset()
         for part in parts:
             got = backend.prefill(part)
-        ref, alt = pair(reference, [t for part in parts for t in part], last=True)
+        ref, alt = reference.last_logits_pair([t for part in parts for t in part], ALT_BAND)
         err = logit_error(got, ref, alt)
         top = int(np.argmax(got)) == int(np.argmax(ref))
         _, gap, spread = top2(ref)

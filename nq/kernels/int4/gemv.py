@@ -16,7 +16,7 @@
 baked in.  The launchers (prepare, argument checks, grid) are in launch.py, the references in
 reference.py, the tilings in tiling.py, the weight layout (`tile_rows`) in layout.py.  o_proj
 and down run on the tensor cores by default (gemv_mma.py); this kernel takes them too.
-(About 550 lines in one file on purpose: the six kinds share one load/dequant/dot loop, and
+(About 740 lines in one file on purpose: the six kinds share one load/dequant/dot loop, and
 their prologues and epilogues read best beside it.)
 
 How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
