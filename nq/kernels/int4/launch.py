@@ -100,11 +100,14 @@ class HeadGemv(_Gemv):
 
     def __call__(self, x, norm_w, qw, sc, out, stream=0):
         """out fp32 (V,) = Wlm . rmsnorm(x, norm_w); x fp32 (K,), norm_w fp16."""
+        self._check(x, norm_w, qw, sc, out)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out)
+
+    def _check(self, x, norm_w, qw, sc, out):
         self._check_weights(qw, sc)
         need(x, f"{self.name} x", np.float32, (self.k,))
         need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out)
 
 
 class HeadBoundGemv(HeadGemv):
@@ -115,10 +118,7 @@ class HeadBoundGemv(HeadGemv):
     kind = "lm_head_bound"
 
     def __call__(self, x, norm_w, qw, sc, out, bound, bmax, stream=0):
-        self._check_weights(qw, sc)
-        need(x, f"{self.name} x", np.float32, (self.k,))
-        need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
-        need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
+        self._check(x, norm_w, qw, sc, out)
         need(bound, f"{self.name} bound", np.float32, (self.n_out,), 4)
         need(bmax, f"{self.name} bmax", np.float32, (self.grid + 1,), 4)
         self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, out, bound, bmax)

@@ -208,12 +208,11 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
 
 
 def resident_smem_bytes(kind: str, k: int, t: Tiling) -> int:
-    """Dynamic shared memory of a resident=1 block (0 otherwise): its mbarrier (16 bytes) and
-    its weight rows, K/2 bytes each."""
+    """Dynamic shared memory of a resident=1 block (0 otherwise; qkv and qkv_rope, a row a
+    slot): its mbarrier (16 bytes) and its weight rows, K/2 bytes each."""
     if not t.resident:
         return 0
-    slots = t.rows * (2 if kind == "gate_up" else 1)
-    return 16 + (t.threads // t.lanes) * slots * (k // 2)
+    return 16 + (t.threads // t.lanes) * t.rows * (k // 2)
 
 
 def core_staged_bytes(k: int, t: Tiling) -> int:
