@@ -291,6 +291,21 @@ def test_qkv_rope_early_in_the_step(model):
     step_variants_agree(eng, (({"qkv_rope": other}, {}),))
 
 
+def test_down_l2next_in_the_step(model):
+    """The step whose down asks L2 for the next layer's qkv weights (MmaTiling.l2next 1 and 2,
+    an experiment): a prefetch changes no value, so the default step's ids and logits."""
+    import dataclasses
+
+    from nq.kernels.int4.launch import gemv_tiling
+    from nq.kernels.int4.tiling import MmaTiling
+    name, nf, eng, ref = model
+    t = gemv_tiling("down", nf.config)
+    if not isinstance(t, MmaTiling):
+        pytest.skip(f"{name}: down runs on the CUDA cores at this width")
+    step_variants_agree(eng, tuple(({"down": dataclasses.replace(t, l2next=w)}, {})
+                                   for w in (1, 2)))
+
+
 def test_fill_kernels_match_their_reference():
     from numba import cuda
 

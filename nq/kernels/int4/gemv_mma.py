@@ -122,7 +122,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up: RMSNorm's eps too)."""
     fields = dataclasses.asdict(t)
-    for f in ("early", "l2ahead", "xacc", "i8"):
+    for f in ("early", "l2ahead", "xacc", "i8", "l2next"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -338,6 +338,8 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             put_residual(x, xa, row, tl2, r, xr, red)
 
     residual = dev(residual)
+    if t.l2next:   # down asking L2 for the next kernel's weights (nw, ns) beside its own
+        return _with_next(residual, t.l2next, s.WARPS, XACC)
     if XACC:   # down with xacc folded into x and zeroed
         def kernel(a, qw, sc, x, xa):
             residual(a, qw, sc, x, xa)
@@ -347,3 +349,51 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         residual(a, qw, sc, x, x)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
+
+
+def _with_next(residual, when: int, warps: int, xacc: int):
+    """l2next (`MmaTiling.l2next`, down; opt-in): the kernel takes the next kernel's weights
+    (nw uint32 words, ns fp16 scales: the next layer's qkv) and each warp asks L2 for its
+    share of both, one cp.async.bulk.prefetch.L2 each (lane 0 the words, lane 1 the scales),
+    before anything else (when 1: at the block's start, before the wait) or after its own
+    epilogue (2: its loads all returned).  What for: qkv's blocks cannot start beside down's
+    (1024 threads x 61 registers fill an SM), so today each loads its 86 KB from DRAM only once
+    down has left its SM; with the rows in L2 those loads return at L2's latency and rate.  The
+    prefetch changes no value (the simulator's twin checks each range's alignment and bounds)."""
+
+    def share(arr, esize, gw, nwarps):
+        # the warp's share of arr's whole 16-byte chunks, one bulk prefetch
+        chunks = (arr.size * esize) // 16
+        c0 = chunks * gw // nwarps
+        c1 = chunks * (gw + 1) // nwarps
+        if c1 > c0:
+            cp_async_bulk_prefetch_l2(arr, c0 * (16 // esize), uint32((c1 - c0) * 16))
+
+    def next_to_l2(nw, ns):
+        lane = cuda.threadIdx.x & 31
+        gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> 5)
+        nwarps = cuda.gridDim.x * warps
+        if lane == 0:
+            share(nw, 4, gw, nwarps)
+        elif lane == 1:
+            share(ns, 2, gw, nwarps)
+
+    share, next_to_l2 = dev(share), dev(next_to_l2)
+    if xacc:
+        def kernel(a, qw, sc, x, xa, nw, ns):
+            if when == 1:
+                next_to_l2(nw, ns)
+            residual(a, qw, sc, x, xa)
+            if when == 2:
+                next_to_l2(nw, ns)
+        return kernel, ("void(float16[::1], uint32[::1], float16[::1], float32[::1], "
+                        "uint32[::1], uint32[::1], float16[::1])")
+
+    def kernel(a, qw, sc, x, nw, ns):
+        if when == 1:
+            next_to_l2(nw, ns)
+        residual(a, qw, sc, x, x)
+        if when == 2:
+            next_to_l2(nw, ns)
+    return kernel, ("void(float16[::1], uint32[::1], float16[::1], float32[::1], uint32[::1], "
+                    "float16[::1])")

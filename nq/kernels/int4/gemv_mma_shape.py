@@ -71,6 +71,10 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
+    if t.l2next and (kind != "down" or t.l2next not in (1, 2)):
+        raise ValueError(f"gemv_mma: tiling {t.tag()}: l2next (the next kernel's weights asked "
+                         f"of L2) is down's, 1 (after the wait) or 2 (after a warp's last "
+                         f"loads); 0 asks for none")
 
 
 MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
