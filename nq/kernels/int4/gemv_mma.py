@@ -122,7 +122,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up: RMSNorm's eps too)."""
     fields = dataclasses.asdict(t)
-    for f in ("early", "l2ahead", "xacc", "i8", "l2next"):
+    for f in ("early", "l2ahead", "xacc", "i8", "l2next", "evict"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}

@@ -141,6 +141,7 @@ class MmaTiling:
     l2next: int = 0      # down: each warp asks L2 for its share of the next kernel's weights
     #                      (the next layer's qkv), 1 right after the wait, 2 after the warp's
     #                      last loads (gemv_mma.py "l2next"; opt-in, docs/PERF.md 0.39)
+    evict: int = 0       # the weights' loads marked L2::evict_first (opt-in, docs/PERF.md 0.39)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -155,7 +156,7 @@ class MmaTiling:
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
                 + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else "")
-                + (f"_l2n{self.l2next}" if self.l2next else ""))
+                + (f"_l2n{self.l2next}" if self.l2next else "") + ("_ef" if self.evict else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:

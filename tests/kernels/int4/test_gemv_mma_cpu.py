@@ -154,6 +154,8 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, i8=1)),
     # the step's down asking L2 for the next layer's qkv (l2next, an experiment)
     ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1, l2next=1)),
+    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1, l2next=1,
+                                    evict=1)),
 ])
 def test_mma_gemv_i8_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
@@ -166,6 +168,9 @@ def test_mma_gemv_i8_ptx_sm90(kind, n, k, tiling):
     # the digits, 3 bytes a value, in dynamic shared memory past 48 KB (with early's after)
     assert gemv_mma.dynamic_smem(k, tiling) == (3 * k if 3 * k > 48 * 1024 else 0)
     ptx_util.assert_one_block_an_sm(ptx, tiling.threads)
+    # evict: every weight load of the register loop carries the evict_first policy
+    assert (ptx.count("ld.global.nc.L2::cache_hint.v4.u32") > 0) == bool(tiling.evict)
+    assert (ptx.count("ld.global.nc.v4.u32") == 0) == bool(tiling.evict)
 
 
 SIM_SCRIPT = textwrap.dedent('''
@@ -200,6 +205,9 @@ SIM_SCRIPT = textwrap.dedent('''
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
                           ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
                           ("early", 48, 640, MmaTiling(warps=2, threads=128, early=2)),
+                          # evict: the register loop's loads with an evict_first L2 policy
+                          ("early_ef", 48, 640, MmaTiling(warps=2, threads=128, early=2,
+                                                          evict=1)),
                           ("early3", 32, 1024, MmaTiling(warps=1, threads=64, early=3)),
                           ("t2_w2_i8", 32, 384, MmaTiling(warps=2, threads=128, i8=1)),
                           ("w1_i8", 32, 640, MmaTiling(warps=1, threads=64, i8=1)),
@@ -278,7 +286,7 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early",
+    assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early", "early_ef",
                          "early3", "t2_w2_i8", "w1_i8", "early_i8", "dyn_early_i8",
                          "l2next1", "l2next2", "nonfinite_i8"}, stdout
     assert errs.pop("nonfinite_i8") == 0   # finite rows left after a NaN / an inf in a
