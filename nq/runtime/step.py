@@ -181,7 +181,6 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         raise ValueError(f"qkv_rope tiling {qkv_rope.tiling.tag()} reads another layout than "
                          f"the uploaded qkv weights ({qkv_t.tag()}); keep ks")
     acc = {"xacc": xacc} if xacc is not None else {}
-    down_next = _down_next(g["down"], weights.layers)
     steps = [("embed", feed.feed_launcher(eng.prompt, eng.feed_meta, eng.state)),
              ("embed", embed.embed_launcher(weights.embed, eng.state, eng.x))]
     for i, L in enumerate(weights.layers):
@@ -206,8 +205,7 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
         steps += [
             ("gate_up_swiglu", lambda st, L=L: g["gate_up"](eng.x, L.post_norm, L.gu_w,
                                                             L.gu_s, eng.a, st, **acc)),
-            ("down", lambda st, L=L, nx=down_next[i]: g["down"](eng.a, L.down_w, L.down_s,
-                                                                 eng.x, st, **acc, **nx)),
+            ("down", lambda st, L=L: g["down"](eng.a, L.down_w, L.down_s, eng.x, st, **acc)),
         ]
     head = lm_head.make_lm_head(c, weights.lm_head)   # fp16, or int8 rows + scales
     steps.append(("lm_head", lambda st: head(eng.x, weights.norm, weights.lm_head,
@@ -215,16 +213,3 @@ def build_steps(eng, tilings=None, attn=None, check_layout: bool = True,
     steps.append(("sample", argmax.argmax_launcher(eng.logits, eng.state, eng.out_ids,
                                                    argmax.argmax_workspace())))
     return steps
-
-
-def _down_next(down, layers) -> list[dict]:
-    """Each layer's down keywords for MmaTiling.l2next (an experiment, "down.l2next=1"): the
-    next layer's qkv weights to ask L2 for; the last layer's a 16-byte stand-in (the head
-    follows).  Empty keywords where down's tiling has no l2next."""
-    if not getattr(down.tiling, "l2next", 0):
-        return [{} for _ in layers]
-    from numba import cuda
-    import numpy as np
-    last = (cuda.to_device(np.zeros(4, np.uint32)), cuda.to_device(np.zeros(8, np.float16)))
-    return [{"nxt": (layers[i + 1].qkv_w, layers[i + 1].qkv_s) if i + 1 < len(layers) else last}
-            for i in range(len(layers))]

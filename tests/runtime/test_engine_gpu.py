@@ -291,26 +291,6 @@ def test_qkv_rope_early_in_the_step(model):
     step_variants_agree(eng, (({"qkv_rope": other}, {}),))
 
 
-def test_down_l2next_in_the_step(model):
-    """The step whose down asks L2 for the next layer's qkv weights (MmaTiling.l2next 1 and 2,
-    an experiment), and with down's and gate_up's weight loads marked evict_first (evict): a
-    prefetch or a cache policy changes no value, so the default step's ids and logits."""
-    import dataclasses
-
-    from nq.kernels.int4.launch import gemv_tiling
-    from nq.kernels.int4.tiling import MmaTiling
-    name, nf, eng, ref = model
-    t = gemv_tiling("down", nf.config)
-    if not isinstance(t, MmaTiling):
-        pytest.skip(f"{name}: down runs on the CUDA cores at this width")
-    g = gemv_tiling("gate_up", nf.config)
-    both = {"down": dataclasses.replace(t, l2next=1, evict=1)}
-    if isinstance(g, MmaTiling):
-        both["gate_up"] = dataclasses.replace(g, evict=1)
-    step_variants_agree(eng, tuple(({"down": dataclasses.replace(t, l2next=w)}, {})
-                                   for w in (1, 2)) + ((both, {}),))
-
-
 def test_fill_kernels_match_their_reference():
     from numba import cuda
 

@@ -40,7 +40,9 @@ int64 is rounded once to fp32, then scaled exactly (dequant.fixed_to_f32); docs/
 Retired, each after it lost in the 7B step (docs/KERNELS_GEMV.md, "Retired variants"):
 prefetch=2 and splits (13c221c), preload=2 (c936f73), ring (805e084, 6362a1e), a down block
 beside gate_up's (0f4633d), gate_up's sets=3 and apart (a8a7e72), gate_up and down as one
-kernel (bc19524), the copy-engine feed (3ba57e0), stream-K down (c922c89).  And the
+kernel (bc19524), the copy-engine feed (3ba57e0), stream-K down (c922c89), down asking L2
+for the next layer's qkv (`l2next`) and the weights' loads with an evict_first policy
+(`evict`), both at bb95d7a (docs/PERF.md 0.39).  And the
 "fp32-accurate step" (NQ_MMA_QKV=1; tiling.py's epitaph), as accurate as the default since
 docs/PERF.md 0.30 and ~0.07 ms a step slower (H100 SXM, 2026-12-07), code at 29184bc:
 qkv / qkv_rope here, rows in RoPE-pair order: +0.043..+0.053 ms a step at 512 (H200, 2026-12-02);
@@ -122,7 +124,7 @@ def gemv_mma_name(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in
     (gate_up: RMSNorm's eps too)."""
     fields = dataclasses.asdict(t)
-    for f in ("early", "l2ahead", "xacc", "i8", "l2next", "evict"):
+    for f in ("early", "l2ahead", "xacc", "i8"):
         if not fields[f]:
             del fields[f]                  # the names of the kernels before them stand
     extra = {} if eps is None else {"eps": eps}
@@ -338,8 +340,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
             put_residual(x, xa, row, tl2, r, xr, red)
 
     residual = dev(residual)
-    if t.l2next:   # down asking L2 for the next kernel's weights (nw, ns) beside its own
-        return _with_next(residual, t.l2next, s.WARPS, XACC)
     if XACC:   # down with xacc folded into x and zeroed
         def kernel(a, qw, sc, x, xa):
             residual(a, qw, sc, x, xa)
@@ -349,51 +349,3 @@ def build_kernel(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None 
         residual(a, qw, sc, x, x)
 
     return kernel, "void(float16[::1], uint32[::1], float16[::1], float32[::1])"
-
-
-def _with_next(residual, when: int, warps: int, xacc: int):
-    """l2next (`MmaTiling.l2next`, down; opt-in): the kernel takes the next kernel's weights
-    (nw uint32 words, ns fp16 scales: the next layer's qkv) and each warp asks L2 for its
-    share of both, one cp.async.bulk.prefetch.L2 each (lane 0 the words, lane 1 the scales),
-    before anything else (when 1: at the block's start, before the wait) or after its own
-    epilogue (2: its loads all returned).  What for: qkv's blocks cannot start beside down's
-    (1024 threads x 61 registers fill an SM), so today each loads its 86 KB from DRAM only once
-    down has left its SM; with the rows in L2 those loads return at L2's latency and rate.  The
-    prefetch changes no value (the simulator's twin checks each range's alignment and bounds)."""
-
-    def share(arr, esize, gw, nwarps):
-        # the warp's share of arr's whole 16-byte chunks, one bulk prefetch
-        chunks = (arr.size * esize) // 16
-        c0 = chunks * gw // nwarps
-        c1 = chunks * (gw + 1) // nwarps
-        if c1 > c0:
-            cp_async_bulk_prefetch_l2(arr, c0 * (16 // esize), uint32((c1 - c0) * 16))
-
-    def next_to_l2(nw, ns):
-        lane = cuda.threadIdx.x & 31
-        gw = cuda.blockIdx.x * warps + (cuda.threadIdx.x >> 5)
-        nwarps = cuda.gridDim.x * warps
-        if lane == 0:
-            share(nw, 4, gw, nwarps)
-        elif lane == 1:
-            share(ns, 2, gw, nwarps)
-
-    share, next_to_l2 = dev(share), dev(next_to_l2)
-    if xacc:
-        def kernel(a, qw, sc, x, xa, nw, ns):
-            if when == 1:
-                next_to_l2(nw, ns)
-            residual(a, qw, sc, x, xa)
-            if when == 2:
-                next_to_l2(nw, ns)
-        return kernel, ("void(float16[::1], uint32[::1], float16[::1], float32[::1], "
-                        "uint32[::1], uint32[::1], float16[::1])")
-
-    def kernel(a, qw, sc, x, nw, ns):
-        if when == 1:
-            next_to_l2(nw, ns)
-        residual(a, qw, sc, x, x)
-        if when == 2:
-            next_to_l2(nw, ns)
-    return kernel, ("void(float16[::1], uint32[::1], float16[::1], float32[::1], uint32[::1], "
-                    "float16[::1])")

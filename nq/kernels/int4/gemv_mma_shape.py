@@ -71,13 +71,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: MmaTiling) -> None:
     if not 0 <= t.l2ahead <= MAX_L2AHEAD:
         raise ValueError(f"gemv_mma: tiling {t.tag()}: l2ahead (groups a warp asks L2 for ahead "
                          f"of its loads) is 0..{MAX_L2AHEAD}")
-    if t.evict not in (0, 1):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: evict={t.evict}: 0, or 1 (the weights' "
-                         f"loads marked L2::evict_first)")
-    if t.l2next and (kind != "down" or t.l2next not in (1, 2)):
-        raise ValueError(f"gemv_mma: tiling {t.tag()}: l2next (the next kernel's weights asked "
-                         f"of L2) is down's, 1 (after the wait) or 2 (after a warp's last "
-                         f"loads); 0 asks for none")
 
 
 MAX_EARLY = 6     # early slots a warp (shared memory: 32 warps x 6 KB is most of a block's)
@@ -133,7 +126,6 @@ class MmaShape:
     L2AHEAD: int
     XACC: bool
     I8: bool
-    EVICT: bool
 
 
 def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> MmaShape:
@@ -210,9 +202,6 @@ def shape_of(kind: str, n_out: int, k: int, t: MmaTiling, eps: float | None) -> 
     # 2N uint32 words) holding attn_o_proj's heads' shares in fixed point; gate_up stages the
     # sum, down adds it to x with its own sums and zeroes xacc
     XACC = bool(t.xacc)
-    # evict (t.evict): the weights' 16-byte loads marked L2::evict_first, so that their stream
-    # leaves in L2 what is read again (an experiment; docs/PERF.md 0.39)
-    EVICT = bool(t.evict)
 
     here = locals()
     return MmaShape(**{f.name: here[f.name] for f in dataclasses.fields(MmaShape)})

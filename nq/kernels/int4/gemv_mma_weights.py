@@ -20,8 +20,7 @@ from nq.kernels.int4.layout import CHUNK
 from nq.kernels.int4.tiling import TILE
 from nq.ptx import (cp_async_bulk_g2s, cp_async_bulk_prefetch_l2, cp_async_cg_shared_global_16,
                     cp_async_commit_group, cvt_f32_f16, cvta_to_shared_u32, fence_mbarrier_init,
-                    createpolicy_evict_first_b64, ld_global_nc_hint_v4_u32, ld_global_nc_u16,
-                    ld_global_nc_v4_u32, ld_shared_v2_u32_at,
+                    ld_global_nc_u16, ld_global_nc_v4_u32, ld_shared_v2_u32_at,
                     ld_shared_v4_u32_at, mbarrier_arrive, mbarrier_arrive_expect_tx,
                     mbarrier_init, mbarrier_wait_parity, mma_sync_m16n8k16_f16_f32,
                     mma_sync_m16n8k32_s8_s32)
@@ -37,19 +36,11 @@ def weight_path(s: MmaShape) -> SimpleNamespace:
     NORM, EARLY, I8 = s.NORM, s.EARLY, s.I8
     PAIRS_MAIN, SLOTS_B, SC_W, SC_CHUNKS = s.PAIRS_MAIN, s.SLOTS_B, s.SC_W, s.SC_CHUNKS
     SC_ITERS, BAR_B, SLOT_TX, L2AHEAD = s.SC_ITERS, s.BAR_B, s.SLOT_TX, s.L2AHEAD
-    EVICT = s.EVICT
 
     def load_words(qw, base):
-        # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes); EVICT: with
-        # an evict_first policy, L2 keeps them as its first to evict (sm_90 has the policy form
-        # only: `.L2::evict_first` on a load wants 32-byte vectors)
-        if EVICT:
-            pol = createpolicy_evict_first_b64()
-            w0, w1, w2, w3 = ld_global_nc_hint_v4_u32(qw, base, pol)
-            w4, w5, w6, w7 = ld_global_nc_hint_v4_u32(qw, base + 4, pol)
-        else:
-            w0, w1, w2, w3 = ld_global_nc_v4_u32(qw, base)
-            w4, w5, w6, w7 = ld_global_nc_v4_u32(qw, base + 4)
+        # the lane's 8 words of one group: two 16-byte loads (32 contiguous bytes)
+        w0, w1, w2, w3 = ld_global_nc_v4_u32(qw, base)
+        w4, w5, w6, w7 = ld_global_nc_v4_u32(qw, base + 4)
         return w0, w1, w2, w3, w4, w5, w6, w7
 
     def load_scales(sc, sbase, grp):

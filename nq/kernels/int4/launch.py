@@ -233,22 +233,6 @@ def _xacc_words(name, xacc, n):
     return xacc
 
 
-def _next_words(name, nxt):
-    """l2next's (qweight, scales) of the next kernel, flat: uint32 words and fp16 scales, each
-    16-byte aligned (a device allocation is)."""
-    if nxt is None or len(nxt) != 2:
-        raise ValueError(f"{name}: its tiling's l2next asks L2 for the next kernel's weights; "
-                         f"pass nxt=(qweight, scales), or use a tiling without l2next")
-    nw, ns = nxt
-    if nw.dtype != np.uint32 or ns.dtype != np.float16:
-        raise ValueError(f"{name}: nxt must be (uint32 qweight, fp16 scales), got "
-                         f"({nw.dtype}, {ns.dtype})")
-    nw, ns = nw.reshape(nw.size), ns.reshape(ns.size)
-    need(nw, f"{name} nxt qweight", np.uint32, (nw.size,), 16)
-    need(ns, f"{name} nxt scales", np.float16, (ns.size,), 16)
-    return nw, ns
-
-
 class ResidualMmaGemv(_MmaGemv):
     """o_proj and down on the tensor cores: `g(a, qw, sc, x, stream)`, x fp32 (N,) += W . a,
     a fp16 (K,)."""
@@ -256,18 +240,13 @@ class ResidualMmaGemv(_MmaGemv):
     def __init__(self, kind: str, n_out: int, k: int, tiling: MmaTiling):
         super().__init__(kind, n_out, k, n_out, tiling)
 
-    def __call__(self, a, qw, sc, x, stream=0, xacc=None, nxt=None):
+    def __call__(self, a, qw, sc, x, stream=0, xacc=None):
         """xacc: with a tiling's xacc (down), attn_o_proj's int64 sums (N,) beside x, folded
-        into x and zeroed here (o_proj.xacc_workspace).  nxt: with a tiling's l2next (down),
-        the next kernel's (qweight uint32, scales fp16) arrays, any shape, asked of L2."""
+        into x and zeroed here (o_proj.xacc_workspace)."""
         qw, sc = self._weights(qw, sc)
         need(a, f"{self.name} a", np.float16, (self.k,), 16)
         need(x, f"{self.name} x", np.float32, (self.n_out,), 4)
-        if self.tiling.l2next:
-            nw, ns = _next_words(self.name, nxt)
-            xa = (_xacc_words(self.name, xacc, self.n_out),) if self.tiling.xacc else ()
-            self.kernel[self.grid, self.block, stream, self.smem](a, qw, sc, x, *xa, nw, ns)
-        elif self.tiling.xacc:
+        if self.tiling.xacc:
             self.kernel[self.grid, self.block, stream, self.smem](
                 a, qw, sc, x, _xacc_words(self.name, xacc, self.n_out))
         else:

@@ -138,10 +138,6 @@ class MmaTiling:
     #                      group's absmax) on the int8 tensor cores, 3 instructions a word of
     #                      weights instead of 9 (gemv_mma.py "i8").  (i8=2, the digits
     #                      stored as words, lost: docs/PERF.md 0.29, code at 2c215a2)
-    l2next: int = 0      # down: each warp asks L2 for its share of the next kernel's weights
-    #                      (the next layer's qkv), 1 right after the wait, 2 after the warp's
-    #                      last loads (gemv_mma.py "l2next"; opt-in, docs/PERF.md 0.39)
-    evict: int = 0       # the weights' loads marked L2::evict_first (opt-in, docs/PERF.md 0.39)
 
     def rows_per_block(self) -> int:
         return TILE * (self.threads // 32 // self.warps)
@@ -155,8 +151,7 @@ class MmaTiling:
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
                 + (f"_early{self.early}" if self.early else "")
                 + (f"_l2a{self.l2ahead}" if self.l2ahead else "")
-                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else "")
-                + (f"_l2n{self.l2next}" if self.l2next else "") + ("_ef" if self.evict else ""))
+                + ("_xacc" if self.xacc else "") + ("_i8" if self.i8 else ""))
 
 
 def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:

@@ -121,8 +121,6 @@ def test_mma_tiling_rule():
     ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=4)),   # one-shot, then registers
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, early=2)),
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, l2ahead=2)),
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, l2next=1)),
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, l2next=2)),
 ])
 def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
@@ -136,9 +134,7 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
         ptx_util.assert_uses(ptx, "cp.async.bulk.shared::cluster.global",
                              "mbarrier.try_wait.parity", "cp.async.wait_group")
     # l2ahead: a bulk L2 prefetch in the loop (two sites) and the prologue's; none without
-    # (l2next: one for the next kernel's words, one for its scales)
     assert (ptx_util.count(ptx, "cp.async.bulk.prefetch.L2") >= 3) == bool(tiling.l2ahead)
-    assert (ptx_util.count(ptx, "cp.async.bulk.prefetch.L2") == 2) == bool(tiling.l2next)
     # one mma and four lop3 per word, eight words a group
     assert ptx_util.count(ptx, "mma.sync.aligned.m16n8k16") % 8 == 0
     assert ptx_util.count(ptx, "lop3.b32") == 4 * ptx_util.count(ptx, "mma.sync.aligned.m16n8k16")
@@ -152,10 +148,6 @@ def test_mma_gemv_ptx_sm90(kind, n, k, tiling):
     ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1)),  # 7B
     ("down", 5120, 27648, MmaTiling(warps=8, threads=768, early=1, i8=1)),   # 32B: 128 KB
     ("o_proj", 3584, 3584, MmaTiling(warps=14, threads=448, i8=1)),
-    # the step's down asking L2 for the next layer's qkv (l2next, an experiment)
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1, l2next=1)),
-    ("down", 3584, 18944, MmaTiling(warps=16, threads=1024, early=1, xacc=1, i8=1, l2next=1,
-                                    evict=1)),
 ])
 def test_mma_gemv_i8_ptx_sm90(kind, n, k, tiling):
     fn, sig = gemv_mma.build_kernel(kind, n, k, tiling)
@@ -168,9 +160,6 @@ def test_mma_gemv_i8_ptx_sm90(kind, n, k, tiling):
     # the digits, 3 bytes a value, in dynamic shared memory past 48 KB (with early's after)
     assert gemv_mma.dynamic_smem(k, tiling) == (3 * k if 3 * k > 48 * 1024 else 0)
     ptx_util.assert_one_block_an_sm(ptx, tiling.threads)
-    # evict: every weight load of the register loop carries the evict_first policy
-    assert (ptx.count("ld.global.nc.L2::cache_hint.v4.u32") > 0) == bool(tiling.evict)
-    assert (ptx.count("ld.global.nc.v4.u32") == 0) == bool(tiling.evict)
 
 
 SIM_SCRIPT = textwrap.dedent('''
@@ -205,9 +194,6 @@ SIM_SCRIPT = textwrap.dedent('''
                           ("w4", 16, 384, MmaTiling(warps=4, threads=128)),
                           ("w1", 32, 640, MmaTiling(warps=1, threads=64)),
                           ("early", 48, 640, MmaTiling(warps=2, threads=128, early=2)),
-                          # evict: the register loop's loads with an evict_first L2 policy
-                          ("early_ef", 48, 640, MmaTiling(warps=2, threads=128, early=2,
-                                                          evict=1)),
                           ("early3", 32, 1024, MmaTiling(warps=1, threads=64, early=3)),
                           ("t2_w2_i8", 32, 384, MmaTiling(warps=2, threads=128, i8=1)),
                           ("w1_i8", 32, 640, MmaTiling(warps=1, threads=64, i8=1)),
@@ -236,35 +222,6 @@ SIM_SCRIPT = textwrap.dedent('''
         ref = ref_down(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
         delta = got - x            # the dot products alone, against the reference's
         print(name, float(np.linalg.norm(delta - (ref - x)) / np.linalg.norm(ref - x)), flush=True)
-    # l2next: the same sums, and the warps' shares of the next kernel's words (100: 25 whole
-    # chunks of 16 bytes over 8 warps) and scales (37 fp16: 4 whole chunks, the 10-byte tail
-    # not asked) asked of L2 once each, without gaps or overlaps
-    import nq.kernels.int4.gemv_mma as gm
-    nxt_asked = sim_warp.record_l2_prefetches(gm)
-    for when in (1, 2):
-        n, k = 48, 384
-        g = ResidualMmaGemv("down", n, k, MmaTiling(warps=2, threads=128, early=1, l2next=when))
-        qw = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-        sc = rng.uniform(0.002, 0.02, size=(n, k // 128)).astype(np.float16)
-        a = (rng.standard_normal(k) * 3).astype(np.float16)
-        x = rng.standard_normal(n).astype(np.float32)
-        pq, ps = g.prepare([(qw, sc)])
-        xd = cuda.to_device(x)
-        nxt_asked.clear()
-        g(cuda.to_device(a), cuda.to_device(pq), cuda.to_device(ps), xd,
-          nxt=(cuda.to_device(np.arange(100, dtype=np.uint32).reshape(4, 25)),
-               cuda.to_device(np.zeros(37, np.float16))))
-        for size, esize, nbytes in ((100, 4, 400), (37, 2, 64)):
-            spans = sorted((i * esize, i * esize + nb) for sz, i, nb in nxt_asked if sz == size)
-            ends = [e for _, e in spans]
-            assert spans[0][0] == 0 and ends[-1] == nbytes, (when, size, spans)
-            assert all(s0 == e0 for (s0, _), e0 in zip(spans[1:], ends)), (when, size, spans)
-        assert len(nxt_asked) == 8 + 4, nxt_asked    # every warp words, 4 of them a scale chunk
-        got = xd.copy_to_host().astype(np.float64)
-        ref = ref_down(a, dequantize_packed(qw, sc).astype(np.float64), x.astype(np.float64))
-        delta = got - x
-        print(f"l2next{when}", float(np.linalg.norm(delta - (ref - x)) / np.linalg.norm(ref - x)),
-              flush=True)
     # i8: a NaN or an inf in `a` reaches every row (cvt.rni alone would hide it), as in fp16
     finite = 0
     for bad in (np.nan, np.inf):
@@ -286,9 +243,9 @@ def test_mma_gemv_under_the_simulator():
     """The kernel (each mma a 32-thread rendezvous in the simulator) against the reference.
     fp16 activations times small integers are exact in fp32; only fp32 summation remains."""
     errs, stdout = ptx_util.run_under_simulator(SIM_SCRIPT, timeout=900)
-    assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early", "early_ef",
+    assert set(errs) == {"t2_w2", "l2a3", "early_l2a2", "tail", "w4", "w1", "early",
                          "early3", "t2_w2_i8", "w1_i8", "early_i8", "dyn_early_i8",
-                         "l2next1", "l2next2", "nonfinite_i8"}, stdout
+                         "nonfinite_i8"}, stdout
     assert errs.pop("nonfinite_i8") == 0   # finite rows left after a NaN / an inf in a
     for name, e in errs.items():
         assert e < 1e-5, (name, e)
