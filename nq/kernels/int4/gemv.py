@@ -16,7 +16,7 @@
 baked in.  The launchers (prepare, argument checks, grid) are in launch.py, the references in
 reference.py, the tilings in tiling.py, the weight layout (`tile_rows`) in layout.py.  o_proj
 and down run on the tensor cores by default (gemv_mma.py); this kernel takes them too.
-(About 740 lines in one file on purpose: the six kinds share one load/dequant/dot loop, and
+(About 620 lines in one file on purpose: the six kinds share one load/dequant/dot loop, and
 their prologues and epilogues read best beside it.)
 
 How a kernel works (one thread = `rows` output rows x whole 128-weight groups):
@@ -47,16 +47,6 @@ gemv_digits.py's instead: the activations as three signed-byte digits, the produ
 exactly by dp4a (1e-6 of the output's norm, against ~1e-3 above), at the same speed in the 7B
 step and faster at the 14B's and 32B's widths (docs/PERF.md 0.30).
 
-Resident rows (`Tiling.resident`, qkv and qkv_rope, opt-in): before griddepcontrol.wait,
-thread 0 arms one mbarrier, thread i bulk-copies the block's weight row i (K/2 bytes, the
-uploaded layout as it is) into dynamic shared memory, and every thread copies a share of the
-rows' scale bits into a static array; after the staging the block waits on the barrier and
-the main loop reads words and scales from shared memory -- the same values in the same order,
-so the same bits.  Why: the register kernel holds its weights in flight across the wait (124
-registers at 384 threads on the H200, one block an SM), so a qkv kernel cannot start beside the
-kernel before it; with no weight registers across the wait two 256-thread blocks fit an SM,
-and a block can hold its 57 KB of rows long before its inputs exist (docs/PERF.md 0.38).
-
 qkv_rope is qkv with rope_kv's job as its epilogue (rope_epilogue.py says how it stays bit
 for bit qkv + rope_kv): a thread owns one RoPE pair, its rows=2 slots the pair's two rows
 (`weight_row`), so it reads qkv's uploaded weights as they are.
@@ -68,7 +58,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, uint32
 
 from nq.config import GROUP_SIZE
 from nq.kernels.build import compile_kernel, kernel_name
@@ -78,13 +68,11 @@ from nq.kernels.int4.dequant import (_MAGIC_HI, _MAGIC_LO, _MASK_HI, _MASK_LO, _
 from nq.kernels.int4.gemv_digits import digits_body, slot_rows
 from nq.kernels.int4.rope_epilogue import put_rope_body
 from nq.kernels.int4.tiling import NORM_KINDS, Tiling, check_tiling
-from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_g2s,
-                    cp_async_bulk_prefetch_l2, cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32,
-                    fence_mbarrier_init, fma_rn_f16x2,
+from nq.ptx import (LUT_AND_XOR, SIMULATOR, add_rn_f16x2, cp_async_bulk_prefetch_l2,
+                    cvt_f32_f16, cvt_rn_f16_f32, cvta_to_shared_u32, fma_rn_f16x2,
                     griddepcontrol_launch_dependents,
                     griddepcontrol_wait, ld_global_nc_u16, ld_global_nc_v2_u32,
                     ld_global_nc_v4_f32, ld_global_nc_v4_u32, ld_shared_v4_u32_at, lop3_b32,
-                    mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait_parity,
                     pack_f16x2_from_f32, st_global_u16, unpack_f16x2_to_f32)
 from nq.ref import K_SIGMA
 
@@ -94,13 +82,16 @@ _ALIGN = None if SIMULATOR else 16   # the simulator refuses alignment=; numba h
 # block_major (a block's step one contiguous run): down +0.027 ms a step (8K +0.033); code at 13c221c
 # bulk (a producer warp's cp.async.bulk ring): down +0.11 ms a step (bulk=2 +0.50); code at 13c221c
 # stream (weight loads L1::no_allocate.L2::256B): down +0.005 ms a step, gate_up +0.019; code at 13c221c
+# resident (qkv / qkv_rope's weight rows bulk-copied into shared memory before the wait; H100,
+# 2026-12-07): the qkv region alone 0.197 / 0.185 ms at 384 / 256 threads against 0.178, the
+# step +0.031 / +0.024 at 512 / 8K (docs/PERF.md 0.38-0.39); code at bb95d7a
 
 
 def gemv_name(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=None) -> str:
     """The kernel's name (profiles, launcher errors): every constant build_kernel bakes in."""
     extra = {} if heads is None else dict(zip(("heads", "kv_heads", "head_dim"), heads))
     fields = dataclasses.asdict(t)
-    for f in ("early", "i8", "resident"):
+    for f in ("early", "i8"):
         if not fields[f]:
             del fields[f]                # the names of the kernels before them stand
     return kernel_name(f"gemv_int4_{kind}", n=n_out, k=k, **fields, eps=eps, **extra)
@@ -157,12 +148,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     NORM_BYTES = 2 * k   # the norm's fp16 weights (norm_to_l2)
     ZERO = np.uint32(0)
     EARLY = bool(t.early)  # step 1's loads before the wait too (prefetch, >= 2 steps: check_tiling)
-    RESIDENT = bool(t.resident)   # the block's weight rows in shared memory ("Resident rows")
-    K8 = k // 8                   # a row's words
-    ROW_BYTES = k // 2            # a row's bytes (one bulk copy each)
-    RES_ROWS = SEGMENTS * SLOTS   # weight rows a block holds (slot m of segment sg: sg*SLOTS+m)
-    RES_OFF = 16                  # the rows' offset in the dynamic array (its mbarrier first)
-    RES_SCALES = RES_ROWS * GROUPS if RESIDENT else 1   # the rows' scales' bits (uint16)
 
     def load_row(qw, sc, row, ok, s, j):
         # 16 words of group s*KS+j of weight row `row`, and its scale's bits (zeros if absent)
@@ -270,84 +255,6 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             r3 = load_row(qw, sc, weight_row(row0, 3), row0 + (3 % ROWS) < n_out, s, j)
         return r0, r1, r2, r3
 
-    def load_row_smem(wbase, ssc, li, ok, s, j):
-        # load_row's words and scale bits, from the block's resident rows: slot row li's
-        # words at wbase + li * ROW_BYTES, its scales' bits at ssc[li * GROUPS + g]
-        gs = KS if s < STEPS - 1 else LAST_GROUPS
-        if ok and j < gs:
-            a = wbase + uint32((li * K8 + s * (KS * 16) + j * 4) * 4)
-            a0, a1, a2, a3 = ld_shared_v4_u32_at(a)
-            b0, b1, b2, b3 = ld_shared_v4_u32_at(a + uint32(gs * 16))
-            c0, c1, c2, c3 = ld_shared_v4_u32_at(a + uint32(gs * 32))
-            d0, d1, d2, d3 = ld_shared_v4_u32_at(a + uint32(gs * 48))
-            sb = uint32(ssc[li * GROUPS + s * KS + j])
-            return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3, sb)
-        return (ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO,
-                ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO, ZERO)
-
-    def load_step_smem(wbase, ssc, row0, s, j):
-        # load_step with (qw, sc) = (the rows' shared address, the scales' shared array)
-        li = ((row0 // ROWS) % SEGMENTS) * SLOTS
-        r0 = load_row_smem(wbase, ssc, li, row0 < n_out, s, j)
-        r1 = r0
-        r2 = r0
-        r3 = r0
-        if SLOTS >= 2:
-            r1 = load_row_smem(wbase, ssc, li + 1, row0 + (1 % ROWS) < n_out, s, j)
-        if SLOTS >= 3:
-            r2 = load_row_smem(wbase, ssc, li + 2, row0 + (2 % ROWS) < n_out, s, j)
-        if SLOTS >= 4:
-            r3 = load_row_smem(wbase, ssc, li + 3, row0 + (3 % ROWS) < n_out, s, j)
-        return r0, r1, r2, r3
-
-    def res_row(b, li):
-        # slot row li of block b: (its weight row, whether it exists)
-        row0 = (b * SEGMENTS + li // SLOTS) * ROWS
-        return weight_row(row0, li % SLOTS), row0 + ((li % SLOTS) % ROWS) < n_out
-
-    def res_scale(sc, b, e):
-        # the scale bits of entry e of the block's ssc (0 past the rows): a load, not yet used
-        wr, ok = res_row(b, min(e, RES_ROWS * GROUPS - 1) // GROUPS)
-        return ld_global_nc_u16(sc, (wr, e % GROUPS)) if ok and e < RES_ROWS * GROUPS else uint16(0)
-
-    def resident_rows(qw, sc, dyn, ssc):
-        """Before the wait: the block's RES_ROWS weight rows into `dyn` by bulk copies (a
-        thread a row, counted off one mbarrier that thread 0 arms; a __syncthreads_count
-        between orders the init before the copies and counts the rows), every row's scales'
-        bits into `ssc` by all threads, four loads in flight a thread.  Returns the rows'
-        shared address; the block waits on the barrier (`resident_wait`)."""
-        tid = cuda.threadIdx.x
-        base = cvta_to_shared_u32(dyn)
-        b = cuda.blockIdx.x
-        if tid == 0:
-            mbarrier_init(base, uint32(1))
-            fence_mbarrier_init()
-        wr, ok = res_row(b, min(tid, RES_ROWS - 1))
-        mine = ok and tid < RES_ROWS
-        n = cuda.syncthreads_count(int32(1) if mine else int32(0))
-        if mine:
-            cp_async_bulk_g2s(base + uint32(RES_OFF + tid * ROW_BYTES), qw, (wr, 0),
-                              uint32(ROW_BYTES), base)
-        if tid == 0:   # (bytes that land first count the tx below zero: the phase waits for it)
-            mbarrier_arrive_expect_tx(base, uint32(n * ROW_BYTES))
-        for e0 in range(tid, RES_ROWS * GROUPS, 4 * THREADS):
-            s0 = res_scale(sc, b, e0)
-            s1 = res_scale(sc, b, e0 + THREADS)
-            s2 = res_scale(sc, b, e0 + 2 * THREADS)
-            s3 = res_scale(sc, b, e0 + 3 * THREADS)
-            ssc[e0] = s0
-            if e0 + THREADS < RES_ROWS * GROUPS:
-                ssc[e0 + THREADS] = s1
-            if e0 + 2 * THREADS < RES_ROWS * GROUPS:
-                ssc[e0 + 2 * THREADS] = s2
-            if e0 + 3 * THREADS < RES_ROWS * GROUPS:
-                ssc[e0 + 3 * THREADS] = s3
-        return base + uint32(RES_OFF)
-
-    def resident_wait(wbase):
-        # every thread: the rows have landed (the barrier's first phase)
-        mbarrier_wait_parity(wbase - uint32(RES_OFF), uint32(0))
-
     def piece_load(xin, norm_w, g, lane):
         # a lane's 4 inputs of group g (clamped into range: a spare load beats a branch)
         base = min(g, GROUPS - 1) * GROUP_SIZE + lane * 4
@@ -437,8 +344,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
 
     def mainloop(qw, sc, act, invf, row0, j, cur, nxt1):
         """fp32 dot products of the thread's SLOTS weight rows over its groups, lane-partial.
-        cur: step 0's loads (issued before the prologue); nxt1: with EARLY, step 1's (too).
-        With RESIDENT, (qw, sc) are the resident rows' shared address and scales' array."""
+        cur: step 0's loads (issued before the prologue); nxt1: with EARLY, step 1's (too)."""
         # prefetch=2 (two steps in flight): lost, down +0.033 ms a step, qkv/o_proj +0.055; code at 13c221c
         nxt = cur
         abase = cvta_to_shared_u32(act)
@@ -451,7 +357,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if EARLY and s == 0:
                     nxt = nxt1
                 else:
-                    nxt = step_loads(qw, sc, row0, s + 1, j)
+                    nxt = load_step(qw, sc, row0, s + 1, j)
             g = s * KS + j
             if g < GROUPS and j < KS:
                 d0, d1, d2, d3 = dot(cur, abase, s * STEP_UNITS + j, invf[g])
@@ -463,7 +369,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 if PREFETCH:
                     cur = nxt
                 else:
-                    cur = step_loads(qw, sc, row0, s + 1, j)
+                    cur = load_step(qw, sc, row0, s + 1, j)
         return seg_sum(acc0), seg_sum(acc1), seg_sum(acc2), seg_sum(acc3)
 
     def first_loads(qw, sc, row0, j):
@@ -524,11 +430,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                              seg_sum, mainloop, early, norm_to_l2, start, put_qkv, put_head,
                              put_swiglu, put_residual))
     rows_chunk = dev(slot_rows(chunk, SLOTS))   # dot_step's (gemv_digits.slot_rows)
-    res_row, res_scale, load_row_smem, load_step_smem, resident_rows, resident_wait = (
-        dev(f) for f in (res_row, res_scale, load_row_smem, load_step_smem, resident_rows,
-                         resident_wait))
     first_loads = dev(first_loads)   # (after load_step's dev)
-    step_loads = load_step_smem if RESIDENT else load_step   # mainloop's
     # the staging's and the dot's two forms: fp16 (above) or digits (gemv_digits.py)
     p_load, p_put, dot = (digits_body(GROUPS, KS, SLOTS, NORM, four_values) if I8
                           else (piece_load, piece_put, dot_step))
@@ -536,34 +438,17 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
     put_rope, rope_setup = put_rope_body(n_out, HQ, HKV, D, weight_row)
     put_rope, rope_setup = dev(put_rope), dev(rope_setup)
 
-    def resident_sums(x, norm_w, qw, sc, act, invf, red, ssc, dyn, row0, j):
-        """RESIDENT's prologue and main loop (module doc, "Resident rows"); -> (acc, rstd)"""
-        wbase = resident_rows(qw, sc, dyn, ssc)
-        norm_to_l2(norm_w)
-        early()
-        rstd = stage(x, norm_w, act, invf, red)   # its __syncthreads publishes the barrier
-        resident_wait(wbase)
-        cur = load_step_smem(wbase, ssc, row0, 0, j)
-        return mainloop(wbase, ssc, act, invf, row0, j, cur, cur), rstd
-
-    resident_sums = dev(resident_sums)
-
     if kind == "qkv":
         def kernel(x, norm_w, qw, sc, bias, out):
             act = cuda.shared.array(ACT_WORDS, uint32, alignment=_ALIGN)
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
-            if RESIDENT:
-                ssc = cuda.shared.array(RES_SCALES, uint16)
-                dyn = cuda.shared.array(0, uint32)
-                acc, rstd = resident_sums(x, norm_w, qw, sc, act, invf, red, ssc, dyn, row0, j)
-            else:
-                cur, nxt1 = first_loads(qw, sc, row0, j)
-                norm_to_l2(norm_w)
-                early()
-                rstd = stage(x, norm_w, act, invf, red)
-                acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
+            cur, nxt1 = first_loads(qw, sc, row0, j)
+            norm_to_l2(norm_w)
+            early()
+            rstd = stage(x, norm_w, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_qkv(out, bias, row0, a0 * rstd)
@@ -679,19 +564,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
             invf = cuda.shared.array(GROUPS, float32)
             red = cuda.shared.array(WARPS, float32)
             row0, j = start()
+            cur, nxt1 = first_loads(qw, sc, row0, j)
+            norm_to_l2(norm_w)
             # the epilogue's inputs but the sums, before the wait (rope_epilogue.rope_setup)
-            if RESIDENT:
-                ssc = cuda.shared.array(RES_SCALES, uint16)
-                dyn = cuda.shared.array(0, uint32)
-                pre = rope_setup(bias, state, inv_freq, table, row0)
-                acc, rstd = resident_sums(x, norm_w, qw, sc, act, invf, red, ssc, dyn, row0, j)
-            else:
-                cur, nxt1 = first_loads(qw, sc, row0, j)
-                norm_to_l2(norm_w)
-                pre = rope_setup(bias, state, inv_freq, table, row0)
-                early()
-                rstd = stage(x, norm_w, act, invf, red)
-                acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
+            pre = rope_setup(bias, state, inv_freq, table, row0)
+            early()
+            rstd = stage(x, norm_w, act, invf, red)
+            acc = mainloop(qw, sc, act, invf, row0, j, cur, nxt1)
             if j == 0:
                 a0, a1, a2, a3 = acc
                 put_rope(kv, q_out, row0, a0 * rstd, a1 * rstd, pre)

@@ -25,8 +25,7 @@ from nq.kernels.common import allow_smem, need, sm_count
 from nq.kernels.int4.gemv import compile_gemv, gemv_name
 from nq.kernels.int4.gemv_mma import check_tiling, compile_gemv_mma, gemv_mma_name, launch_smem
 from nq.kernels.int4.layout import mma_layout, prepare_weights
-from nq.kernels.int4.tiling import (MMA_KINDS, MmaTiling, Tiling, default_tiling,
-                                    resident_smem_bytes)
+from nq.kernels.int4.tiling import MMA_KINDS, MmaTiling, Tiling, default_tiling
 from nq.paged import STATE_LEN, check_paged_args
 
 
@@ -55,9 +54,6 @@ class _Gemv:
         self.grid = -(-n_out // t.rows_per_block())
         self.block = t.threads
         self.name = gemv_name(self.kind, n_out, k, t, self.eps, self.heads)
-        self.smem = resident_smem_bytes(self.kind, k, t)   # dynamic: resident=1's rows
-        if self.smem:
-            allow_smem(self.kernel, self.smem)
 
     def prepare(self, parts):
         """[(qweight, scales), ...] host arrays in file layout -> (qweight, scales) to upload."""
@@ -82,7 +78,7 @@ class QkvGemv(_Gemv):
         need(norm_w, f"{self.name} norm_w", np.float16, (self.k,), 8)
         need(bias, f"{self.name} bias", np.float16, (self.n_out,), 2)
         need(out, f"{self.name} out", np.float32, (self.n_out,), 4)
-        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, bias, out)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, out)
 
 
 class HeadGemv(_Gemv):
@@ -153,8 +149,8 @@ class QkvRopeGemv(_Gemv):
         if len(table.shape) != 1:
             raise ValueError(f"{self.name}: table must be 1-D (max_pages,), got "
                              f"{tuple(table.shape)}")
-        self.kernel[self.grid, self.block, stream, self.smem](x, norm_w, qw, sc, bias, state,
-                                                              inv_freq, table, kv_layer, q_out)
+        self.kernel[self.grid, self.block, stream, 0](x, norm_w, qw, sc, bias, state, inv_freq,
+                                                      table, kv_layer, q_out)
 
 
 class GateUpGemv(_Gemv):

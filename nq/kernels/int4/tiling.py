@@ -82,7 +82,8 @@ class Tiling:
     """The CUDA-core GEMV's split: a thread owns `rows` output rows and, of each, the groups
     j, j + ks, j + 2ks, ... (lane j of a segment of pow2(ks) lanes); one such set of ks
     groups is a "step".  Retired fields (l2_steps, ahead, block_major, stream, bulk,
-    prefetch=2) lost on the H200; gemv.py's epitaphs give their figures."""
+    prefetch=2) lost on the H200, resident on the H100; gemv.py's epitaphs give their
+    figures."""
     ks: int              # lanes a row's groups are spread over (1..32)
     rows: int = 1        # output rows per thread (gate_up: gate/up pairs; qkv_rope: 2, a RoPE pair)
     threads: int = 128   # threads per block
@@ -93,9 +94,6 @@ class Tiling:
     #                      (needs prefetch and two steps or more); 0: at the main loop's start
     i8: int = 0          # 1: the activations staged as three signed-byte digits and summed
     #                      exactly by dp4a (gemv_digits.py: fp32-accurate); 0: fp16 partials
-    resident: int = 0    # qkv / qkv_rope: 1: the block's weight rows bulk-copied into (dynamic)
-    #                      shared memory before griddepcontrol.wait and read there (gemv.py
-    #                      "Resident rows"); no weight registers held across the wait
 
     @property
     def lanes(self) -> int:
@@ -113,8 +111,7 @@ class Tiling:
         return (f"ks{self.ks}_r{self.rows}_t{self.threads}" + ("_pf" if self.prefetch else "")
                 + ("_s128" if self.span == 128 else "")
                 + (f"_mb{self.min_blocks}" if self.min_blocks else "")
-                + ("_e1" if self.early else "") + ("_i8" if self.i8 else "")
-                + ("_res" if self.resident else ""))
+                + ("_e1" if self.early else "") + ("_i8" if self.i8 else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,26 +190,6 @@ def check_tiling(kind: str, n_out: int, k: int, t: Tiling, heads=None) -> None:
     if staged > STATIC_SMEM_LIMIT:
         raise ValueError(f"{kind}: K={k} needs {staged} bytes of staged activations, over the "
                          f"{STATIC_SMEM_LIMIT}-byte static shared memory limit")
-    if t.resident:
-        if kind not in ("qkv", "qkv_rope") or int(t.resident) != 1 or t.early:
-            raise ValueError(f"{kind}: tiling {t.tag()}: resident=1 is for qkv and qkv_rope, "
-                             f"with early=0 (the rows are all copied before the wait)")
-        if t.rows > t.lanes:
-            raise ValueError(f"{kind}: tiling {t.tag()}: resident=1 copies a row a thread, so "
-                             f"rows ({t.rows}) must not exceed a row's lanes ({t.lanes})")
-        rows = resident_smem_bytes(kind, k, t)
-        if rows + staged > SMEM_OPTIN_LIMIT:
-            raise ValueError(f"{kind}: tiling {t.tag()} holds {rows} bytes of weight rows a "
-                             f"block beside {staged} staged, over sm_90's {SMEM_OPTIN_LIMIT}; "
-                             f"use fewer threads or resident=0")
-
-
-def resident_smem_bytes(kind: str, k: int, t: Tiling) -> int:
-    """Dynamic shared memory of a resident=1 block (0 otherwise; qkv and qkv_rope, a row a
-    slot): its mbarrier (16 bytes) and its weight rows, K/2 bytes each."""
-    if not t.resident:
-        return 0
-    return 16 + (t.threads // t.lanes) * t.rows * (k // 2)
 
 
 def core_staged_bytes(k: int, t: Tiling) -> int:

@@ -347,12 +347,9 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
              (128, 1792, dict(threads=384, ks=14, span=128), (17,)),
              (128, 1024, dict(threads=512, ks=8), (33,)),
              # the activations as digits (Tiling.i8, gemv_digits.py: both kernels sum by dp4a)
-             (64, 256, dict(threads=64, ks=2, i8=1), (16,)),
-             # and the weight rows resident in shared memory (Tiling.resident: bulk copies
-             # before the wait); qkv_rope's second block half empty
-             (64, 256, dict(threads=128, ks=2, i8=1, resident=1, prefetch=0), (16,))]
+             (64, 256, dict(threads=64, ks=2, i8=1), (16,))]
     for d, k, tk, positions in cases:
-        tag = f"d{d}" + ("i8" if tk.get("i8") else "") + ("r" if tk.get("resident") else "")
+        tag = f"d{d}" + ("i8" if tk.get("i8") else "")
         if not any(f"{tag}_pos{p}" in PICK for p in positions):
             continue
         cfg = Cfg(d, k)
@@ -401,7 +398,7 @@ SIM_ROPE_SCRIPT = SIM_PRELUDE + textwrap.dedent('''
 # ~35 s a position on 2 cores: CI's tier takes d64's first slot of page 1 and d128's position
 # 1000 through the permuted table, and the digits' d64 case (qkv's default form); the long tier (`pytest -m long`) the other two and the
 # 7B's and 14B's grid shapes (8 blocks of 384 threads, 3 of 512: ~4 min; passed 2026-12-03)
-ROPE_PICK = ("d64_pos16", "d128_pos1000", "d64i8_pos16", "d64i8r_pos16")
+ROPE_PICK = ("d64_pos16", "d128_pos1000", "d64i8_pos16")
 ROPE_PICK_LONG = ("d64_pos15", "d128_pos0", "d128_pos17", "d128_pos33")
 
 
