@@ -491,9 +491,10 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                 tot += red[w]
             return SIGMA * math.sqrt(tot)
 
-        def put_bounded(out, bound, row, v, m, s):
-            if row < n_out:
-                out[row] = v
+        def put_row(out, bound, row, v, m, s):
+            # put_head's store; lm_head_bound also folds the row's l - bound * s into m
+            put_head(out, row, v)
+            if BOUND and row < n_out:
                 m = max(m, v - bound[row] * s)
             return m
 
@@ -518,22 +519,13 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     cur, nxt1 = first_loads(qw, sc, nrow0, j)
                 if j == 0:
                     a0, a1, a2, a3 = acc
-                    if BOUND:
-                        m = put_bounded(out, bound, row0, a0 * rstd, m, s)
-                        if ROWS >= 2:
-                            m = put_bounded(out, bound, row0 + 1, a1 * rstd, m, s)
-                        if ROWS >= 3:
-                            m = put_bounded(out, bound, row0 + 2, a2 * rstd, m, s)
-                        if ROWS >= 4:
-                            m = put_bounded(out, bound, row0 + 3, a3 * rstd, m, s)
-                    else:
-                        put_head(out, row0, a0 * rstd)
-                        if ROWS >= 2:
-                            put_head(out, row0 + 1, a1 * rstd)
-                        if ROWS >= 3:
-                            put_head(out, row0 + 2, a2 * rstd)
-                        if ROWS >= 4:
-                            put_head(out, row0 + 3, a3 * rstd)
+                    m = put_row(out, bound, row0, a0 * rstd, m, s)
+                    if ROWS >= 2:
+                        m = put_row(out, bound, row0 + 1, a1 * rstd, m, s)
+                    if ROWS >= 3:
+                        m = put_row(out, bound, row0 + 2, a2 * rstd, m, s)
+                    if ROWS >= 4:
+                        m = put_row(out, bound, row0 + 3, a3 * rstd, m, s)
                 row0 = nrow0
             if BOUND:   # the block's max (the lanes j != 0 hold -inf)
                 m = wmax(m)
@@ -548,7 +540,7 @@ def build_kernel(kind: str, n_out: int, k: int, t: Tiling, eps: float, heads=Non
                     if cuda.blockIdx.x == 0:
                         bmax[cuda.gridDim.x] = s
 
-        h_scale, put_bounded, head = dev(h_scale), dev(put_bounded), dev(head)
+        h_scale, put_row, head = dev(h_scale), dev(put_row), dev(head)
         if BOUND:
             def kernel(x, norm_w, qw, sc, out, bound, bmax):
                 head(x, norm_w, qw, sc, out, bound, bmax)
