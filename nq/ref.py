@@ -407,14 +407,25 @@ def _candidates(logits, bound, h, k_sigma):
     return lo, lo + b - (lo - b).max(), h
 
 
+def _exact_rows(exact, ids, h):
+    # the fp16 rows' logits at ids (fp32 sums)
+    return (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
+
+
+def _rescored(lo, cand, h, exact):
+    # the INT4 logits lo with the candidates' replaced by the fp16 rows' (one product over
+    # exactly the candidates: rescore_rows and rescore_alternatives give the same bits)
+    out = lo.copy()
+    ids = np.flatnonzero(cand)
+    out[ids] = _exact_rows(exact, ids, h)
+    return out
+
+
 def rescore_rows(logits, bound, h, exact, k_sigma: float = K_SIGMA):
     """ref_rescore from h = rmsnorm(x) * norm_w itself (the reference model's head)."""
     lo, margin, h = _candidates(logits, bound, h, k_sigma)
     cand = margin >= 0
-    out = lo.copy()
-    ids = np.flatnonzero(cand)
-    out[ids] = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
-    return out, cand
+    return _rescored(lo, cand, h, exact), cand
 
 
 def rescore_alternatives(logits, bound, h, exact, band: float, k_sigma: float = K_SIGMA):
@@ -425,11 +436,8 @@ def rescore_alternatives(logits, bound, h, exact, band: float, k_sigma: float = 
     rounding may choose either for those ids; `nq verify` accepts either."""
     lo, margin, h = _candidates(logits, bound, h, k_sigma)
     cand = margin >= 0
-    near = np.abs(margin) <= band
-    out = lo.copy()
-    ids = np.flatnonzero(cand | near)
-    ex = (np.asarray(exact[ids], np.float32) @ h).astype(np.float32)
-    out[ids] = np.where(cand[ids], ex, lo[ids])
+    out = _rescored(lo, cand, h, exact)
+    edge = np.flatnonzero(np.abs(margin) <= band)
     alt = out.copy()
-    alt[ids] = np.where(near[ids], np.where(cand[ids], lo[ids], ex), out[ids])
+    alt[edge] = np.where(cand[edge], lo[edge], _exact_rows(exact, edge, h))
     return out, alt

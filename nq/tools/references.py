@@ -80,7 +80,7 @@ class TorchReference:
 
         from nq.loader.hf import hf_name, host_names
         from nq.loader.quant import row_bounds
-        from nq.loader.weights import host_tensor, rescore_enabled, rescore_rows_of
+        from nq.loader.weights import host_tensor, rescore_rows_of
 
         cfg = nf.config
         hcfg = transformers.Qwen2Config(**cfg.to_hf())
@@ -100,43 +100,41 @@ class TorchReference:
         if nf.lm_head != "fp16" and cfg.tie_word_embeddings:   # its own head, untied
             self.model.lm_head.weight = torch.nn.Parameter(
                 torch.from_numpy(host_tensor(nf, "lm_head")).to(device), requires_grad=False)
-        # an INT4 head the GPU step rescores: its candidates get the fp16 rows here too
-        # (nq.ref.rescore_rows, in torch on every position)
+        # an INT4 head the GPU step rescores: its candidates get the fp16 rows here too, by
+        # nq.ref's own rule (rescore_rows), from the file's rows as they are
         self.rescore = None
-        rows = rescore_rows_of(nf) if rescore_enabled() else None
+        rows = rescore_rows_of(nf)
         if rows is not None:
-            exact = (params[hf_name("embed_tokens")].data if rows == "embed_tokens" else
-                     torch.from_numpy(nf.array(rows).astype(np.float32)).to(device))
-            bound = torch.from_numpy(row_bounds(nf.array("lm_head.scales"))).to(device)
-            self.rescore = (exact, bound)
+            self.rescore = (nf.array(rows), row_bounds(nf.array("lm_head.scales")))
         import inspect
         fwd = inspect.signature(transformers.Qwen2ForCausalLM.forward).parameters
         self.cache_kw = "cache" if "cache" in fwd else "past_key_values"
 
     def _rescored(self, out, band=None, last=False):
         """The model output's logits (B, T, V), or (B, 1, V) of the last position, an INT4
-        head's candidates rescored by the fp16 rows as nq.ref.rescore_rows does; with band,
-        (logits, alternatives) as nq.ref.rescore_alternatives gives them (band: a fraction of
-        each position's spread)."""
-        torch = self.torch
+        head's candidates rescored by the fp16 rows through nq.ref.rescore_rows itself, a
+        position at a time; with band, (logits, alternatives) from nq.ref.rescore_alternatives
+        (band: a fraction of each position's spread)."""
+        from nq.ref import rescore_alternatives, rescore_rows
         lo = out.logits[:, -1:] if last else out.logits
         lo = lo.float()
         if self.rescore is None:
             return lo if band is None else (lo, lo)
-        from nq.ref import K_SIGMA
         exact, bound = self.rescore
         h = out.hidden_states[-1]                             # after the final norm
-        h = (h[:, -1:] if last else h).float()
-        b = K_SIGMA * bound * (h.double().pow(2).sum(-1, keepdim=True) / 12.0).sqrt().float()
-        top = (lo - b).amax(-1, keepdim=True)
-        cand = lo + b >= top
-        ex = h @ exact.T
-        res = torch.where(cand, ex, lo)
-        if band is None:
-            return res
-        spread = lo.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True)
-        near = (lo + b - top).abs() <= band * spread
-        return res, torch.where(near, torch.where(cand, lo, ex), res)
+        h = (h[:, -1:] if last else h).float().cpu().numpy()
+        res, alt = lo.cpu().numpy(), None
+        if band is not None:
+            alt = res.copy()
+        for i in np.ndindex(res.shape[:2]):                   # (prompt, position)
+            if band is None:
+                res[i] = rescore_rows(res[i], bound, h[i], exact)[0]
+            else:
+                spread = float(res[i].max() - res[i].min())
+                res[i], alt[i] = rescore_alternatives(res[i], bound, h[i], exact,
+                                                      band * spread)
+        res = self.torch.from_numpy(res).to(lo.device)
+        return res if band is None else (res, self.torch.from_numpy(alt).to(lo.device))
 
     def _run(self, ids, **kw):
         return self.model(ids, output_hidden_states=self.rescore is not None, **kw)
