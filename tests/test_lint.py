@@ -4,10 +4,8 @@ the H200 could have run that line.)  Unused imports and the like are left to rev
 import ast
 import pathlib
 
-import pytest
-
-pyflakes_checker = pytest.importorskip("pyflakes.checker")
-pyflakes_messages = pytest.importorskip("pyflakes.messages")
+import pyflakes.checker as pyflakes_checker   # the `test` extra's (pyproject.toml)
+import pyflakes.messages as pyflakes_messages
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UNRESOLVED = (pyflakes_messages.UndefinedName, pyflakes_messages.UndefinedLocal,
