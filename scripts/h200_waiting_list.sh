@@ -1,4 +1,4 @@
-# docs/PERF.md's "Waiting for the H200", as one device call (~6 minutes on an H100 SXM,
+# docs/PERF.md's "Waiting for the H200", as one device call (217 s on an H100 SXM,
 # 2026-12-07): the 7B's table with its three heads, the 14B's and 32B's with the fp16 and the
 # rescored head, the decode tier at the 7B width, and the 14B's and 32B's qkv_rope at 512
 # threads against today's 384 (chosen on an H100; a per-GPU rule if the H200 prefers 512).
@@ -44,4 +44,6 @@ for size in 14b 32b; do
         --steps 40 "qkv_rope.threads=512"
     grep -E "^(baseline|qkv_rope)" "$out/sv_$size.log" | cut -c1-160
 done
-rm -f "$out"/*.png   # the plots: the JSONs hold their numbers
+# the plots and logs go: the JSONs hold the numbers, stdout the lines that matter, and the
+# device returns only the first few files of a folder (2026-12-07: 8 of 25)
+rm -f "$out"/*.png "$out"/*.log
