@@ -120,10 +120,15 @@ def regs(eng) -> dict:
     """Registers per thread of the step's GEMV kernels (numba dispatchers), and each grid's
     blocks x threads: a grid of more blocks than SMs piles its early blocks up under PDL
     (docs/KERNELS_GEMV.md, "One wave for the family's grids")."""
+    from nq.kernels.int4.launch import make_qkv_rope_gemv
     from nq.runtime.weights import gemvs
     out = {}
-    tilings = {k: t for k, t in (getattr(eng, "_tilings", None) or {}).items() if k != "qkv_rope"}
-    for kind, g in gemvs(eng.cfg, tilings, check_layout=False).items():
+    given = getattr(eng, "_tilings", None) or {}
+    tilings = {k: t for k, t in given.items() if k != "qkv_rope"}
+    kernels = gemvs(eng.cfg, tilings, check_layout=False)
+    # qkv_rope too: its registers decide whether its blocks fit beside down's (PERF.md 0.38)
+    kernels["qkv_rope"] = make_qkv_rope_gemv(eng.cfg, given.get("qkv_rope"))
+    for kind, g in kernels.items():
         try:
             local = g.kernel.get_local_mem_per_thread()
             r = g.kernel.get_regs_per_thread()
