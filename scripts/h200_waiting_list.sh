@@ -3,8 +3,8 @@
 # rescored head, the decode tier at the 7B width, and the 14B's and 32B's qkv_rope at 512
 # threads against today's 384 (chosen on an H100; a per-GPU rule if the H200 prefers 512).
 #   bash scripts/h200_waiting_list.sh OUTDIR        (run from the repository root)
-# Each step's JSON and log go to OUTDIR; the lines that matter go to stdout, so a call whose
-# files do not all come back still reports.  A step that runs past its limit is cut, and the
+# Each step's JSON goes to OUTDIR (its log too, read for stdout and removed at the end); the
+# lines that matter go to stdout, so a call whose files do not all come back still reports.  A step that runs past its limit is cut, and the
 # rest still run.
 set -u
 out=${1:?usage: bash scripts/h200_waiting_list.sh OUTDIR}
