@@ -12,6 +12,13 @@ import json
 from pathlib import Path
 
 GROUP_SIZE = 128  # INT4 quantisation group along the input dimension (FORMAT.md)
+LM_HEADS = ("fp16", "int8", "int4", "int4+fp16")    # what `nq pack --lm-head` writes (FORMAT.md)
+# What `nq pack` writes unless told, and `nq bench --random` times: the INT4 head, its candidates
+# rescored by the fp16 rows (nq/kernels/lm_head_rescore.py), so a greedy token is the fp16
+# head's (short of a 6-sigma rounding bound failing, ~6e-8 a token) for about the INT4 head's
+# bytes: -0.151 / -0.147 / -0.147 ms a 7B token at 512 / 8K / 32K on the H200 (83f4990),
+# -0.249 on the H100 (docs/PERF.md 0.37-0.39, 0.41).  "fp16" keeps the checkpoint's head alone.
+DEFAULT_LM_HEAD = "int4+fp16"
 
 
 class ConfigError(ValueError):

@@ -3,6 +3,7 @@
 # rescored head, the decode tier at the 7B width, and the 14B's and 32B's qkv_rope at 512
 # threads against today's 384 (chosen on an H100; a per-GPU rule if the H200 prefers 512).
 #   bash scripts/h200_waiting_list.sh OUTDIR        (run from the repository root)
+# Every head is named: `--random`'s default is `nq pack`'s, int4+fp16 (nq/config.py).
 # Each step's JSON goes to OUTDIR (its log too, read for stdout and removed at the end); the
 # lines that matter go to stdout, so a call whose files do not all come back still reports.  A step that runs past its limit is cut, and the
 # rest still run.
@@ -22,7 +23,7 @@ step() {   # step NAME LIMIT_S COMMAND...: run it into OUTDIR/NAME.log, say how 
 rows() { grep -E "^\| ($1) " "$2" | cut -c1-120; }
 
 B7="python3 -m nq bench --random 7b -p 512 -n 128 -r 5 --ctx 512,8192,32768 --no-peers --no-gemm"
-step b7_fp16 150 $B7 --json "$out/b7_fp16.json"
+step b7_fp16 150 $B7 --lm-head fp16 --json "$out/b7_fp16.json"
 rows "qkv_gemv|paged_attention|o_proj|gate_up_swiglu|down|lm_head|kernel_gap|ITL" "$out/b7_fp16.log"
 for head in int4+fp16 int4; do
     tag=b7_${head/+/_}   # (file names without '+')
@@ -31,7 +32,7 @@ for head in int4+fp16 int4; do
 done
 for size in 14b 32b; do
     B="python3 -m nq bench --random $size -p 512 -n 64 -r 3 --ctx 512,8192 --no-peers --no-gemm"
-    step "b${size}_fp16" 120 $B --json "$out/b${size}_fp16.json"
+    step "b${size}_fp16" 120 $B --lm-head fp16 --json "$out/b${size}_fp16.json"
     rows "qkv_gemv|o_proj|gate_up_swiglu|down|lm_head|ITL" "$out/b${size}_fp16.log"
     step "b${size}_int4_fp16" 120 $B --lm-head int4+fp16 --json "$out/b${size}_int4_fp16.json"
     rows "lm_head|ITL" "$out/b${size}_int4_fp16.log"

@@ -16,7 +16,11 @@ among the flips says how near a tie a position must be for the quantised head to
 greedy token.  `int4+fp16` is the INT4 head with each position's candidates rescored by the
 fp16 rows, as the GPU step does (nq/kernels/lm_head_rescore.py): its agreement should be 100 %
 (a miss needs a 6-sigma rounding error), and its last column counts the rows a step reads
-for it (7 KB each at the 7B's width).  For scale, the same figures for the fp16 head against the fp32 source it was rounded from (the
+for it (7 KB each at the 7B's width).  Sampling: the last two columns are the total variation
+distance between the distributions the sampler draws a token from with each head's logits
+and with the fp16 head's (nq.sample.Sampler's reference filters): under Qwen2.5-Instruct's
+defaults (T 0.7, top-k 20, top-p 0.8), and at T 1 over the whole vocabulary, where the ids
+the rescoring leaves with their INT4 logits count too.  For scale, the same figures for the fp16 head against the fp32 source it was rounded from (the
 rounding every default pack already carries).
 
 With a trained model, the question random weights cannot settle (docs/PERF.md 0.8, 0.36):
@@ -26,8 +30,9 @@ With a trained model, the question random weights cannot settle (docs/PERF.md 0.
 runs the file's whole model through the NumPy reference (its weights dequantised to fp32 on
 the host: ~4 bytes a parameter, so a 0.5B-3B model on an ordinary machine) over windows of
 real text (`--prompts` windows of `--prompt-len` tokens of the file, tokenised by the
-model's own tokenizer), and quantises the file's fp16 head (a default pack; the packer
-quantises from the checkpoint's own precision, so this adds one fp16 rounding before it).
+model's own tokenizer), and quantises the file's fp16 rows (an fp16 head, or those a default
+int4+fp16 pack or a tied model keeps; the packer quantises from the checkpoint's own
+precision, so this adds one fp16 rounding before it).
 There is no fp32 source there, so that column says "-".
 
 Two initialisations: `ref` (nq.ref.random_weights: weights scaled by fan-in, logits spread
@@ -50,6 +55,29 @@ from nq.config import PRESETS  # noqa: E402
 from nq.loader.quant import (dequantize_int8_rows, dequantize_packed,  # noqa: E402
                              quantize_int8_rows, quantize_pack, row_bounds)
 from nq.ref import KVCache, RefModel, random_weights, rescore_rows, rms_norm  # noqa: E402
+from nq.sample import Sampler, SamplingParams  # noqa: E402
+
+# The sampling a token's distribution is compared under (`sampling_tv`): Qwen2.5-Instruct's
+# generation_config (T 0.7, top-k 20, top-p 0.8; no min-p), and T 1 over the whole vocabulary,
+# where every id's logit counts
+QWEN = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0)
+
+
+def sampling_tv(lq: np.ndarray, l16: np.ndarray) -> tuple[float, float]:
+    """Total variation distance between the token distributions the sampler draws from with
+    logits lq and with the fp16 head's l16 (one position): (under QWEN, at T 1 untruncated).
+    0 when the two draw alike; the largest difference in the probability of any set of ids."""
+    def dist(lg):
+        ids, p = Sampler(QWEN).distribution(lg)
+        out = np.zeros(lg.size)
+        out[ids] = p
+        return out
+
+    def softmax(lg):
+        e = np.exp(lg.astype(np.float64) - lg.max())
+        return e / e.sum()
+    return (0.5 * float(np.abs(dist(lq) - dist(l16)).sum()),
+            0.5 * float(np.abs(softmax(lq) - softmax(l16)).sum()))
 
 
 def model_weights(cfg, init: str, seed: int) -> dict:
@@ -127,9 +155,10 @@ def file_case(path: str, text_path: str | None, prompts: int, prompt_len: int):
     from nq.loader.weights import load_host_weights
     from nq.text import Tokenizer
     nf = NanoqwenFile(path)
-    if nf.lm_head != "fp16":
-        raise SystemExit(f"{path}: its lm_head is already {nf.lm_head}; measure a default pack "
-                         "(`nq pack` without --lm-head), whose fp16 head is the baseline")
+    if nf.lm_head not in ("fp16", "int4+fp16") and not nf.config.tie_word_embeddings:
+        raise SystemExit(f"{path}: its lm_head is already {nf.lm_head}, without the fp16 rows "
+                         "this measures against; pack it with `--lm-head int4+fp16` (the "
+                         "default) or `--lm-head fp16`")
     if not text_path:
         raise SystemExit("--model needs --text FILE: a trained model's logits on random ids say "
                          "nothing about its logits on text")
@@ -139,8 +168,11 @@ def file_case(path: str, text_path: str | None, prompts: int, prompt_len: int):
     starts = np.linspace(0, len(ids) - prompt_len, num=min(prompts, len(ids) // prompt_len))
     windows = [np.asarray(ids[int(a): int(a) + prompt_len]) for a in starts]
     w = load_host_weights(nf)
-    return f"{nf.config.name} ({Path(text_path).name})", RefModel(nf.config, w), w["lm_head"], \
-        windows
+    # the fp16 rows: the head of an fp16 file, else those an INT4 head is rescored with (an
+    # int4+fp16 file's own, a tied model's embedding)
+    src = (w["lm_head"] if nf.lm_head == "fp16" else w["embed_tokens"]
+           if nf.config.tie_word_embeddings else nf.array("lm_head").astype(np.float32))
+    return f"{nf.config.name} ({Path(text_path).name})", RefModel(nf.config, w), src, windows
 
 
 def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
@@ -150,7 +182,7 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
     t0 = time.perf_counter()
     w16, wq = heads(src, kinds)
     st = {k: {"agree": 0, "rel_max": 0.0, "rel_sum": 0.0, "flips": [], "pos_max": [],
-              "cands": []} for k in kinds}
+              "cands": [], "tv": []} for k in kinds}
     total, base_agree, base_max, spreads, gaps = 0, 0, 0.0, [], []
     for ids in windows:
         h = final_hidden(model, ids)
@@ -172,6 +204,7 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
             r["rel_max"] = max(r["rel_max"], float(d.max()))
             r["rel_sum"] += float(d.mean(axis=1).sum())
             r["pos_max"] += d.max(axis=1).tolist()
+            r["tv"] += [sampling_tv(lq[t], l16[t]) for t in range(len(lq))]
             same = l16.argmax(axis=1) == lq.argmax(axis=1)
             r["agree"] += int(same.sum())
             r["flips"] += gap[~same].tolist()
@@ -187,7 +220,8 @@ def measure(label: str, model: RefModel, src, windows, kinds=("int8", "int4"),
              "flip_gaps": r["flips"], "base_agree": base_agree if fp32_source else None,
              "base_max": base_max, "pos_max": float(np.median(r["pos_max"])),
              "spread": float(np.median(spreads)), "gap_median": float(np.median(gaps)),
-             "cands": r["cands"], "seconds": time.perf_counter() - t0}
+             "cands": r["cands"], "tv": np.asarray(r["tv"]),
+             "seconds": time.perf_counter() - t0}
             for k, r in st.items()]
 
 
@@ -213,8 +247,11 @@ def main(argv=None) -> int:
     kinds = tuple(args.head or ["int8", "int4", "int4+fp16"])
     print("| model | head | positions | vs fp16: top-1 agreement | max abs(dlogit)/spread (median "
           "of a position's max) | mean | largest flipped top-2 gap/spread | fp16 vs fp32 source: agreement, max | median spread "
-          "| median top-2 gap/spread | rescored ids a position (median, max) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |")
+          "| median top-2 gap/spread | rescored ids a position (median, max) | sampling TV "
+          "distance to fp16, Qwen defaults (mean, max) | the same at T 1, untruncated (mean, "
+          "max) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: "
+          "| ---: |")
     if args.model:
         label, model, src, windows = file_case(args.model, args.text, args.prompts,
                                                args.prompt_len)
@@ -238,8 +275,9 @@ def row(r: dict) -> None:
           + ("- | " if r["base_agree"] is None else
              f"{100 * r['base_agree'] / r['positions']:.2f} %, {r['base_max']:.1e} | ") +
           f"{r['spread']:.3g} | {r['gap_median']:.2e} | "
-          + (f"{np.median(r['cands']):.0f}, {max(r['cands'])} |" if r["cands"] else "- |"),
-          flush=True)
+          + (f"{np.median(r['cands']):.0f}, {max(r['cands'])} | " if r["cands"] else "- | ")
+          + f"{r['tv'][:, 0].mean():.1e}, {r['tv'][:, 0].max():.1e} | "
+          f"{r['tv'][:, 1].mean():.1e}, {r['tv'][:, 1].max():.1e} |", flush=True)
     print(f"  ({r['seconds']:.0f} s)", file=sys.stderr)
 
 

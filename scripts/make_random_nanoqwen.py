@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nq.config import GROUP_SIZE, PRESETS  # noqa: E402
+from nq.config import DEFAULT_LM_HEAD, GROUP_SIZE, LM_HEADS, PRESETS  # noqa: E402
 from nq.loader.format import expected_tensors, write_nanoqwen  # noqa: E402
 from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E402
                              special_token_ids, tokenizer_config)
@@ -32,7 +32,7 @@ from nq.loader.synth import (build_tokenizer_json, generation_config,  # noqa: E
 PRIME = 4_194_301  # the largest prime below 2**22
 
 
-def random_tensors(cfg, seed: int = 0, text_ids: int = 0, lm_head: str = "fp16"):
+def random_tensors(cfg, seed: int = 0, text_ids: int = 0, lm_head: str = DEFAULT_LM_HEAD):
     """text_ids > 0: lm_head rows outside [256, text_ids) are zero, so the model's greedy
     choice is one of the tokenizer's merged tokens (random logits around 0, the rest exactly 0):
     each decodes to text on its own, where a byte token >= 0x80 alone is half a UTF-8 character
@@ -86,8 +86,10 @@ def main(argv=None) -> int:
                     help="greedy picks only tokens that decode to text on their own (lm_head "
                          "rows of the others are zero): for timing a text stream "
                          "(scripts/serve_probe.py)")
-    ap.add_argument("--lm-head", choices=["fp16", "int8", "int4", "int4+fp16"], default="fp16",
-                    help="int8, int4: the lm_head as `nq pack --lm-head int8` / `int4` writes it")
+    ap.add_argument("--lm-head", choices=list(LM_HEADS), default=DEFAULT_LM_HEAD,
+                    help="the lm_head as `nq pack --lm-head` writes it (default, as its: "
+                         f"{DEFAULT_LM_HEAD}; the fp16 rows then random ones unrelated to the "
+                         "INT4 rows, as `nq bench --random` makes them)")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.size]
     if args.text_ids and cfg.tie_word_embeddings:

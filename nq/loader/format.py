@@ -39,7 +39,7 @@ from typing import Iterable
 import numpy as np
 
 from nq import __version__
-from nq.config import GROUP_SIZE, ConfigError, ModelConfig
+from nq.config import DEFAULT_LM_HEAD, GROUP_SIZE, LM_HEADS, ConfigError, ModelConfig  # noqa: F401 (re-exported)
 from nq.loader.outfile import check_output, fsync_folder, remove_stale
 
 MAGIC = b"NANOQWEN"
@@ -61,7 +61,8 @@ FLAG_LM_HEAD_FP16_ROWS = 8       # bit 3, with bit 2: the fp16 `lm_head` kept to
 FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0", FLAG_LM_HEAD_INT4: "0.3.0",
               FLAG_LM_HEAD_FP16_ROWS: "0.4.0"}
 KNOWN_FLAGS = sum(FLAG_SINCE)
-LM_HEADS = ("fp16", "int8", "int4", "int4+fp16")    # what `nq pack --lm-head` writes
+# LM_HEADS, what `nq pack --lm-head` writes, and DEFAULT_LM_HEAD live in nq/config.py (the
+# CLI's flags read them without numpy)
 INT4_HEADS = ("int4", "int4+fp16")                  # the ones with an INT4 head
 # a quantised lm_head -> its header flags (fp16 has none); a file's head bits are one of these
 LM_HEAD_FLAGS = {"int8": FLAG_LM_HEAD_INT8, "int4": FLAG_LM_HEAD_INT4,

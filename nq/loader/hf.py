@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from nq.config import GROUP_SIZE, ConfigError, ModelConfig
-from nq.loader.format import (HEADER_SIZE, LM_HEADS, PROJECTIONS, expected_tensors,
+from nq.loader.format import (DEFAULT_LM_HEAD, HEADER_SIZE, LM_HEADS, PROJECTIONS, expected_tensors,
                               release_pages, write_nanoqwen)
 from nq.loader.outfile import check_output
 from nq.loader.quant import quantize_int8_rows, quantize_pack
@@ -352,7 +352,7 @@ def read_config(snap: Path) -> ModelConfig:
         raise LoadError(f"{path}: a value nq cannot use ({e}); is this a Qwen2 config.json?") from None
 
 
-def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes], lm_head: str = "fp16") -> None:
+def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes], lm_head: str) -> None:
     """Refuse before quantising when the output's file system lacks the room (a pack that
     runs out of disk half-way would cost minutes and leave nothing)."""
     # payloads, up to 128 bytes of alignment padding and ~100 bytes of table entry each
@@ -372,13 +372,15 @@ def _check_space(out: Path, cfg: ModelConfig, meta: dict[str, bytes], lm_head: s
 
 
 def pack(src: str, out, revision: str | None = None, progress: bool = True,
-         lm_head: str = "fp16") -> Path:
+         lm_head: str = DEFAULT_LM_HEAD) -> Path:
     """Quantise the snapshot `src` (directory or repo id) into the .nanoqwen file `out`.
 
-    lm_head: "fp16" (as the checkpoint has it), "int8" (one fp32 scale a row, half the
-    bytes a decode step reads for it) or "int4" (the projections' INT4 g128 form, a quarter
-    of them, at more cost to the logits than int8); a tied model keeps its fp16 embedding
-    beside a quantised head.
+    lm_head: "int4+fp16" (the default, format.DEFAULT_LM_HEAD: the projections' INT4 g128
+    form, and the fp16 rows kept beside it to rescore its candidates near the top, so a
+    greedy token is the fp16 head's), "fp16" (as the checkpoint has it, alone), "int8" (one
+    fp32 scale a row, half the bytes a decode step reads for it) or "int4" (INT4 alone, a
+    quarter of them, at more cost to the logits than int8); a tied model keeps its fp16
+    embedding beside a quantised head, and it serves as an INT4 head's fp16 rows.
     Everything that can be refused is refused before the first tensor is read: the output
     path, config.json (architecture, rope scaling, dimensions), the tokenizer, every tensor's
     presence, shape and dtype, and the free space."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nq.config import PRESETS
+from nq.config import DEFAULT_LM_HEAD, PRESETS
 from nq.tools.environment import gpu_clocks, versions
 from nq.tools.flags import SAMPLING  # its flags live in flags.py, for the parser's sake
 from nq.tools.tables import cell, md_table
@@ -399,10 +399,11 @@ def run(args) -> int:
     p0 = args.p[0]
     max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
-    if args.random and args.lm_head not in (None, "fp16"):
+    lm_head = args.lm_head or DEFAULT_LM_HEAD    # with --random: as `nq pack` writes it
+    if args.random and lm_head != "fp16":
         from nq.runtime.weights import random_device_weights   # Engine.random's, that head
         cfg = PRESETS[args.random]
-        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head=args.lm_head),
+        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head=lm_head),
                      max_len=max_len)
         source = f"random {args.random}"
     elif args.random:

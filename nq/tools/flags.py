@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from nq.cli_args import precision_arg
-from nq.config import PRESETS
+from nq.config import DEFAULT_LM_HEAD, LM_HEADS, PRESETS
 
 # --sampling NAME -> nq.sample.SamplingParams keywords (seed fixed: the same draws every run)
 SAMPLING = {"default": dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0,
@@ -45,11 +45,11 @@ def bench_arguments(s: argparse.ArgumentParser) -> None:
     src.add_argument("--random", choices=list(PRESETS), metavar="SIZE",
                      help="random weights of a Qwen2.5 shape made on the GPU: "
                           + ", ".join(PRESETS))
-    s.add_argument("--lm-head", choices=["fp16", "int8", "int4", "int4+fp16"],
-                   help="with --random: the lm_head's weights (int8: one fp32 scale a row; "
-                        "int4: INT4 g128 as the projections; int4+fp16: that, its candidates "
-                        "rescored by fp16 rows; as `nq pack --lm-head` writes them; default "
-                        "fp16)")
+    s.add_argument("--lm-head", choices=list(LM_HEADS),
+                   help="with --random: the lm_head's weights as `nq pack --lm-head` writes "
+                        f"them (default {DEFAULT_LM_HEAD}, as it does: INT4 g128 as the "
+                        "projections, its candidates rescored by fp16 rows; fp16: the fp16 head "
+                        "alone; int8: one fp32 scale a row; int4: INT4 alone)")
     s.add_argument("-p", "--n-prompt", dest="p", type=_ctx_list, default=[512],
                    help="prompt tokens, one pp test each, e.g. 512,2048,8192,32000 (default "
                         "512); the tg test follows the first")

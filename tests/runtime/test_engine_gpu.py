@@ -58,7 +58,11 @@ def packed_model(tmp_path_factory, cfg, seed=0):
             snap = make_hf_snapshot(tmp_path_factory.mktemp("hf"), cfg,
                                     weights={hf_name(k): v for k, v in w.items()})
             del w
-            pack(snap, out, progress=False)  # written beside, renamed into place when whole
+            # the fp16 head: these tests hold the projections and the attention to the fp32
+            # reference (#16's precision target); the default INT4 head rescored by its fp16
+            # rows is tests/kernels/test_lm_head_int4_gpu.py's and `nq verify`'s
+            # (tests/tools/test_verify_gpu.py)
+            pack(snap, out, progress=False, lm_head="fp16")  # written beside, renamed when whole
             shutil.rmtree(snap, ignore_errors=True)   # the snapshot is only the pack's input
     return NanoqwenFile(out)
 

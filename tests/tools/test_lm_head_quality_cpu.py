@@ -19,7 +19,7 @@ def packed(tmp_path_factory):
     snap = make_hf_snapshot(tmp / "hf", cfg, seed=4)
     text = tmp / "code.py"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
-    return (str(pack(snap, tmp / "m.nanoqwen", progress=False)),
+    return (str(pack(snap, tmp / "m.nanoqwen", progress=False)),     # int4+fp16, the default
             str(pack(snap, tmp / "m8.nanoqwen", progress=False, lm_head="int8")), str(text))
 
 
@@ -36,6 +36,9 @@ def test_a_packed_model_on_text(packed, capsys):
     assert 1 <= float(median) <= int(most) < 512, out       # some rows, far from all
     assert rows[0].split(" | ")[10].startswith("-")
     for r in rows:
+        for cell in r.split(" | ")[11:13]:                     # sampling TV distances
+            mean, most = (float(v) for v in cell.rstrip(" |").split(", "))
+            assert 0.0 <= mean <= most <= 1.0, out
         cells = r.split(" | ")
         assert cells[2] == "36"                                # 3 windows x 12 positions
         agree = float(cells[3].split(" %")[0])
@@ -49,7 +52,7 @@ def test_what_it_refuses(packed):
     q = _script()
     with pytest.raises(SystemExit, match="needs --text"):
         q.main(["--model", path])
-    with pytest.raises(SystemExit, match="already int8"):
+    with pytest.raises(SystemExit, match="already int8, without the fp16 rows"):
         q.main(["--model", path8, "--text", text])
     with pytest.raises(SystemExit, match="fewer than --prompt-len"):
         q.main(["--model", path, "--text", text, "--prompt-len", "100000"])
@@ -68,3 +71,21 @@ def test_the_searched_int4_experiment_never_does_worse_a_group():
     e_search = ((searched - src) ** 2).reshape(300, 2, 128).sum(axis=2)
     assert (e_search <= e_plain * (1 + 1e-6)).all()
     assert e_search.sum() < 0.85 * e_plain.sum()
+
+
+def test_sampling_tv_is_the_distance_between_the_draws():
+    """Equal logits draw alike (0, 0); an id outside the Qwen defaults' top-20 moved up counts
+    only at T 1, untruncated; the top id's logit moved changes both."""
+    import numpy as np
+    q = _script()
+    lg = np.random.default_rng(1).standard_normal(1000).astype(np.float32) * 3
+    assert q.sampling_tv(lg, lg.copy()) == (0.0, 0.0)
+    tail = lg.copy()
+    low = int(np.argmin(lg))
+    tail[low] += 2.0                       # still far below the top 20
+    qwen, t1 = q.sampling_tv(tail, lg)
+    assert qwen == 0.0 and 0.0 < t1 < 0.01
+    top = lg.copy()
+    top[int(np.argmax(lg))] += 1.0
+    qwen, t1 = q.sampling_tv(top, lg)
+    assert 0.05 < qwen < 1.0 and 0.05 < t1 < 1.0
