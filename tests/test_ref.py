@@ -199,7 +199,9 @@ def test_numpy_backend_from_a_packed_file_runs_the_packed_weights(tmp_path):
     cfg = tiny_config(num_layers=1, tie=True)
     snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=3, dtype="float32")
     ids = np.array([5, 9, 2, 7])
-    with NanoqwenFile(pack(str(snap), tmp_path / "m.nanoqwen", progress=False)) as nf:
+    # the fp16 head (fake_quantize's); the default INT4 head rescored: test_lm_head_int4.py
+    with NanoqwenFile(pack(str(snap), tmp_path / "m.nanoqwen", progress=False,
+                           lm_head="fp16")) as nf:
         backend = NumpyBackend.from_file(nf, max_len=16)
         got = backend.prefill(ids)
     # the same fp32 checkpoint, rounded as the pack rounds it, without going through a file

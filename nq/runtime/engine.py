@@ -170,16 +170,21 @@ class Engine:
         from nq.runtime.weights import upload
         pre = preload.take(nf)   # `nq generate`: the weights' copy began before numba's import
         check_device_memory(nf.config, int(max_len), kw.get("prefill_chunk") or DEFAULT_CHUNK,
-                            weights=True, held=pre.nbytes if pre is not None else 0)
+                            weights=True, held=pre.nbytes if pre is not None else 0,
+                            lm_head=nf.lm_head)
         # copies (or only the re-tiling, when preloaded) on a thread while the engine loads kernels
         w = upload(nf, background=True, preloaded=pre)
         return cls(nf.config, w, max_len=max_len, **kw)
 
     @classmethod
-    def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, **kw) -> "Engine":
-        """Random weights of cfg's shape made on the GPU (benchmarks: no download, no host copy)."""
+    def random(cls, cfg: ModelConfig, max_len: int = 4096, seed: int = 0, lm_head: str = "fp16",
+               **kw) -> "Engine":
+        """Random weights of cfg's shape made on the GPU (benchmarks: no download, no host copy).
+        lm_head: as `nq pack --lm-head` stores it; "fp16" here, so that the step studies
+        (scripts/step_variants.py) keep the head they were measured with, where `nq bench
+        --random` takes pack's default."""
         from nq.runtime.weights import random_device_weights
-        return cls(cfg, random_device_weights(cfg, seed), max_len=max_len, **kw)
+        return cls(cfg, random_device_weights(cfg, seed, lm_head=lm_head), max_len=max_len, **kw)
 
     def capture(self, pdl: bool = True, full_into: tuple[str, ...] = ()) -> None:
         """(Re)capture the step graph; with pdl its kernel edges are programmatic (each kernel's

@@ -399,15 +399,9 @@ def run(args) -> int:
     p0 = args.p[0]
     max_len = max(list(args.p) + ctxs) + max(args.n, 32) + 16
     t0 = time.perf_counter()
-    lm_head = args.lm_head or DEFAULT_LM_HEAD    # with --random: as `nq pack` writes it
-    if args.random and lm_head != "fp16":
-        from nq.runtime.weights import random_device_weights   # Engine.random's, that head
-        cfg = PRESETS[args.random]
-        eng = Engine(cfg, random_device_weights(cfg, args.seed, lm_head=lm_head),
-                     max_len=max_len)
-        source = f"random {args.random}"
-    elif args.random:
-        eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed)
+    if args.random:   # the lm_head as `nq pack` writes it unless told
+        eng = Engine.random(PRESETS[args.random], max_len=max_len, seed=args.seed,
+                            lm_head=args.lm_head or DEFAULT_LM_HEAD)
         source = f"random {args.random}"
     else:
         from nq.loader.resolve import resolve_model

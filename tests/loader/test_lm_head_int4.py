@@ -188,8 +188,8 @@ def test_pack_int4_equals_quantised_source(tmp_path, monkeypatch, capsys, dtype,
         assert not (np.array_equal(q16, q) and np.array_equal(s16, s))
     embed = src["model.embed_tokens.weight"].astype(np.float16)
     assert np.array_equal(nf.array("embed_tokens"), embed)
-    # the rest is the default pack's, byte for byte
-    ref = NanoqwenFile(pack(snap, tmp_path / "fp16.nanoqwen", progress=False))
+    # the rest is the fp16 pack's, byte for byte
+    ref = NanoqwenFile(pack(snap, tmp_path / "fp16.nanoqwen", progress=False, lm_head="fp16"))
     assert set(nf.names()) == set(ref.names()) - {"lm_head"} | {"lm_head.qweight", "lm_head.scales"}
     for name in ref.names():
         if name != "lm_head":
@@ -224,7 +224,8 @@ def test_pack_int4_equals_quantised_source(tmp_path, monkeypatch, capsys, dtype,
 def test_the_space_check_counts_the_int4_head(tmp_path, tiny_snapshot, monkeypatch):
     """Free space of one byte under the fp16 file: the fp16 pack is refused, the int4 pack
     (a quarter of the head's bytes) fits; one byte under the int4 file refuses it too."""
-    fp16 = pack(tiny_snapshot, tmp_path / "fp16.nanoqwen", progress=False).stat().st_size
+    fp16 = pack(tiny_snapshot, tmp_path / "fp16.nanoqwen", progress=False,
+                lm_head="fp16").stat().st_size
     int4 = pack(tiny_snapshot, tmp_path / "int4.nanoqwen", progress=False, lm_head="int4")
     int4 = int4.stat().st_size
     assert int4 < fp16
@@ -247,7 +248,7 @@ def test_the_cli_offers_every_lm_head(tmp_path, tiny_snapshot, capsys):
     parser = build_parser()
     for lm_head in fm.LM_HEADS:
         assert parser.parse_args(["pack", "src", "out", "--lm-head", lm_head]).lm_head == lm_head
-    assert parser.parse_args(["pack", "src", "out"]).lm_head == "fp16"
+    assert parser.parse_args(["pack", "src", "out"]).lm_head == "int4+fp16" == fm.DEFAULT_LM_HEAD
     with pytest.raises(SystemExit):
         main(["pack", str(tiny_snapshot), str(tmp_path / "m.nanoqwen"), "--lm-head", "int2"])
     assert "invalid choice: 'int2'" in capsys.readouterr().err
@@ -297,8 +298,12 @@ def test_pack_int4_fp16_keeps_the_rows_that_rescore(tmp_path, tie):
     nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="int4+fp16"),
                       verify=True)
     i4 = NanoqwenFile(pack(snap, tmp_path / "i4.nanoqwen", progress=False, lm_head="int4"))
-    f16 = NanoqwenFile(pack(snap, tmp_path / "f16.nanoqwen", progress=False))
+    f16 = NanoqwenFile(pack(snap, tmp_path / "f16.nanoqwen", progress=False, lm_head="fp16"))
     assert nf.lm_head == "int4+fp16" and nf.needs_nq == "0.4.0"
+    default = NanoqwenFile(pack(snap, tmp_path / "d.nanoqwen", progress=False))  # pack's default
+    assert default.lm_head == "int4+fp16" and default.names() == nf.names()
+    for name in nf.names():
+        assert np.array_equal(default.array(name), nf.array(name)), name
     assert nf.header.flags & (fm.FLAG_LM_HEAD_INT4 | fm.FLAG_LM_HEAD_FP16_ROWS) == 12
     assert set(nf.names()) == set(i4.names()) | ({"lm_head"} if not tie else set())
     for name in i4.names():

@@ -162,8 +162,8 @@ def test_pack_int8_equals_quantised_source(tmp_path, tie, capsys):
     assert np.array_equal(nf.array("lm_head.qweight"), q)
     assert np.array_equal(nf.array("lm_head.scales"), s)
     assert np.array_equal(nf.array("embed_tokens"), src["model.embed_tokens.weight"].astype(np.float16))
-    # the rest is the default pack's, byte for byte
-    ref = NanoqwenFile(pack(snap, tmp_path / "fp16.nanoqwen", progress=False))
+    # the rest is the fp16 pack's, byte for byte
+    ref = NanoqwenFile(pack(snap, tmp_path / "fp16.nanoqwen", progress=False, lm_head="fp16"))
     for name in ref.names():
         if name != "lm_head":
             assert np.array_equal(nf.array(name), ref.array(name)), name

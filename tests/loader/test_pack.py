@@ -26,7 +26,9 @@ def test_pack_equals_quantised_source(tmp_path, dtype, shards, tie):
     cfg = tiny_config(num_layers=2, tie=tie)
     snap = make_hf_snapshot(tmp_path / "snap", cfg, seed=5, shards=shards, dtype=dtype)
     assert (snap / "model.safetensors.index.json").exists() == (shards > 1)
-    out = pack(snap, tmp_path / "m.nanoqwen", progress=False)
+    # the fp16 head, as the checkpoint has it (the quantised heads, the default int4+fp16
+    # among them: test_lm_head_int4.py, test_lm_head_int8.py)
+    out = pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="fp16")
     nf = NanoqwenFile(out)
     assert nf.verify() > 0
     assert nf.config == cfg.replace(name="snap")
@@ -55,7 +57,7 @@ def test_host_weights_equal_fake_quantised_source(tmp_path):
     cfg = tiny_config(num_layers=1)
     w = random_hf_weights(cfg, 7)
     snap = make_hf_snapshot(tmp_path / "s", cfg, dtype="float32", weights=w)
-    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False))
+    nf = NanoqwenFile(pack(snap, tmp_path / "m.nanoqwen", progress=False, lm_head="fp16"))
     host = load_host_weights(nf)
     want = hf_to_host(cfg, fake_quantize(w))
     assert sorted(host) == sorted(want)

@@ -14,13 +14,19 @@ C7 = PRESETS["7b"]
 def test_weight_bytes_are_the_files_tensor_bytes(tiny_nanoqwen):
     nf = NanoqwenFile(tiny_nanoqwen)
     stored = sum(nf.entry(n).nbytes for n in nf.names() if not n.startswith("meta/"))
-    assert M.weight_bytes(nf.config) == stored
+    assert M.weight_bytes(nf.config, nf.lm_head) == stored
+    assert nf.lm_head == "int4+fp16"            # pack's default: the INT4 head and fp16 rows
+    fp16 = M.weight_bytes(nf.config, "fp16")
+    c = nf.config
+    assert stored - fp16 == c.vocab_size * c.hidden_size // 2 + c.vocab_size * c.hidden_size // 64
 
 
 def test_the_7b_figures():
     parts = M.engine_bytes(C7, 4096, 2048, weights=True)
     assert parts["KV cache"] == pool_bytes(C7, 257) == 257 * 28 * 4 * 2 * 16 * 128 * 2
-    assert 5.4e9 < parts["weights"] < 5.7e9
+    assert 5.7e9 < parts["weights"] < 5.9e9      # the default int4+fp16 head: both heads
+    assert 5.4e9 < M.engine_bytes(C7, 4096, 2048, True, lm_head="fp16")["weights"] < 5.7e9
+    assert parts["weights"] - M.weight_bytes(C7, "fp16") == 152064 * 3584 * (1 / 2 + 2 / 128)
     assert 1.9e8 < parts["prefill workspace"] < 2.1e8
     assert "weights" not in M.engine_bytes(C7, 4096, 2048, weights=False)
 
@@ -51,7 +57,7 @@ def test_kv_that_fits_alone_but_not_beside_the_weights():
     with_w, without = (M.largest_context(C7, free, 2048, w) for w in (True, False))
     ctx = (with_w + without) // 2
     M.check_fits(C7, ctx, 2048, False, free, free)  # weights already on the GPU: fits
-    with pytest.raises(M.DeviceMemoryError, match="weights 5.55"):
+    with pytest.raises(M.DeviceMemoryError, match="weights 5.83"):   # int4+fp16 head
         M.check_fits(C7, ctx, 2048, True, free, free)
 
 

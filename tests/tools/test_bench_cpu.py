@@ -254,7 +254,8 @@ def test_run_on_a_stand_in_engine_writes_the_json(monkeypatch, tmp_path, capsys)
     from nq.runtime.engine import Engine
     made = []
 
-    def fake_random(cls, cfg, max_len=4096, seed=0):
+    def fake_random(cls, cfg, max_len=4096, seed=0, lm_head="fp16"):
+        assert lm_head == "int4+fp16"    # `nq pack`'s default, unless --lm-head says
         made.append(StandIn(cfg, max_len))
         return made[-1]
     monkeypatch.setattr(cuda, "is_available", lambda: True)
