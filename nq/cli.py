@@ -35,6 +35,14 @@ def cmd_pack(args) -> int:
     if out.exists() and not args.force:
         raise FileExistsError(f"{out} exists; pass --force to replace it (the new file is written "
                               "beside it and renamed over it only once complete)")
+    if Path(args.src).is_file():     # a .nanoqwen: its head made anew from its fp16 rows
+        from nq.loader.repack import repack
+        if args.revision:
+            raise ValueError(f"--revision {args.revision}: {args.src} is a file, not a repo id; "
+                             "drop --revision")
+        out = repack(args.src, out, lm_head=args.lm_head)
+        print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
+        return 0
     snapshot = resolve_snapshot(args.src, revision=args.revision)
     out = pack(snapshot, out, lm_head=args.lm_head)
     print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
@@ -326,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = add_parser
 
     s = sub.add_parser("pack", help="quantise an HF checkpoint (folder or repo id) into a .nanoqwen")
-    s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct")
+    s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct; "
+                               "or a .nanoqwen file, re-packed with another --lm-head made from "
+                               "its fp16 rows (offline, seconds: e.g. a file packed before "
+                               "int4+fp16 was the default)")
     s.add_argument("out", help="output .nanoqwen path")
     s.add_argument("--revision", help="branch, tag or commit of a repo id")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
