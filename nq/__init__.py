@@ -13,4 +13,4 @@ Where things live (the folders follow the data):
   nq/serve    nq serve: the OpenAI- and llama.cpp-compatible HTTP server
   nq/cli      the `nq` command (generate, chat, pack, info, cache, ...)
 """
-__version__ = "0.4.0"
+__version__ = "0.5.0"

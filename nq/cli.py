@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the few ids near the top with the fp16 rows, so greedy decoding gives "
                         "the fp16 head's tokens at about int4's speed (a 7B token ~0.15 ms "
                         "faster on an H200); the file needs nq >= 0.4.0.  fp16: the checkpoint's "
-                        "head alone, as earlier nq packed it.  int8: int8 rows with one fp32 "
+                        "head alone, as nq before 0.5 packed it.  int8: int8 rows with one fp32 "
                         "scale each, half its fp16 bytes; nq >= 0.2.0.  int4: INT4 alone, a "
                         "quarter of its fp16 bytes, at more cost to the logits than int8 "
                         "(scripts/lm_head_quality.py measures it); nq >= 0.3.0.  A tied model "

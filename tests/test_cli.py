@@ -203,6 +203,47 @@ def test_a_repo_id_packed_before_needs_no_hub(tmp_path, monkeypatch, tiny_nanoqw
     assert cli.resolve_model("Org/Model", "a" * 40).name.endswith("a" * 40 + ".nanoqwen")
 
 
+def test_a_cached_fp16_pack_is_repacked_once_with_the_default_head(tmp_path, monkeypatch,
+                                                                     tiny_snapshot, capsys):
+    """A pack the cache holds from when fp16 was the default head gets today's int4+fp16 head
+    once, in place, from its own rows (byte for byte `nq pack FILE OUT`'s); the next start
+    finds nothing to do; NQ_KEEP_CACHED_HEAD=1 or a failure keeps the file as it is."""
+    from nq import cli
+    from nq.loader.format import NanoqwenFile
+    from nq.loader.hf import LoadError, pack
+    from nq.loader.repack import repack
+    monkeypatch.setenv("NQ_CACHE", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / f"Org--Model--{'b' * 40}.nanoqwen"
+    old = pack(tiny_snapshot, tmp_path / "old.nanoqwen", progress=False, lm_head="fp16")
+    want = repack(old, tmp_path / "want.nanoqwen", progress=False)
+    monkeypatch.setattr("nq.loader.hf.resolve_snapshot",
+                        lambda *a, **k: pytest.fail("the hub was asked for a packed model"))
+    cached.parent.mkdir()
+    import shutil
+    shutil.copy(old, cached)
+    monkeypatch.setenv("NQ_KEEP_CACHED_HEAD", "1")
+    assert cli.resolve_model("Org/Model") == cached
+    assert NanoqwenFile(cached).lm_head == "fp16" and "re-packing" not in capsys.readouterr().err
+    monkeypatch.delenv("NQ_KEEP_CACHED_HEAD")
+    real = repack
+    monkeypatch.setattr("nq.loader.repack.repack", lambda *a, **k: (_ for _ in ()).throw(
+        LoadError("the packed model needs 1 GiB; free some space")))
+    assert cli.resolve_model("Org/Model") == cached
+    err = capsys.readouterr().err
+    assert "kept" in err and "with its fp16 lm_head: the packed model needs" in err
+    assert NanoqwenFile(cached).lm_head == "fp16"
+    monkeypatch.setattr("nq.loader.repack.repack", real)
+    assert cli.resolve_model("Org/Model") == cached
+    assert "re-packing" in capsys.readouterr().err
+    got, ref = NanoqwenFile(cached, verify=True), NanoqwenFile(want)
+    assert got.lm_head == "int4+fp16" and sorted(got.names()) == sorted(ref.names())
+    for name in ref.names():
+        assert np.array_equal(got.array(name), ref.array(name)), name
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]   # no tmp left
+    assert cli.resolve_model("Org/Model") == cached
+    assert "re-packing" not in capsys.readouterr().err
+
+
 def test_a_prompt_that_fills_the_context_is_refused(tiny_nanoqwen, capsys):
     assert main(["generate", "--backend", "numpy", "-m", str(tiny_nanoqwen), "-p",
                  "Hello, world! " * 10, "-n", "-1", "-c", "8"]) == 2

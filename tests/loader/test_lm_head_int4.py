@@ -44,7 +44,7 @@ def test_public_names():
     # this nq reads every flag it writes, and the package says the same version as the module
     assert max(map(_version, fm.FLAG_SINCE.values())) <= _version(nq.__version__)
     toml = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^version = "([^"]+)"', toml, re.M).group(1) == nq.__version__ == "0.4.0"
+    assert re.search(r'^version = "([^"]+)"', toml, re.M).group(1) == nq.__version__ == "0.5.0"
 
 
 @pytest.mark.parametrize("tie", [False, True])
