@@ -52,9 +52,9 @@ def with_default_head(path: Path) -> Path:
     """A pack of this cache made when `nq pack`'s default lm_head was fp16, re-packed once in
     place with today's (nq/config.py DEFAULT_LM_HEAD: int4+fp16, ~0.15 ms a 7B token less)
     from its own fp16 rows (nq/loader/repack.py: offline, 29 s for the 7B on 2 cores).  The
-    cache holds nq's own packs, so the file is replaced (written beside, renamed over once whole); files
-    elsewhere are never touched.  NQ_KEEP_CACHED_HEAD=1 keeps it as it is; so does a failure
-    (too little space, a damaged file), which says why."""
+    cache holds nq's own packs, so the file is replaced (written beside, renamed over once
+    whole); files elsewhere are never touched.  NQ_KEEP_CACHED_HEAD=1 keeps it as it is; so
+    does a failure (too little space, a damaged file), which says why."""
     from nq.config import DEFAULT_LM_HEAD
     from nq.loader.format import FormatError, NanoqwenFile
     if os.environ.get("NQ_KEEP_CACHED_HEAD") == "1":
