@@ -334,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = add_parser
 
     s = sub.add_parser("pack", help="quantise an HF checkpoint (folder or repo id) into a .nanoqwen")
-    s.add_argument("src", help="HF snapshot folder or repo id, e.g. Qwen/Qwen2.5-Coder-7B-Instruct; "
-                               "or a .nanoqwen file, re-packed with another --lm-head made from "
+    s.add_argument("src", help="HF snapshot folder or repo id, e.g. "
+                               "Qwen/Qwen2.5-Coder-7B-Instruct; or a .nanoqwen file, re-packed with another --lm-head made from "
                                "its fp16 rows (offline; the 7B in ~30 s: e.g. a file packed before "
                                "int4+fp16 was the default)")
     s.add_argument("out", help="output .nanoqwen path")

@@ -39,7 +39,7 @@ from typing import Iterable
 import numpy as np
 
 from nq import __version__
-from nq.config import DEFAULT_LM_HEAD, GROUP_SIZE, LM_HEADS, ConfigError, ModelConfig  # noqa: F401 (re-exported)
+from nq.config import GROUP_SIZE, LM_HEADS, ConfigError, ModelConfig
 from nq.loader.outfile import check_output, fsync_folder, remove_stale
 
 MAGIC = b"NANOQWEN"
@@ -62,7 +62,7 @@ FLAG_SINCE = {FLAG_TIED: "0.1.0", FLAG_LM_HEAD_INT8: "0.2.0", FLAG_LM_HEAD_INT4:
               FLAG_LM_HEAD_FP16_ROWS: "0.4.0"}
 KNOWN_FLAGS = sum(FLAG_SINCE)
 # LM_HEADS, what `nq pack --lm-head` writes, and DEFAULT_LM_HEAD live in nq/config.py (the
-# CLI's flags read them without numpy)
+# CLI's flags read them without numpy; fm.LM_HEADS is the same tuple)
 INT4_HEADS = ("int4", "int4+fp16")                  # the ones with an INT4 head
 # a quantised lm_head -> its header flags (fp16 has none); a file's head bits are one of these
 LM_HEAD_FLAGS = {"int8": FLAG_LM_HEAD_INT8, "int4": FLAG_LM_HEAD_INT4,

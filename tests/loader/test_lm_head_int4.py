@@ -11,7 +11,7 @@ import pytest
 
 import nq
 from nq.cli import build_parser, main
-from nq.config import GROUP_SIZE, tiny_config
+from nq.config import DEFAULT_LM_HEAD, GROUP_SIZE, tiny_config
 from nq.loader import format as fm
 from nq.loader import hf
 from nq.loader.format import FormatError, NanoqwenFile, write_nanoqwen
@@ -248,7 +248,7 @@ def test_the_cli_offers_every_lm_head(tmp_path, tiny_snapshot, capsys):
     parser = build_parser()
     for lm_head in fm.LM_HEADS:
         assert parser.parse_args(["pack", "src", "out", "--lm-head", lm_head]).lm_head == lm_head
-    assert parser.parse_args(["pack", "src", "out"]).lm_head == "int4+fp16" == fm.DEFAULT_LM_HEAD
+    assert parser.parse_args(["pack", "src", "out"]).lm_head == "int4+fp16" == DEFAULT_LM_HEAD
     with pytest.raises(SystemExit):
         main(["pack", str(tiny_snapshot), str(tmp_path / "m.nanoqwen"), "--lm-head", "int2"])
     assert "invalid choice: 'int2'" in capsys.readouterr().err
