@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nq.config import GROUP_SIZE, ConfigError, ModelConfig
-from nq.loader.format import (DEFAULT_LM_HEAD, HEADER_SIZE, LM_HEADS, PROJECTIONS, expected_tensors,
-                              release_pages, write_nanoqwen)
+from nq.config import DEFAULT_LM_HEAD, GROUP_SIZE, LM_HEADS, ConfigError, ModelConfig
+from nq.loader.format import (HEADER_SIZE, PROJECTIONS, expected_tensors, release_pages,
+                              write_nanoqwen)
 from nq.loader.outfile import check_output
 from nq.loader.quant import quantize_int8_rows, quantize_pack
 
