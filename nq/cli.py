@@ -41,10 +41,9 @@ def cmd_pack(args) -> int:
             raise ValueError(f"--revision {args.revision}: {args.src} is a file, not a repo id; "
                              "drop --revision")
         out = repack(args.src, out, lm_head=args.lm_head)
-        print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
-        return 0
-    snapshot = resolve_snapshot(args.src, revision=args.revision)
-    out = pack(snapshot, out, lm_head=args.lm_head)
+    else:
+        snapshot = resolve_snapshot(args.src, revision=args.revision)
+        out = pack(snapshot, out, lm_head=args.lm_head)
     print(f"nq: wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
     return 0
 

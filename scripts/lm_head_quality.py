@@ -152,10 +152,12 @@ def file_case(path: str, text_path: str | None, prompts: int, prompt_len: int):
     """(label, RefModel, the file's head as fp32, windows of the text's ids) of a packed model
     with the default fp16 head."""
     from nq.loader.format import NanoqwenFile
+    from nq.loader.repack import fp16_rows_of
     from nq.loader.weights import load_host_weights
     from nq.text import Tokenizer
     nf = NanoqwenFile(path)
-    if nf.lm_head not in ("fp16", "int4+fp16") and not nf.config.tie_word_embeddings:
+    rows = fp16_rows_of(nf)   # the fp16 head's, or those an INT4 head is rescored with
+    if rows is None:
         raise SystemExit(f"{path}: its lm_head is already {nf.lm_head}, without the fp16 rows "
                          "this measures against; pack it with `--lm-head int4+fp16` (the "
                          "default) or `--lm-head fp16`")
@@ -168,10 +170,7 @@ def file_case(path: str, text_path: str | None, prompts: int, prompt_len: int):
     starts = np.linspace(0, len(ids) - prompt_len, num=min(prompts, len(ids) // prompt_len))
     windows = [np.asarray(ids[int(a): int(a) + prompt_len]) for a in starts]
     w = load_host_weights(nf)
-    # the fp16 rows: the head of an fp16 file, else those an INT4 head is rescored with (an
-    # int4+fp16 file's own, a tied model's embedding)
-    src = (w["lm_head"] if nf.lm_head == "fp16" else w["embed_tokens"]
-           if nf.config.tie_word_embeddings else nf.array("lm_head").astype(np.float32))
+    src = nf.array(rows).astype(np.float32)
     return f"{nf.config.name} ({Path(text_path).name})", RefModel(nf.config, w), src, windows
 
 

@@ -211,25 +211,28 @@ class Checkpoint:
             out[r:r + CONVERT_ROWS] = _to_f16(part, name, self.file_of(name).path)
         return out
 
-    def int8_rows(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Tensor `name` as (q int8 (N, K), scales fp32 (N,)) of quant.quantize_int8_rows,
-        quantised CONVERT_ROWS rows at a time from the source's precision."""
-        q, scales = np.empty(shape, np.int8), np.empty(shape[0], np.float32)
-        for r, part in self._f32_rows(name, shape):
-            q[r:r + CONVERT_ROWS], scales[r:r + CONVERT_ROWS] = quantize_int8_rows(part)
-        return q, scales
+    def quantised(self, kind: str, name: str,
+                  shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Tensor `name` as an lm_head of `kind` (quantise_rows), quantised CONVERT_ROWS rows at
+        a time from the source's precision (never through fp16: the scales come from the
+        weights the checkpoint holds)."""
+        return quantise_rows(kind, self._f32_rows(name, shape), shape)
 
-    def int4_packed(self, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """Tensor `name` as (qweight uint32 (N, K // 8), scales fp16 (N, K // 128)) of
-        quant.quantize_pack, quantised CONVERT_ROWS rows at a time from the source's precision
-        (never through fp16: the group scales come from the weights the checkpoint holds).
-        Row-wise, so the chunks give what one quantize_pack of the whole matrix gives."""
-        n, k = shape
-        qweight = np.empty((n, k // 8), np.uint32)
-        scales = np.empty((n, k // GROUP_SIZE), np.float16)
-        for r, part in self._f32_rows(name, shape):
-            qweight[r:r + CONVERT_ROWS], scales[r:r + CONVERT_ROWS] = quantize_pack(part)
-        return qweight, scales
+
+def quantise_rows(kind: str, blocks, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A (N, K) matrix given as (first row, fp32 block) pieces, quantised as an lm_head of
+    `kind`: "int8" (q int8 (N, K), scales fp32 (N,): quant.quantize_int8_rows) or an INT4 one
+    (qweight uint32 (N, K // 8), scales fp16 (N, K // 128): quant.quantize_pack).  Both are
+    row-wise, so the pieces give what one call on the whole matrix gives."""
+    n, k = shape
+    if kind == "int8":
+        q, scales, fn = np.empty((n, k), np.int8), np.empty(n, np.float32), quantize_int8_rows
+    else:
+        q, scales, fn = (np.empty((n, k // 8), np.uint32),
+                         np.empty((n, k // GROUP_SIZE), np.float16), quantize_pack)
+    for r, part in blocks:
+        q[r:r + len(part)], scales[r:r + len(part)] = fn(part)
+    return q, scales
 
 
 def _to_f16(x: np.ndarray, name: str, where) -> np.ndarray:
@@ -407,8 +410,7 @@ def pack(src: str, out, revision: str | None = None, progress: bool = True,
     head_shape = (cfg.vocab_size, cfg.hidden_size)
 
     def quantised_head(hf):
-        rows = ckpt.int8_rows if lm_head == "int8" else ckpt.int4_packed
-        qweight, scales = rows(hf, head_shape)
+        qweight, scales = ckpt.quantised(lm_head, hf, head_shape)
         yield "lm_head.qweight", qweight
         yield "lm_head.scales", scales
 

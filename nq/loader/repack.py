@@ -27,8 +27,7 @@ import numpy as np
 
 from nq.config import DEFAULT_LM_HEAD, LM_HEADS
 from nq.loader.format import CONFIG_TENSOR, NanoqwenFile, expected_tensors, write_nanoqwen
-from nq.loader.hf import CONVERT_ROWS, LoadError, _check_space
-from nq.loader.quant import quantize_int8_rows, quantize_pack
+from nq.loader.hf import CONVERT_ROWS, LoadError, _check_space, quantise_rows
 
 __all__ = ["fp16_rows_of", "repack"]
 
@@ -71,18 +70,11 @@ def repack(src, out, lm_head: str = DEFAULT_LM_HEAD, progress: bool = True) -> P
     want = expected_tensors(cfg, lm_head)
     head = nf.array(rows)              # fp16 (V, H), a view of the mapping
 
-    def quantised(kind: str):
-        n, k = head.shape
-        if kind == "int8":
-            q, s = np.empty((n, k), np.int8), np.empty(n, np.float32)
-            fn = quantize_int8_rows
-        else:
-            q, s = np.empty((n, k // 8), np.uint32), np.empty((n, k // 128), np.float16)
-            fn = quantize_pack
-        for r in range(0, n, CONVERT_ROWS):   # row-wise: the chunks give one call's result
-            q[r:r + CONVERT_ROWS], s[r:r + CONVERT_ROWS] = fn(
-                head[r:r + CONVERT_ROWS].astype(np.float32))
-        return {"lm_head.qweight": q, "lm_head.scales": s}
+    def quantised():
+        rows_at = ((r, head[r:r + CONVERT_ROWS].astype(np.float32))
+                   for r in range(0, head.shape[0], CONVERT_ROWS))
+        q, scales = quantise_rows(lm_head, rows_at, head.shape)
+        return {"lm_head.qweight": q, "lm_head.scales": scales}
 
     def tensors():
         made = {}
@@ -93,7 +85,7 @@ def repack(src, out, lm_head: str = DEFAULT_LM_HEAD, progress: bool = True) -> P
             for name in want:
                 if name.startswith("lm_head."):
                     if not made:
-                        made = quantised("int8" if lm_head == "int8" else "int4")
+                        made = quantised()
                     yield name, made.pop(name)
                 else:   # `lm_head` (fp16) from the rows; the rest as the file has them
                     yield name, nf.array(rows if name == "lm_head" else name)
